@@ -1,0 +1,358 @@
+"""Tokenizers behind one interface: char, byte, byte-level BPE (Hugging Face `tokenizers`), GPT-2 (`tiktoken`).
+
+Every tokenizer can be written out with `to_dict()` (JSON-able) and rebuilt by `tokenizer_from_dict`
+with no corpus and no network, which is how datasets and checkpoints carry their tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import unicodedata
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+TOKENIZERS = ("char", "byte", "bpe", "gpt2")
+ENDOFTEXT = "<|endoftext|>"
+
+Ids = Sequence[int] | np.ndarray
+
+
+def _as_ids(ids: Ids, vocab_size: int) -> np.ndarray:
+    a = np.asarray(ids)
+    if a.ndim != 1:
+        raise ValueError(f"decode takes a 1-D sequence of token ids, got shape {a.shape}")
+    if a.size and (not np.issubdtype(a.dtype, np.integer) or a.min() < 0 or a.max() >= vocab_size):
+        raise ValueError(f"token ids must be integers in [0, {vocab_size}); got {a.min()}..{a.max()}")
+    return a.astype(np.int64, copy=False)
+
+
+class Tokenizer:
+    """Interface: encode(str) -> list[int], decode(ids) -> str, vocab_size, eos_id, to_dict()."""
+
+    name: str = ""
+    vocab_size: int = 0
+    eos_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`."""
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Token ids of `text` as a 1-D int64 array (the fast path used to write bins)."""
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """encode_array over several texts (in parallel where the backend can)."""
+        return [self.encode_array(t) for t in texts]
+
+    def decode(self, ids: Ids) -> str:
+        """Text of a 1-D sequence of token ids."""
+        raise NotImplementedError
+
+    def to_dict(self) -> dict:
+        """JSON-able dict that tokenizer_from_dict turns back into this tokenizer."""
+        raise NotImplementedError
+
+    def spec(self) -> dict:
+        """Short JSON-able summary (type, vocab size, eos) for metadata and logs."""
+        return {"type": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+class CharTokenizer(Tokenizer):
+    """One token per Unicode character of a fixed vocabulary (nanoGPT's shakespeare_char: sorted chars)."""
+
+    name = "char"
+
+    def __init__(self, chars: str | Iterable[str]):
+        chars = "".join(sorted(set(chars)))
+        if not chars:
+            raise ValueError("a char tokenizer needs at least one character in its vocabulary")
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self._codes = np.frombuffer(chars.encode("utf-32-le"), dtype="<u4")  # sorted code points
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str]) -> "CharTokenizer":
+        """The vocabulary of every character in `texts`."""
+        seen: set[str] = set()
+        for t in texts:
+            seen.update(t)
+        if not seen:
+            raise ValueError("cannot build a char vocabulary from an empty corpus")
+        return cls(seen)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+        ids = np.searchsorted(self._codes, codes)
+        bad = np.nonzero(self._codes[np.minimum(ids, self.vocab_size - 1)] != codes)[0]
+        if bad.size:
+            ch = text[bad[0]]
+            name = unicodedata.name(ch, "no name")
+            raise ValueError(
+                f"character {ch!r} (U+{ord(ch):04X} {name}) at position {bad[0]} is not in this char "
+                f"tokenizer's vocabulary of {self.vocab_size} characters; remove it, or use the 'byte' "
+                f"tokenizer (or 'bpe'/'gpt2'), which can encode any text"
+            )
+        return ids.astype(np.int64)
+
+    def decode(self, ids: Ids) -> str:
+        a = _as_ids(ids, self.vocab_size)
+        return self._codes[a].tobytes().decode("utf-32-le", "surrogatepass")
+
+    def to_dict(self) -> dict:
+        return {"type": "char", "chars": self.chars}
+
+
+class ByteTokenizer(Tokenizer):
+    """The 256 byte values of UTF-8: any text encodes; decoding replaces invalid byte sequences."""
+
+    name = "byte"
+    vocab_size = 256
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8", "surrogatepass"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids: Ids) -> str:
+        a = _as_ids(ids, 256)
+        return a.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def to_dict(self) -> dict:
+        return {"type": "byte"}
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE (GPT-2 style) trained on a corpus with Hugging Face `tokenizers`; <|endoftext|> is eos."""
+
+    name = "bpe"
+
+    def __init__(self, tokenizer_json: str):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._tk = HFTokenizer.from_str(tokenizer_json)
+        self._tk.encode_special_tokens = True  # "<|endoftext|>" in the text is text, not the eos token
+        self._json = tokenizer_json
+        self.vocab_size = self._tk.get_vocab_size()
+        self.eos_id = self._tk.token_to_id(ENDOFTEXT)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, progress: bool = False) -> "BPETokenizer":
+        """Train a byte-level BPE of `vocab_size` tokens (256 bytes + merges + <|endoftext|>) on `texts`."""
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        if vocab_size is None or int(vocab_size) < 257:
+            raise ValueError(
+                f"the bpe tokenizer needs vocab_size >= 257 (256 bytes + <|endoftext|>), got {vocab_size}"
+            )
+        tk = HFTokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=int(vocab_size),
+            special_tokens=[ENDOFTEXT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=progress,
+        )
+        tk.train_from_iterator(texts, trainer=trainer)
+        return cls(tk.to_str())
+
+    def encode(self, text: str) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        encs = self._tk.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
+
+    def decode(self, ids: Ids) -> str:
+        a = _as_ids(ids, self.vocab_size)
+        return self._tk.decode(a.tolist(), skip_special_tokens=False)
+
+    def to_dict(self) -> dict:
+        return {"type": "bpe", "tokenizer_json": self._json}
+
+
+# GPT-2's BPE files as published by OpenAI (tiktoken reads these same two files).
+GPT2_FILES = {
+    "vocab.bpe": (
+        "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+        "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    ),
+    "encoder.json": (
+        "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+        "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    ),
+}
+# GPT-2's pre-tokenizer: contractions, letters, digits, other symbols, whitespace.
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _tiktoken_cache_dir() -> Path:
+    # The folder tiktoken itself caches downloads in, named by the SHA-1 of their URL.
+    d = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+    if d is None:
+        import tempfile
+
+        d = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    return Path(d)
+
+
+def _find_gpt2_files(bpe_dir: str | os.PathLike | None) -> tuple[Path, Path] | None:
+    """Local (vocab.bpe, encoder.json): in bpe_dir by name or as a tiktoken cache; else tiktoken's cache."""
+    folders = [Path(bpe_dir).expanduser()] if bpe_dir else []
+    folders.append(_tiktoken_cache_dir())
+    for d in folders:
+        named = [d / "vocab.bpe", d / "encoder.json"]
+        cached = [d / hashlib.sha1(GPT2_FILES[n][0].encode()).hexdigest() for n in GPT2_FILES]
+        for pair in (named, cached):
+            if all(p.is_file() for p in pair):
+                return pair[0], pair[1]
+    return None
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's files spell each byte as a printable character: itself if printable, else chr(256 + n)."""
+    printable = [b for b in range(256) if chr(b).isprintable() and b != ord(" ")]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
+
+def _gpt2_ranks(encoder_json: bytes) -> tuple[dict[bytes, int], int]:
+    """tiktoken's mergeable ranks and the eos id from GPT-2's encoder.json (its ids are the merge ranks)."""
+    decode = _gpt2_byte_decoder()
+    encoder = json.loads(encoder_json)
+    eos = encoder.pop(ENDOFTEXT, None)
+    ranks = {bytes(decode[c] for c in token): rank for token, rank in encoder.items()}
+    return ranks, len(ranks) if eos is None else int(eos)
+
+
+class GPT2Tokenizer(Tokenizer):
+    """GPT-2's BPE through tiktoken (50257 tokens, eos 50256), from local files when it can."""
+
+    name = "gpt2"
+
+    def __init__(self, bpe_dir: str | os.PathLike | None = None, download: bool = True):
+        import tiktoken
+
+        self.bpe_dir = str(bpe_dir) if bpe_dir else None
+        if bpe_dir is not None and not Path(bpe_dir).expanduser().is_dir():
+            raise FileNotFoundError(f"GPT-2 BPE folder {bpe_dir} does not exist")
+        found = _find_gpt2_files(bpe_dir)
+        if found is not None:
+            contents = [p.read_bytes() for p in found]
+            for path, data, (fname, (url, digest)) in zip(found, contents, GPT2_FILES.items()):
+                actual = hashlib.sha256(data).hexdigest()
+                if actual != digest:
+                    raise ValueError(
+                        f"{path} is not GPT-2's {fname} (SHA-256 {actual}, expected {digest}); "
+                        f"replace it with the file from {url}"
+                    )
+        elif download and not os.environ.get("JAXGPT_OFFLINE"):
+            from tiktoken.load import read_file_cached
+
+            try:  # tiktoken downloads into its cache folder and checks the hashes
+                contents = [read_file_cached(url, digest) for url, digest in GPT2_FILES.values()]
+            except Exception as e:  # requests' connection errors, OSError, hash mismatch
+                raise ValueError(self._missing_message(f"{type(e).__name__}: {e}")) from None
+        else:
+            raise ValueError(self._missing_message("downloads are off"))
+        ranks, eos = _gpt2_ranks(contents[1])
+        self.eos_id = eos
+        self.vocab_size = max(len(ranks), eos) + 1
+        self._enc = tiktoken.Encoding(
+            name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={ENDOFTEXT: eos}
+        )
+
+    def _missing_message(self, why: str) -> str:
+        names = " and ".join(f"{n} ({u})" for n, (u, _) in GPT2_FILES.items())
+        return (
+            f"the gpt2 tokenizer needs GPT-2's BPE files and could not get them ({why}). Download "
+            f"{names} on a machine with network, then pass their folder (bpe_dir=... or --bpe_dir), "
+            f"or put them in tiktoken's cache folder (TIKTOKEN_CACHE_DIR, now {_tiktoken_cache_dir()})."
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        out = self._enc.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1)
+        return [np.asarray(ids, dtype=np.int64) for ids in out]
+
+    def decode(self, ids: Ids) -> str:
+        a = _as_ids(ids, self.vocab_size)
+        return self._enc.decode(a.tolist(), errors="replace")
+
+    def to_dict(self) -> dict:
+        return {"type": "gpt2", "bpe_dir": self.bpe_dir}
+
+
+def get_tokenizer(name: str, **kwargs: Any) -> Tokenizer:
+    """A tokenizer by name: 'char' (chars= or texts=), 'byte', 'bpe' (tokenizer_json=, or texts= and
+    vocab_size=), 'gpt2' (bpe_dir=)."""
+    if name == "byte":
+        _no_extra(name, kwargs, ())
+        return ByteTokenizer()
+    if name == "char":
+        _no_extra(name, kwargs, ("chars", "texts"))
+        if kwargs.get("chars") is not None:
+            return CharTokenizer(kwargs["chars"])
+        if kwargs.get("texts") is not None:
+            return CharTokenizer.from_texts(kwargs["texts"])
+        raise ValueError("the char tokenizer needs its vocabulary: chars=... or texts=... to build it from")
+    if name == "bpe":
+        _no_extra(name, kwargs, ("tokenizer_json", "texts", "vocab_size", "progress"))
+        if kwargs.get("tokenizer_json") is not None:
+            return BPETokenizer(kwargs["tokenizer_json"])
+        if kwargs.get("texts") is not None:
+            return BPETokenizer.train(kwargs["texts"], kwargs.get("vocab_size"), kwargs.get("progress", False))
+        raise ValueError("the bpe tokenizer needs tokenizer_json=... or texts=... and vocab_size=... to train")
+    if name == "gpt2":
+        _no_extra(name, kwargs, ("bpe_dir", "download"))
+        return GPT2Tokenizer(**kwargs)
+    raise ValueError(f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
+
+
+def _no_extra(name: str, kwargs: dict, allowed: tuple[str, ...]) -> None:
+    extra = sorted(set(kwargs) - set(allowed))
+    if extra:
+        raise ValueError(
+            f"the {name} tokenizer does not take {', '.join(extra)}"
+            + (f"; it takes {', '.join(allowed)}" if allowed else "")
+        )
+
+
+def tokenizer_from_dict(d: dict) -> Tokenizer:
+    """Rebuild a tokenizer from Tokenizer.to_dict()."""
+    if not isinstance(d, dict) or "type" not in d:
+        raise ValueError(f"not a tokenizer description (a dict with a 'type'): {str(d)[:80]!r}")
+    kind = d["type"]
+    if kind == "char":
+        return CharTokenizer(d["chars"])
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        return BPETokenizer(d["tokenizer_json"])
+    if kind == "gpt2":
+        return GPT2Tokenizer(bpe_dir=d.get("bpe_dir"))
+    raise ValueError(f"unknown tokenizer type {kind!r}; choose one of {', '.join(TOKENIZERS)}")
+
+
+def save_tokenizer(tok: Tokenizer, path: str | os.PathLike) -> None:
+    """Write tok.to_dict() as JSON."""
+    Path(path).write_text(json.dumps(tok.to_dict(), ensure_ascii=False), encoding="utf-8")
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Read a tokenizer written by save_tokenizer."""
+    return tokenizer_from_dict(json.loads(Path(path).read_text(encoding="utf-8")))

@@ -1,0 +1,113 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxgpt
+from jaxgpt import GPT, GPTConfig, KVCache
+
+
+def tiny(**kw):
+    base = dict(vocab_size=65, block_size=32, n_layer=2, n_head=4, n_embd=32)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def model_and_vars():
+    cfg = tiny()
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    return cfg, GPT(cfg).init(jax.random.key(0), tokens), tokens
+
+
+def test_gpt2_parameter_names(model_and_vars):
+    _, variables, _ = model_and_vars
+    p = variables["params"]
+    assert set(p) == {"wte", "wpe", "h_0", "h_1", "ln_f"}
+    assert set(p["h_0"]) == {"ln_1", "attn", "ln_2", "mlp"}
+    assert set(p["h_0"]["attn"]) == {"c_attn", "c_proj"}
+    assert set(p["h_0"]["mlp"]) == {"c_fc", "c_proj"}
+    assert p["h_0"]["attn"]["c_attn"]["kernel"].shape == (32, 96)
+
+
+def test_untied_head_bias_off_and_param_count():
+    cfg = tiny(tie_embeddings=False, bias=False, n_kv_head=2)
+    params = jaxgpt.init_params(cfg, jax.random.key(0))
+    assert "lm_head" in params and "bias" not in params["h_0"]["attn"]["c_attn"]
+    assert params["h_0"]["attn"]["c_attn"]["kernel"].shape == (32, 32 + 2 * 16)
+    assert jaxgpt.count_params(params) == cfg.num_params(non_embedding=False)
+    assert jaxgpt.count_params(jaxgpt.init_params(tiny(), jax.random.key(0))) == \
+        tiny().num_params(non_embedding=False)
+
+
+def test_logits_shape_and_dtype(model_and_vars):
+    cfg, variables, tokens = model_and_vars
+    logits = GPT(cfg).apply(variables, tokens)
+    assert logits.shape == (2, 16, cfg.vocab_size) and logits.dtype == jnp.float32
+
+
+def test_causality_by_perturbation(model_and_vars):
+    cfg, variables, tokens = model_and_vars
+    t = 7
+    changed = tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 5) % cfg.vocab_size)
+    a = GPT(cfg).apply(variables, tokens)
+    b = GPT(cfg).apply(variables, changed)
+    np.testing.assert_array_equal(np.asarray(a[:, : t + 1]), np.asarray(b[:, : t + 1]))
+    assert np.abs(np.asarray(a[:, t + 1:] - b[:, t + 1:])).max() > 0
+
+
+def test_causality_by_gradient():
+    # Untied head, so each row of the token table feeds exactly one input position; the table is then
+    # the identity of the inputs and d logits[t] / d embedding[s] must vanish for every s > t.
+    cfg = tiny(vocab_size=16, tie_embeddings=False)
+    model = GPT(cfg)
+    ids = jnp.arange(16)[None, :]
+    params = model.init(jax.random.key(0), ids)["params"]
+    t = 5
+
+    def logits_at_t(table):
+        return model.apply({"params": {**params, "wte": {"embedding": table}}}, ids)[0, t].sum()
+
+    g = jax.grad(logits_at_t)(params["wte"]["embedding"])
+    assert np.abs(np.asarray(g[t + 1:])).max() == 0.0
+    assert np.abs(np.asarray(g[: t + 1])).max() > 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(n_embd=30), "n_embd"),
+    (dict(n_kv_head=3), "n_kv_head"),
+    (dict(attention="flash"), "attention"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(n_layer=0), "n_layer"),
+    (dict(dropout=1.5), "dropout"),
+])
+def test_config_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**kw)
+
+
+def test_sequence_longer_than_block_size(model_and_vars):
+    cfg, variables, _ = model_and_vars
+    with pytest.raises(ValueError, match="block_size"):
+        GPT(cfg).apply(variables, jnp.zeros((1, cfg.block_size + 1), jnp.int32))
+
+
+def test_dropout_needs_rng_and_changes_output():
+    cfg = tiny(dropout=0.5)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    variables = GPT(cfg).init(jax.random.key(0), tokens)
+    det = GPT(cfg).apply(variables, tokens)
+    a = GPT(cfg).apply(variables, tokens, deterministic=False, rngs={"dropout": jax.random.key(1)})
+    b = GPT(cfg).apply(variables, tokens, deterministic=False, rngs={"dropout": jax.random.key(2)})
+    assert np.abs(np.asarray(a - det)).max() > 0 and np.abs(np.asarray(a - b)).max() > 0
+
+
+def test_bf16_compute_keeps_float32_params_and_logits():
+    cfg = tiny(dtype="bfloat16")
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    variables = GPT(cfg).init(jax.random.key(0), tokens)
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(variables))
+    logits = GPT(cfg).apply(variables, tokens)
+    ref = GPT(tiny()).apply(variables, tokens)
+    assert logits.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=0.1)

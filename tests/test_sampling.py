@@ -1,0 +1,145 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxgpt
+from jaxgpt import GPT, GPTConfig, generate, sample_logits, top_k_filter, top_p_filter
+from jaxgpt import sampling
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = GPTConfig(vocab_size=40, block_size=32, n_layer=2, n_head=4, n_embd=32, n_kv_head=2)
+    return cfg, jaxgpt.init_params(cfg, jax.random.key(0))
+
+
+def _kept(filtered):
+    return set(np.flatnonzero(np.isfinite(np.asarray(filtered))).tolist())
+
+
+def test_top_k_keeps_exactly_k_even_with_ties():
+    logits = jnp.array([1.0, 3.0, 3.0, 3.0, 0.5])
+    assert len(_kept(top_k_filter(logits, 2))) == 2
+    assert _kept(top_k_filter(logits, 2)) <= {1, 2, 3}
+    assert _kept(top_k_filter(logits, 4)) == {0, 1, 2, 3}
+    assert _kept(top_k_filter(logits, 5)) == {0, 1, 2, 3, 4}
+
+
+def test_top_p_boundary_and_crossing_token():
+    probs = jnp.array([0.25, 0.5, 0.125, 0.125])  # exact in binary floating point
+    logits = jnp.log(probs)
+    assert _kept(top_p_filter(logits, 0.5)) == {1}          # 0.5 reached exactly by the top token
+    assert _kept(top_p_filter(logits, 0.75)) == {0, 1}      # reached exactly by two
+    assert _kept(top_p_filter(logits, 0.76)) == {0, 1, 2}   # crossing token included
+    assert _kept(top_p_filter(logits, 1e-6)) == {1}
+    assert _kept(top_p_filter(logits, 1.0)) == {0, 1, 2, 3}
+
+
+def test_top_p_with_ties_keeps_a_minimal_set():
+    logits = jnp.log(jnp.array([0.25, 0.25, 0.25, 0.25]))
+    assert len(_kept(top_p_filter(logits, 0.5))) == 2
+
+
+def test_filters_are_batched():
+    logits = jnp.array([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])
+    f = np.isfinite(np.asarray(top_k_filter(logits, 1)))
+    np.testing.assert_array_equal(f, [[False, False, True], [True, False, False]])
+
+
+def test_sample_logits_greedy_and_filters_match_argmax():
+    logits = jax.random.normal(jax.random.key(0), (8, 40))
+    greedy = np.asarray(jnp.argmax(logits, -1))
+    for kw in [dict(temperature=0.0), dict(top_k=1), dict(top_p=1e-6)]:
+        np.testing.assert_array_equal(np.asarray(sample_logits(jax.random.key(1), logits, **kw)), greedy)
+
+
+def _naive_greedy(cfg, params, prompt, n):
+    # full forward over a fixed-length padded sequence; causality makes the padding irrelevant
+    forward = jax.jit(lambda x: GPT(cfg).apply({"params": params}, x))
+    seq = list(prompt)
+    for _ in range(n):
+        padded = jnp.array([seq + [0] * (len(prompt) + n - len(seq))])
+        seq.append(int(jnp.argmax(forward(padded)[0, len(seq) - 1])))
+    return seq
+
+
+def test_greedy_generate_equals_naive_full_forward(tiny):
+    cfg, params = tiny
+    prompt = [3, 1, 4, 1, 5]
+    out = generate(params, cfg, np.array([prompt]), 8, jax.random.key(0), temperature=0.0)
+    assert out.tokens.shape == (1, 13) and int(out.lengths[0]) == 13
+    assert np.asarray(out.tokens[0]).tolist() == _naive_greedy(cfg, params, prompt, 8)
+
+
+def test_top_k1_and_tiny_top_p_equal_greedy(tiny):
+    cfg, params = tiny
+    prompts = np.array([[1, 2, 3], [4, 5, 6]])
+    greedy = generate(params, cfg, prompts, 6, jax.random.key(0), temperature=0.0).tokens
+    for kw in [dict(top_k=1), dict(top_p=1e-6)]:
+        out = generate(params, cfg, prompts, 6, jax.random.key(7), temperature=1.3, **kw).tokens
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(greedy))
+
+
+def test_ragged_batch_equals_each_row_alone(tiny):
+    cfg, params = tiny
+    prompts = np.array([[5, 6, 7, 8, 9], [1, 2, 0, 0, 0], [3, 0, 0, 0, 0]])
+    lengths = np.array([5, 2, 1])
+    out = generate(params, cfg, prompts, 7, jax.random.key(0), prompt_lengths=lengths, temperature=0.0)
+    for r in range(3):
+        alone = generate(params, cfg, prompts[r:r + 1, : lengths[r]], 7, jax.random.key(0), temperature=0.0)
+        n = int(out.lengths[r])
+        assert n == lengths[r] + 7
+        np.testing.assert_array_equal(np.asarray(out.tokens[r, :n]), np.asarray(alone.tokens[0]))
+        assert (np.asarray(out.tokens[r, n:]) == 0).all()
+
+
+def test_eos_stops_a_row(tiny):
+    cfg, params = tiny
+    prompts = np.array([[1, 2, 3], [7, 8, 9]])
+    free = generate(params, cfg, prompts, 10, jax.random.key(0), temperature=0.0)
+    eos = int(free.tokens[0, 5])  # the third generated token of row 0 becomes the end token
+    first = np.flatnonzero(np.asarray(free.tokens[0, 3:]) == eos)[0]
+    out = generate(params, cfg, prompts, 10, jax.random.key(0), temperature=0.0, eos_id=eos, pad_id=0)
+    n0 = 3 + first + 1
+    assert int(out.lengths[0]) == n0
+    np.testing.assert_array_equal(np.asarray(out.tokens[0, :n0]), np.asarray(free.tokens[0, :n0]))
+    assert (np.asarray(out.tokens[0, n0:]) == 0).all()
+    for r in range(2):  # rows whose tokens never hit eos run to the end unchanged
+        row = np.asarray(free.tokens[r, 3:])
+        if eos not in row:
+            assert int(out.lengths[r]) == 13
+            np.testing.assert_array_equal(np.asarray(out.tokens[r]), np.asarray(free.tokens[r]))
+
+
+def test_same_rng_same_output_and_no_retrace(tiny):
+    cfg, params = tiny
+    kw = dict(temperature=0.9, top_k=10, top_p=0.9)
+    a = generate(params, cfg, np.array([[1, 2, 3, 4]]), 6, jax.random.key(5), **kw)
+    count = sampling.TRACE_COUNT
+    b = generate(params, cfg, np.array([[1, 2, 3, 4]]), 6, jax.random.key(5), **kw)
+    c = generate(params, cfg, np.array([[9, 8, 7, 6]]), 6, jax.random.key(6), **kw)
+    assert sampling.TRACE_COUNT == count, "new prompt values of the same shape must not retrace"
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    generate(params, cfg, np.array([[1, 2, 3, 4, 5]]), 6, jax.random.key(5), **kw)
+    assert sampling.TRACE_COUNT == count + 1
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_new_tokens=30), "block_size"),
+    (dict(prompts=np.array([[1, 2, 40]])), "outside the vocabulary"),
+    (dict(prompts=np.array([[1, -1, 2]])), "outside the vocabulary"),
+    (dict(prompt_lengths=[0]), "prompt_lengths"),
+    (dict(prompt_lengths=[4]), "prompt_lengths"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+])
+def test_bad_input(tiny, kw, match):
+    cfg, params = tiny
+    args = dict(prompts=np.array([[1, 2, 3]]), max_new_tokens=4, prompt_lengths=None)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        generate(params, cfg, args.pop("prompts"), args.pop("max_new_tokens"), jax.random.key(0), **args)
