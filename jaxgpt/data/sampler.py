@@ -31,7 +31,11 @@ class BatchSampler:
         tokens_shape = getattr(tokens, "shape", None)
         if tokens_shape is None or len(tokens_shape) != 1:
             raise ValueError(f"tokens must be a 1-D array of token ids, got shape {tokens_shape}")
-        for name, v in (("batch_size", batch_size), ("block_size", block_size), ("process_count", process_count)):
+        for name, v in (
+            ("batch_size", batch_size),
+            ("block_size", block_size),
+            ("process_count", process_count),
+        ):
             if not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -117,7 +121,12 @@ class BatchSampler:
                     f"restore with the same data and batch settings as the saved run"
                 )
         seed, step = state.get("seed"), state.get("step")
-        if not isinstance(seed, (int, np.integer)) or seed < 0 or not isinstance(step, (int, np.integer)) or step < 0:
+        if (
+            not isinstance(seed, (int, np.integer))
+            or seed < 0
+            or not isinstance(step, (int, np.integer))
+            or step < 0
+        ):
             raise ValueError(f"not a sampler state (needs non-negative integer seed and step): {state!r}")
         self.seed = int(seed)
         self.step = int(step)

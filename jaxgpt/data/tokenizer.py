@@ -1,4 +1,4 @@
-"""Tokenizers behind one interface: char, byte, byte-level BPE (Hugging Face `tokenizers`), GPT-2 (`tiktoken`).
+"""Tokenizers behind one interface: char, byte, byte-level BPE (trained with `tokenizers`), GPT-2 (`tiktoken`).
 
 Every tokenizer can be written out with `to_dict()` (JSON-able) and rebuilt by `tokenizer_from_dict`
 with no corpus and no network, which is how datasets and checkpoints carry their tokenizer.
@@ -94,11 +94,12 @@ class CharTokenizer(Tokenizer):
         bad = np.nonzero(self._codes[np.minimum(ids, self.vocab_size - 1)] != codes)[0]
         if bad.size:
             ch = text[bad[0]]
-            name = unicodedata.name(ch, "no name")
+            others = sorted(set(text[i] for i in bad[:1000]) - {ch})[:5]
+            also = f" (also {', '.join(map(repr, others))})" if others else ""
             raise ValueError(
-                f"character {ch!r} (U+{ord(ch):04X} {name}) at position {bad[0]} is not in this char "
-                f"tokenizer's vocabulary of {self.vocab_size} characters; remove it, or use the 'byte' "
-                f"tokenizer (or 'bpe'/'gpt2'), which can encode any text"
+                f"character {ch!r} (U+{ord(ch):04X} {unicodedata.name(ch, 'no name')}) at position "
+                f"{bad[0]} is not in this char tokenizer's vocabulary of {self.vocab_size} characters"
+                f"{also}; remove it, or use the 'byte' tokenizer (or 'bpe'/'gpt2'), which encodes any text"
             )
         return ids.astype(np.int64)
 
@@ -128,18 +129,27 @@ class ByteTokenizer(Tokenizer):
 
 
 class BPETokenizer(Tokenizer):
-    """Byte-level BPE (GPT-2 style) trained on a corpus with Hugging Face `tokenizers`; <|endoftext|> is eos."""
+    """Byte-level BPE (GPT-2 style) trained on a corpus with Hugging Face `tokenizers`; <|endoftext|> is eos.
+
+    Text is encoded by tiktoken over the learned merges (GPT-2's rule: merge the adjacent pair whose
+    union ranks first), several times faster than `tokenizers` and the same on the corpora we tried;
+    any split decodes to the same bytes.
+    """
 
     name = "bpe"
 
     def __init__(self, tokenizer_json: str):
         from tokenizers import Tokenizer as HFTokenizer
 
-        self._tk = HFTokenizer.from_str(tokenizer_json)
+        try:
+            self._tk = HFTokenizer.from_str(tokenizer_json)
+        except Exception as e:
+            raise ValueError(f"not a Hugging Face tokenizer JSON: {e}") from None
         self._tk.encode_special_tokens = True  # "<|endoftext|>" in the text is text, not the eos token
         self._json = tokenizer_json
         self.vocab_size = self._tk.get_vocab_size()
         self.eos_id = self._tk.token_to_id(ENDOFTEXT)
+        self._enc = _tiktoken_from_hf(tokenizer_json, self.eos_id)
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, progress: bool = False) -> "BPETokenizer":
@@ -152,7 +162,7 @@ class BPETokenizer(Tokenizer):
                 f"the bpe tokenizer needs vocab_size >= 257 (256 bytes + <|endoftext|>), got {vocab_size}"
             )
         tk = HFTokenizer(models.BPE())
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tk.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=int(vocab_size),
@@ -164,12 +174,14 @@ class BPETokenizer(Tokenizer):
         return cls(tk.to_str())
 
     def encode(self, text: str) -> list[int]:
+        if self._enc is not None:
+            return self._enc.encode_ordinary(text)
         return self._tk.encode(text, add_special_tokens=False).ids
 
-    def encode_array(self, text: str) -> np.ndarray:
-        return np.asarray(self.encode(text), dtype=np.int64)
-
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        if self._enc is not None:
+            out = self._enc.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1)
+            return [np.asarray(ids, dtype=np.int64) for ids in out]
         encs = self._tk.encode_batch_fast(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int64) for e in encs]
 
@@ -179,6 +191,32 @@ class BPETokenizer(Tokenizer):
 
     def to_dict(self) -> dict:
         return {"type": "bpe", "tokenizer_json": self._json}
+
+
+def _tiktoken_from_hf(tokenizer_json: str, eos_id: int | None) -> Any:
+    """A tiktoken Encoding with the ranks of a GPT-2-style byte-level BPE JSON, or None for other JSON."""
+    import tiktoken
+
+    d = json.loads(tokenizer_json)
+    pre, model = d.get("pre_tokenizer") or {}, d.get("model") or {}
+    if (
+        d.get("normalizer") is not None
+        or pre.get("type") != "ByteLevel"
+        or pre.get("add_prefix_space")
+        or not pre.get("use_regex", True)
+        or model.get("type") != "BPE"
+        or model.get("dropout") is not None
+    ):
+        return None
+    decode = _gpt2_byte_decoder()
+    special = {t["content"]: t["id"] for t in d.get("added_tokens", [])}
+    try:
+        ranks = {bytes(decode[c] for c in tok): i for tok, i in model["vocab"].items() if tok not in special}
+    except KeyError:  # a token outside the byte alphabet
+        return None
+    return tiktoken.Encoding(
+        name="jaxgpt-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=special
+    )
 
 
 # GPT-2's BPE files as published by OpenAI (tiktoken reads these same two files).
@@ -315,8 +353,12 @@ def get_tokenizer(name: str, **kwargs: Any) -> Tokenizer:
         if kwargs.get("tokenizer_json") is not None:
             return BPETokenizer(kwargs["tokenizer_json"])
         if kwargs.get("texts") is not None:
-            return BPETokenizer.train(kwargs["texts"], kwargs.get("vocab_size"), kwargs.get("progress", False))
-        raise ValueError("the bpe tokenizer needs tokenizer_json=... or texts=... and vocab_size=... to train")
+            return BPETokenizer.train(
+                kwargs["texts"], kwargs.get("vocab_size"), kwargs.get("progress", False)
+            )
+        raise ValueError(
+            "the bpe tokenizer needs tokenizer_json=... or texts=... and vocab_size=... to train"
+        )
     if name == "gpt2":
         _no_extra(name, kwargs, ("bpe_dir", "download"))
         return GPT2Tokenizer(**kwargs)

@@ -1,0 +1,27 @@
+"""nanoGPT's CPU "baby" run on character-level Shakespeare: 4 layers, 4 heads, 128 wide, context 64."""
+
+from jaxgpt.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.out_dir = "out-shakespeare-char"
+    c.data.corpus = "shakespeare"
+    c.data.tokenizer = "char"
+    c.model.block_size = 64
+    c.model.n_layer = 4
+    c.model.n_head = 4
+    c.model.n_embd = 128
+    c.model.dropout = 0.0
+    c.train.batch_size = 12
+    c.train.max_steps = 2000
+    c.train.lr = 1e-3
+    c.train.min_lr = 1e-4
+    c.train.warmup_steps = 100
+    c.train.decay_steps = 2000
+    c.train.beta2 = 0.99
+    c.train.eval_interval = 250
+    c.train.eval_steps = 20
+    c.train.log_interval = 50
+    c.train.checkpoint_interval = 500
+    return c

@@ -1,0 +1,126 @@
+"""Orbax checkpoints: the train state plus a JSON `meta` item (config, tokenizer, sampler state, ...)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import AnyPreservationPolicy, BestN, LatestN
+
+CHECKPOINT_SUBDIR = "checkpoints"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or does not fit the current model."""
+
+
+def checkpoint_dir(out_dir: str) -> str:
+    return os.path.abspath(os.path.join(out_dir, CHECKPOINT_SUBDIR))
+
+
+def existing_steps(out_dir: str) -> list[int]:
+    """Steps of the finished checkpoints under out_dir (unfinished temporaries are not counted)."""
+    d = checkpoint_dir(out_dir)
+    if not os.path.isdir(d):
+        return []
+    return sorted(int(name) for name in os.listdir(d) if name.isdigit() and os.path.isdir(os.path.join(d, name)))
+
+
+class Checkpointer:
+    """Keeps the last `keep` checkpoints plus the one with the best val loss; saves are asynchronous."""
+
+    def __init__(self, out_dir: str, keep: int = 2, read_only: bool = False):
+        self.directory = checkpoint_dir(out_dir)
+        policy = AnyPreservationPolicy([
+            LatestN(n=keep),
+            BestN(get_metric_fn=lambda m: -m["val_loss"], n=1, keep_checkpoints_without_metrics=False),
+        ])
+        options = ocp.CheckpointManagerOptions(preservation_policy=policy, create=not read_only,
+                                               enable_async_checkpointing=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def save(self, step: int, state: Any, meta: dict, val_loss: Optional[float] = None) -> None:
+        """Start saving `state` (unreplicated arrays) and `meta` (JSON) as checkpoint `step`."""
+        metrics = None if val_loss is None else {"val_loss": float(val_loss)}
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)),
+                          metrics=metrics, force=True)
+
+    def latest_step(self) -> Optional[int]:
+        return self.manager.latest_step()
+
+    def restore_meta(self, step: Optional[int] = None) -> dict:
+        step = self._step(step)
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # orbax raises many kinds for a damaged folder
+            raise CheckpointError(f"checkpoint {step} in {self.directory} is unreadable ({type(e).__name__}: "
+                                  f"{e}); delete that step's folder to fall back to an earlier one") from e
+
+    def restore(self, abstract_state: Any, step: Optional[int] = None) -> tuple[Any, dict]:
+        """Restore checkpoint `step` (default: latest) into the shapes and shardings of `abstract_state`."""
+        step = self._step(step)
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        except Exception as e:
+            raise CheckpointError(
+                f"could not restore checkpoint {step} from {self.directory}: {type(e).__name__}: {e}. "
+                "Either the folder is damaged (delete it to fall back to an earlier step) or its model "
+                "shape differs from the current config") from e
+        return out["state"], out["meta"]
+
+    def restore_params(self, abstract_params: Any, step: Optional[int] = None) -> Any:
+        """Only the parameters of checkpoint `step` (default: latest), e.g. for sampling on one device."""
+        step = self._step(step)
+        target = {"params": abstract_params}
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
+        except Exception as e:
+            raise CheckpointError(f"could not restore the parameters of checkpoint {step} from "
+                                  f"{self.directory}: {type(e).__name__}: {e}") from e
+        return out["state"]["params"]
+
+    def _step(self, step: Optional[int]) -> int:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"no checkpoint found in {self.directory}")
+        return step
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def abstract_like(tree: Any, sharding=None) -> Any:
+    """ShapeDtypeStructs of `tree` placed with `sharding` (default: the first local device)."""
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def load_model(out_dir: str, step: Optional[int] = None):
+    """(GPTConfig, params, tokenizer, meta) of a training run's checkpoint, on one device."""
+    from jaxgpt.config import GPTConfig
+    from jaxgpt.data import tokenizer_from_dict
+    from jaxgpt.model import init_params
+
+    if not existing_steps(out_dir):
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir(out_dir)}; train first (jaxgpt-train) or "
+                              "point --out_dir at a training run's folder")
+    ckpt = Checkpointer(out_dir, read_only=True)
+    try:
+        step = ckpt._step(step)
+        meta = ckpt.restore_meta(step)
+        config = GPTConfig.from_dict(meta["model"])
+        abstract = abstract_like(jax.eval_shape(lambda: init_params(config, jax.random.key(0))))
+        params = ckpt.restore_params(abstract, step)
+    finally:
+        ckpt.close()
+    return config, params, tokenizer_from_dict(meta["tokenizer"]), meta

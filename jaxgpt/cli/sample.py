@@ -1,0 +1,101 @@
+"""jaxgpt-sample: generate text from a training run's checkpoint (or GPT-2 weights)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxgpt-sample", description=__doc__)
+    p.add_argument("--out_dir", default="out", help="training run folder holding checkpoints/ (default: out)")
+    p.add_argument("--init_from", default=None,
+                   help="instead of --out_dir: a GPT-2 name (gpt2, gpt2-medium, ...) or a Hugging Face folder")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step to load (default: the latest)")
+    p.add_argument("--prompt", default="\n", help="prompt text; 'FILE:path' reads it from a file (default: newline)")
+    p.add_argument("--prompt_file", default=None, help="read the prompt from this file")
+    p.add_argument("--num_samples", type=int, default=3, help="how many samples, generated as one batch")
+    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per sample")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; higher = more random")
+    p.add_argument("--top_k", type=int, default=200, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top_p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
+    p.add_argument("--seed", type=int, default=1, help="random seed: the same seed gives the same samples")
+    p.add_argument("--stop", action="append", default=[],
+                   help="cut a sample at this string (repeatable; e.g. --stop=$'\\n\\n' for a blank line)")
+    p.add_argument("--tokenizer", default=None, help="with --init_from: tokenizer name (default gpt2)")
+    p.add_argument("--save_settings", default=None, help="write the settings and samples to this JSON file")
+    return p
+
+
+def _load(args):
+    if args.init_from:
+        from jaxgpt.data import get_tokenizer
+        from jaxgpt.pretrained import from_pretrained
+        config, params = from_pretrained(args.init_from)
+        return config, params, get_tokenizer(args.tokenizer or "gpt2"), {"source": args.init_from}
+    from jaxgpt.checkpoint import load_model
+    config, params, tok, meta = load_model(args.out_dir, args.step)
+    return config, params, tok, {"source": args.out_dir, "step": meta.get("step")}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import jax
+    import numpy as np
+
+    from jaxgpt.checkpoint import CheckpointError
+    from jaxgpt.sampling import generate
+
+    prompt = args.prompt
+    if args.prompt_file or prompt.startswith("FILE:"):
+        path = args.prompt_file or prompt[len("FILE:"):]
+        with open(path, encoding="utf-8") as f:
+            prompt = f.read()
+    if args.num_samples < 1:
+        print("jaxgpt-sample: --num_samples must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        config, params, tok, source = _load(args)
+        ids = tok.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
+        top_k = args.top_k if args.top_k else None
+        if len(ids) + args.max_new_tokens > config.block_size:
+            raise ValueError(f"prompt ({len(ids)} tokens) + --max_new_tokens ({args.max_new_tokens}) exceeds the "
+                             f"model's block_size ({config.block_size}); shorten one of them")
+        prompts = np.tile(np.asarray(ids, np.int32)[None], (args.num_samples, 1))
+        t0 = time.time()
+        out = generate(params, config, prompts, args.max_new_tokens, jax.random.key(args.seed),
+                       temperature=args.temperature, top_k=top_k, top_p=args.top_p, eos_id=tok.eos_id)
+        tokens, lengths = jax.device_get((out.tokens, out.lengths))
+        dt = time.time() - t0
+    except (ValueError, CheckpointError, FileNotFoundError) as e:
+        print(f"jaxgpt-sample: {e}", file=sys.stderr)
+        return 2
+
+    settings = {**source, "prompt": prompt, "tokenizer": tok.to_dict().get("type", type(tok).__name__),
+                "temperature": args.temperature, "top_k": top_k, "top_p": args.top_p, "seed": args.seed,
+                "max_new_tokens": args.max_new_tokens, "num_samples": args.num_samples, "stop": args.stop}
+    print("# settings: " + json.dumps(settings))
+    samples = []
+    for row, n in zip(tokens, lengths):
+        new_ids = [int(t) for t in row[len(ids):n] if t != tok.eos_id]
+        text = tok.decode(new_ids)
+        cuts = [text.find(s) for s in args.stop if s and s in text]
+        if cuts:
+            text = text[: min(cuts)]
+        samples.append(prompt + text)
+        print(prompt + text)
+        print("---------------")
+    n_new = int(sum(lengths)) - len(ids) * len(lengths)
+    print(f"# {n_new} tokens in {dt:.2f}s (compile included)", file=sys.stderr)
+    if args.save_settings:
+        with open(args.save_settings, "w", encoding="utf-8") as f:
+            json.dump({"settings": settings, "samples": samples}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""GPT-2 weights: import from and export to Hugging Face folders (safetensors), and nanoGPT ckpt.pt import.
+
+A Hugging Face GPT-2 folder holds `config.json` and `model.safetensors` (or shards listed in
+`model.safetensors.index.json`). GPT-2 stores its Conv1D weights as [in, out], which is a Flax Dense
+kernel's layout, so the import is a renaming: `h.3.attn.c_attn.weight` <-> `h_3/attn/c_attn/kernel`.
+Only numpy and safetensors are needed; torch only for nanoGPT checkpoints, huggingface_hub only to download.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.config import GPTConfig
+from jaxgpt.model import init_params
+
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+_HUB_REPOS = {name: f"openai-community/{name}" for name in GPT2_NAMES}
+_WEIGHTS = "model.safetensors"
+_WEIGHTS_INDEX = "model.safetensors.index.json"
+# Causal-mask buffers that older transformers versions (and nanoGPT without flash attention) save.
+_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
+# Both are GELU's tanh approximation, which jaxgpt's MLP computes.
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+PathLike = Union[str, os.PathLike]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Names: one rule maps every jaxgpt parameter to its GPT-2 tensor name.
+
+def _path_names(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+
+
+def gpt2_name(path: tuple) -> str:
+    """GPT-2 tensor name of a jaxgpt parameter path, e.g. ('h_3', 'ln_1', 'scale') -> 'h.3.ln_1.weight'."""
+    *modules, leaf = path
+    parts = [f"h.{m[2:]}" if re.fullmatch(r"h_\d+", m) else m for m in modules]
+    return ".".join(parts + ["bias" if leaf == "bias" else "weight"])
+
+
+def _expected_shapes(config: GPTConfig) -> dict:
+    """{jaxgpt param path: shape} for `config`, without allocating anything."""
+    abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    return {_path_names(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
+
+
+def _is_transposed(path: tuple, linear_layout: bool) -> bool:
+    # torch nn.Linear stores [out, in]: lm_head always, and every projection in nanoGPT's layout.
+    return path[-1] == "kernel" and (linear_layout or path[0] == "lm_head")
+
+
+def _nest(flat: dict) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _params_from_tensors(shapes: dict, read: Callable[[str], np.ndarray], config: GPTConfig,
+                         linear_layout: bool, source: str, crop_positions: Optional[int] = None) -> dict:
+    """Check a checkpoint's names and shapes against `config`, then read it into a jaxgpt params tree.
+
+    `shapes` maps GPT-2 tensor names (prefixes already stripped) to shapes; `read(name)` loads one.
+    """
+    expected = _expected_shapes(config)
+    wanted = {gpt2_name(p): p for p in expected}
+    missing = sorted(set(wanted) - set(shapes))
+    if missing:
+        raise ValueError(f"{source} lacks {len(missing)} tensors that the config needs: {_short(missing)}")
+    ignorable = {n for n in shapes if _BUFFER.match(n)}
+    if config.tie_embeddings:
+        ignorable.add("lm_head.weight")  # a tied head is wte; transformers ignores a stored copy too
+    unexpected = sorted(set(shapes) - set(wanted) - ignorable)
+    if unexpected:
+        raise ValueError(f"{source} has {len(unexpected)} tensors that a GPT-2 with this config does not "
+                         f"use: {_short(unexpected)}; is it a GPT-2 checkpoint?")
+    dims = (f"vocab_size={config.vocab_size}, n_positions={crop_positions or config.block_size}, "
+            f"n_embd={config.n_embd}, n_layer={config.n_layer}, n_head={config.n_head}")
+    flat = {}
+    for name, path in wanted.items():
+        want = expected[path]
+        if path == ("wpe", "embedding") and crop_positions is not None:
+            want = (crop_positions,) + want[1:]
+        if _is_transposed(path, linear_layout):
+            want = want[::-1]
+        if tuple(shapes[name]) != want:
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, but the config "
+                             f"({dims}) implies {want}")
+    for name, path in wanted.items():
+        x = np.asarray(read(name))
+        if _is_transposed(path, linear_layout):
+            x = x.T
+        if path == ("wpe", "embedding"):
+            x = x[:config.block_size]
+        flat[path] = jnp.asarray(x.astype(config.params_dtype))
+    return _nest(flat)
+
+
+def _short(names: list, limit: int = 6) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configs
+
+def config_from_hf(hf: dict, **overrides) -> GPTConfig:
+    """The GPTConfig of a Hugging Face GPT-2 `config.json` dict; `overrides` set other GPTConfig fields."""
+    model_type = hf.get("model_type")
+    if model_type != "gpt2":
+        raise ValueError(f"config.json describes model_type={model_type!r}, not 'gpt2'; jaxgpt imports "
+                         "GPT-2 checkpoints only")
+    for key in ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size"):
+        if key not in hf:
+            raise ValueError(f"config.json lacks the GPT-2 field {key!r}")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _TANH_GELUS:
+        raise ValueError(f"config.json has activation_function={act!r}; jaxgpt's MLP computes GELU's tanh "
+                         f"approximation, which GPT-2 calls one of {_TANH_GELUS}")
+    n_inner = hf.get("n_inner")
+    if n_inner is not None and n_inner != 4 * hf["n_embd"]:
+        raise ValueError(f"config.json has n_inner={n_inner}; jaxgpt's MLP width is 4 * n_embd "
+                         f"= {4 * hf['n_embd']}")
+    unsupported = {"scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": True,
+                   "add_cross_attention": True}
+    for key, bad in unsupported.items():
+        if hf.get(key, not bad) == bad:
+            raise ValueError(f"config.json sets {key}={bad}, which jaxgpt's attention does not support")
+    fields = dict(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
+                  n_head=hf["n_head"], n_embd=hf["n_embd"], n_kv_head=hf["n_head"], bias=True,
+                  tie_embeddings=hf.get("tie_word_embeddings", True), dropout=0.0,
+                  layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)))
+    fields.update(overrides)
+    try:
+        return GPTConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.json does not give a valid GPTConfig: {e}") from e
+
+
+def config_to_hf(config: GPTConfig) -> dict:
+    """A Hugging Face GPT2Config dict for `config` (always with biases and n_kv_head == n_head)."""
+    eos = 50256 if config.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when it exists
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": config.vocab_size, "n_positions": config.block_size, "n_embd": config.n_embd,
+        "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": config.layer_norm_epsilon,
+        "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
+        "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "tie_word_embeddings": config.tie_embeddings,
+        "use_cache": True, "bos_token_id": eos, "eos_token_id": eos,
+        "torch_dtype": config.param_dtype,
+    }
+
+
+def _overrides(dtype, param_dtype, attention, dropout) -> dict:
+    given = dict(dtype=dtype, param_dtype=param_dtype, attention=attention, dropout=dropout)
+    return {k: v for k, v in given.items() if v is not None}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Import
+
+def resolve(name_or_path: PathLike, cache_dir: Optional[PathLike] = None) -> Path:
+    """A local folder for `name_or_path`: the folder itself, or a GPT-2 name downloaded from the Hub."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} is a file; pass the folder that holds config.json and "
+                                f"{_WEIGHTS}")
+    name = str(name_or_path)
+    if name not in _HUB_REPOS:
+        raise FileNotFoundError(f"{name!r} is neither a folder nor one of the GPT-2 names {GPT2_NAMES}")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:
+        raise ImportError(f"downloading {name!r} needs huggingface_hub: pip install 'jaxgpt[hf]' "
+                          "(or pass a local folder)") from e
+    try:
+        folder = snapshot_download(_HUB_REPOS[name], cache_dir=cache_dir, allow_patterns=[
+            "config.json", _WEIGHTS, _WEIGHTS_INDEX, "model-*-of-*.safetensors"])
+    except Exception as e:  # the Hub raises many types (offline, HTTP, missing cache); one message
+        raise OSError(f"could not download {name!r} ({_HUB_REPOS[name]}) from the Hugging Face Hub: "
+                      f"{type(e).__name__}: {e}. Without network access, copy the model folder here and "
+                      "pass its path instead") from e
+    return Path(folder)
+
+
+def _read_config(folder: Path) -> dict:
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{str(folder)!r} has no config.json; a GPT-2 folder needs config.json and "
+                                f"{_WEIGHTS}")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(config_file)!r} is not valid JSON: {e}") from e
+
+
+def _weight_files(folder: Path) -> list:
+    if (folder / _WEIGHTS).is_file():
+        return [folder / _WEIGHTS]
+    if (folder / _WEIGHTS_INDEX).is_file():
+        weight_map = json.loads((folder / _WEIGHTS_INDEX).read_text())["weight_map"]
+        return [folder / f for f in sorted(set(weight_map.values()))]
+    others = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".h5", ".msgpack"))
+    hint = f" (found {others}: convert them to safetensors)" if others else ""
+    raise FileNotFoundError(f"{str(folder)!r} has no {_WEIGHTS} or {_WEIGHTS_INDEX}{hint}")
+
+
+def _strip(name: str, prefixes: tuple) -> str:
+    for prefix in prefixes:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def from_pretrained(name_or_path: PathLike, *, dtype: Optional[str] = None,
+                    param_dtype: Optional[str] = None, attention: Optional[str] = None,
+                    dropout: Optional[float] = None, block_size: Optional[int] = None,
+                    cache_dir: Optional[PathLike] = None) -> tuple:
+    """(GPTConfig, params) of a Hugging Face GPT-2 folder, or of 'gpt2'...'gpt2-xl' from the Hub.
+
+    The keyword arguments override GPTConfig fields; a `block_size` below the checkpoint's n_positions
+    keeps the first `block_size` position embeddings.
+    """
+    from safetensors import safe_open
+
+    folder = resolve(name_or_path, cache_dir)
+    hf = _read_config(folder)
+    files = _weight_files(folder)
+    config = config_from_hf(hf, **_overrides(dtype, param_dtype, attention, dropout))
+    crop = _crop(config, block_size)
+    config = config.replace(block_size=crop[0]) if crop else config
+
+    shapes, where = {}, {}
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{str(file)!r}, listed in {_WEIGHTS_INDEX}, does not exist")
+        with safe_open(str(file), framework="np") as f:
+            for key in f.keys():
+                name = _strip(key, ("transformer.",))
+                if name in shapes:
+                    raise ValueError(f"{str(folder)!r} holds tensor {name!r} twice (with and without "
+                                     "the 'transformer.' prefix?)")
+                shapes[name] = tuple(f.get_slice(key).get_shape())
+                where[name] = (file, key)
+
+    open_files = {}
+
+    def read(name):
+        file, key = where[name]
+        if file not in open_files:
+            open_files[file] = safe_open(str(file), framework="np").__enter__()
+        return open_files[file].get_tensor(key)
+
+    try:
+        params = _params_from_tensors(shapes, read, config, linear_layout=False, source=str(folder),
+                                      crop_positions=crop[1] if crop else None)
+    finally:
+        for f in open_files.values():
+            f.__exit__(None, None, None)
+    return config, params
+
+
+def _crop(config: GPTConfig, block_size: Optional[int]):
+    """(new block_size, checkpoint's n_positions) when cropping the position table, else None."""
+    if block_size is None or block_size == config.block_size:
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    if block_size > config.block_size:
+        raise ValueError(f"block_size={block_size} exceeds the checkpoint's n_positions "
+                         f"({config.block_size}); it has no position embeddings past that")
+    return block_size, config.block_size
+
+
+def from_nanogpt(ckpt_path: PathLike, *, dtype: Optional[str] = None, param_dtype: Optional[str] = None,
+                 attention: Optional[str] = None, dropout: Optional[float] = None,
+                 block_size: Optional[int] = None) -> tuple:
+    """(GPTConfig, params) of a nanoGPT `ckpt.pt` (needs torch: pip install 'jaxgpt[torch]').
+
+    nanoGPT's MLP uses exact GELU while jaxgpt's uses the tanh approximation (|difference| < 1e-3 per
+    activation), so logits agree closely, not bit for bit.
+    """
+    path = Path(ckpt_path).expanduser()
+    if path.is_dir():
+        path = path / "ckpt.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"no nanoGPT checkpoint at {str(path)!r}")
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError("reading a nanoGPT ckpt.pt needs torch: pip install torch==2.13.0") from e
+    ckpt = torch.load(str(path), map_location="cpu", weights_only=True)
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "model_args" not in ckpt:
+        raise ValueError(f"{str(path)!r} is not a nanoGPT checkpoint (expected a dict with 'model' and "
+                         "'model_args')")
+    args = ckpt["model_args"]
+    fields = dict(vocab_size=args["vocab_size"], block_size=args["block_size"], n_layer=args["n_layer"],
+                  n_head=args["n_head"], n_embd=args["n_embd"], bias=args.get("bias", True),
+                  tie_embeddings=True, dropout=0.0)
+    fields.update(_overrides(dtype, param_dtype, attention, dropout))
+    try:
+        config = GPTConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{str(path)!r}: model_args do not give a valid GPTConfig: {e}") from e
+    crop = _crop(config, block_size)
+    config = config.replace(block_size=crop[0]) if crop else config
+    state = {_strip(k, ("_orig_mod.", "transformer.")): v for k, v in ckpt["model"].items()}
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    return config, _params_from_tensors(shapes, lambda n: state[n].float().numpy(), config,
+                                        linear_layout=True, source=str(path),
+                                        crop_positions=crop[1] if crop else None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Export
+
+def _gpt2_tensors(params, config: GPTConfig) -> dict:
+    """GPT-2 named numpy tensors of a jaxgpt params tree: biases filled with zeros where `bias=False`,
+    grouped k/v heads repeated for every query head (the same function, in GPT-2's layout)."""
+    if set(params) == {"params"}:
+        params = params["params"]
+    expected = _expected_shapes(config)
+    got = {_path_names(p): np.asarray(jax.device_get(x))
+           for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    if set(got) != set(expected):
+        diff = sorted("/".join(p) for p in set(got) ^ set(expected))
+        raise ValueError(f"params do not match the config: these differ between them: {_short(diff)}")
+    for path, shape in expected.items():
+        if got[path].shape != shape:
+            raise ValueError(f"params {'/'.join(path)} has shape {got[path].shape}, but the config "
+                             f"implies {shape}")
+    d, n, kh, h = config.n_embd, config.n_head, config.n_kv_head, config.head_dim
+    dt = config.params_dtype
+    out = {}
+    for path, x in got.items():
+        if path[-2:] == ("c_attn", "kernel") or path[-2:] == ("c_attn", "bias"):
+            q, k, v = np.split(x, [n * h, (n + kh) * h], axis=-1)
+            # query head i reads kv head i // (n // kh), as in attention.py's grouping
+            k, v = (np.repeat(a.reshape(a.shape[:-1] + (kh, h)), n // kh, axis=-2).reshape(
+                a.shape[:-1] + (n * h,)) for a in (k, v))
+            x = np.concatenate([q, k, v], axis=-1)
+        out[gpt2_name(path)] = np.ascontiguousarray(x.T if path[0] == "lm_head" else x)
+    if not config.bias:
+        widths = {"attn.c_attn": 3 * d, "attn.c_proj": d, "mlp.c_fc": 4 * d, "mlp.c_proj": d,
+                  "ln_1": d, "ln_2": d}
+        for i in range(config.n_layer):
+            for module, width in widths.items():
+                out[f"h.{i}.{module}.bias"] = np.zeros((width,), dt)
+        out["ln_f.bias"] = np.zeros((d,), dt)
+    return out
+
+
+def save_pretrained(params, config: GPTConfig, out_dir: PathLike) -> Path:
+    """Write `config.json` and `model.safetensors` that transformers' GPT2LMHeadModel loads; returns the folder.
+
+    Any jaxgpt model exports: without biases they are written as zeros, and grouped-query attention as
+    multi-head attention with each key/value head repeated (both exactly the same function).
+    """
+    from safetensors.numpy import save_file
+
+    tensors = _gpt2_tensors(params, config)
+    hf = config_to_hf(config)
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    named = {("lm_head.weight" if k == "lm_head.weight" else f"transformer.{k}"): v
+             for k, v in tensors.items()}
+    save_file(named, str(out / _WEIGHTS), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return out

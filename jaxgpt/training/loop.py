@@ -1,0 +1,277 @@
+"""The training loop: data, model, step, evaluation, logging, checkpoints and preemption."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+
+from jaxgpt import checkpoint as ckpt_lib
+from jaxgpt.config import model_config_from, validate_config
+from jaxgpt.model import init_params
+from jaxgpt.training.metrics import MetricsLog, peak_flops
+from jaxgpt.training.parallel import make_runner
+from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss became NaN or infinite."""
+
+
+def _prepare_out_dir(out_dir: str) -> str:
+    out_dir = os.path.abspath(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, ".write_test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"out_dir {out_dir!r} is not writable ({e.strerror}); choose another "
+                         "--config.out_dir") from e
+    return out_dir
+
+
+def _load_data(config, process_index: int, process_count: int):
+    from jaxgpt.data import BatchSampler, prepare_dataset
+
+    d = config.data
+    ds = prepare_dataset(corpus=d.corpus, path=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+                         val_fraction=d.val_fraction, cache_dir=d.cache_dir, progress=config.train.progress)
+    t = config.train
+    train = BatchSampler(ds.train, t.batch_size, config.model.block_size, config.seed, process_index, process_count)
+    return ds, train
+
+
+class _Preemption:
+    """Turns SIGTERM/SIGINT into a flag the loop checks after each step (main thread only)."""
+
+    def __init__(self):
+        self.signal: Optional[int] = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading_is_main():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def threading_is_main() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def train(config) -> dict:
+    """Run training as `config` describes; returns a summary (final losses, steps, times)."""
+    t0 = time.time()
+    cfg_t = config.train
+    process_index, process_count = jax.process_index(), jax.process_count()
+    is_main = process_index == 0
+    n_devices = jax.device_count() if cfg_t.parallel == "mesh" else jax.local_device_count() * process_count
+    validate_config(config, n_devices)
+    out_dir = _prepare_out_dir(config.out_dir)
+
+    resume = config.init_from == "resume"
+    existing = ckpt_lib.existing_steps(out_dir)
+    if resume and not existing:
+        raise ckpt_lib.CheckpointError(f"init_from='resume' but there is no checkpoint in "
+                                       f"{ckpt_lib.checkpoint_dir(out_dir)}; train with init_from='scratch' first")
+    if not resume and existing and not config.overwrite:
+        raise ValueError(f"{ckpt_lib.checkpoint_dir(out_dir)} already holds checkpoints (steps {existing}); "
+                         "use --config.init_from=resume to continue, or --config.overwrite=True to start over")
+    if not resume and existing and config.overwrite and is_main:
+        import shutil
+        shutil.rmtree(ckpt_lib.checkpoint_dir(out_dir))
+
+    ds, sampler = _load_data(config, process_index, process_count)
+    tokenizer = ds.tokenizer
+    params = None
+    if config.init_from not in ("scratch", "resume"):
+        gcfg, params = _load_pretrained(config, tokenizer)
+    else:
+        gcfg = model_config_from(config, tokenizer.vocab_size)
+
+    optimizer, schedule = make_optimizer(cfg_t), make_schedule(cfg_t)
+    runner = make_runner(cfg_t.parallel, gcfg, optimizer, cfg_t.grad_accum, schedule)
+    if params is None:
+        params = init_params(gcfg, jax.random.key(config.seed))
+    state = create_train_state(params, optimizer, jax.random.key(config.seed + 1))
+    del params
+
+    checkpointer = ckpt_lib.Checkpointer(out_dir, keep=cfg_t.keep_checkpoints)
+    start_step, best_val = 0, math.inf
+    if resume:
+        state, meta = checkpointer.restore(ckpt_lib.abstract_like(state))
+        _check_resume_meta(meta, gcfg)
+        sampler.load_state_dict(meta["sampler"])
+        start_step = int(state.step)
+        best_val = meta.get("best_val_loss", math.inf)
+    state = runner.put_state(state)
+
+    log = MetricsLog(out_dir, enabled=is_main, truncate_after_step=start_step if resume else None)
+    from jaxgpt.data import BatchSampler
+    val_sampler = BatchSampler(ds.val, cfg_t.batch_size, gcfg.block_size, config.seed + 1, process_index,
+                               process_count)
+    eval_train = BatchSampler(ds.train, cfg_t.batch_size, gcfg.block_size, config.seed + 2, process_index,
+                              process_count)
+    eval_batches = {"train": [eval_train.batch(i) for i in range(cfg_t.eval_steps)],
+                    "val": [val_sampler.batch(i) for i in range(cfg_t.eval_steps)]}
+    bytes_per_token = ds.bytes_per_token("val")
+
+    tokens_per_step = cfg_t.batch_size * gcfg.block_size
+    flops_per_token = gcfg.flops_per_token(gcfg.block_size)
+    peak, peak_source = peak_flops(gcfg.dtype, cfg_t.peak_flops)
+
+    def say(msg):
+        if is_main:
+            (bar.write if bar is not None else print)(msg)
+
+    if is_main:
+        print(f"jaxgpt: {gcfg.num_params(non_embedding=False) / 1e6:.2f}M parameters, "
+              f"{runner.n} device(s) via {runner.name}, tokens/step {tokens_per_step}, "
+              f"vocab {gcfg.vocab_size} ({config.data.tokenizer}), dtype {gcfg.dtype}; MFU against "
+              f"{peak / 1e9:.0f} GFLOP/s ({peak_source}), {flops_per_token / 1e6:.2f} MFLOP/token "
+              f"(6N + 12*L*T*D, attention not halved)", flush=True)
+        if resume:
+            print(f"jaxgpt: resumed from step {start_step} in {checkpointer.directory}", flush=True)
+
+    bar = None
+    if is_main and cfg_t.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg_t.max_steps, initial=start_step, dynamic_ncols=True, desc="train",
+                   disable=not sys.stderr.isatty())
+        if bar.disable:
+            bar = None
+
+    def evaluate(state, step):
+        out = {"step": step}
+        for split, batches in eval_batches.items():
+            losses = [runner.eval(state, x, y) for x, y in batches]
+            out[f"{split}_loss"] = float(np.mean([float(runner.to_host(l)) for l in losses]))
+        out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
+        out["val_bpb"] = out["val_loss"] / math.log(2) / bytes_per_token
+        return out
+
+    def meta_for(step, best):
+        return {"step": step, "config": config.to_dict(), "model": gcfg.to_dict(), "tokenizer": tokenizer.to_dict(),
+                "sampler": {**sampler.state_dict(), "step": step}, "best_val_loss": best,
+                "dataset": {k: ds.meta[k] for k in ds.meta if k != "tokenizer"}}
+
+    from jaxgpt.data import Prefetcher
+    prefetch = Prefetcher(sampler, size=2)
+    summary = {"start_step": start_step, "out_dir": out_dir}
+    pending = None  # (step, metrics on device, dispatch time) of the step whose metrics are not read yet
+    last_log_time, last_log_step = time.time(), start_step
+    last_val = None
+    step = start_step
+    saved_step = start_step if resume else None
+
+    def read(pending):
+        nonlocal last_log_time, last_log_step
+        s, m = pending
+        m = {k: float(v) for k, v in runner.to_host(m).items()}
+        if not math.isfinite(m["loss"]):
+            raise TrainingDiverged(f"loss is {m['loss']} at step {s}; stopping. Checkpoints already saved are "
+                                   f"untouched (try a lower train.lr or train.grad_clip).")
+        summary["last_loss"] = m["loss"]
+        if s % cfg_t.log_interval == 0 or s == cfg_t.max_steps:
+            now = time.time()
+            dt = max(now - last_log_time, 1e-9)
+            tok_s = tokens_per_step * (s - last_log_step) / dt
+            mfu = flops_per_token * tok_s / peak
+            last_log_time, last_log_step = now, s
+            rec = {"step": s, **m, "tokens_per_s": tok_s, "mfu": mfu, "elapsed_s": now - t0}
+            log.write(rec)
+            say(f"step {s:6d} | loss {m['loss']:.4f} | lr {m.get('lr', 0):.2e} | grad norm {m['grad_norm']:.3f} | "
+                f"{tok_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | {now - t0:.1f}s")
+
+    try:
+        with _Preemption() as preempt:
+            while step < cfg_t.max_steps:
+                x, y = next(prefetch)
+                state, metrics = runner.step(state, x, y)
+                step += 1
+                if pending is not None:
+                    read(pending)  # step t-1's metrics, read after dispatching step t
+                pending = (step, metrics)
+                if bar is not None:
+                    bar.update(1)
+                last = step == cfg_t.max_steps
+                do_eval = step % cfg_t.eval_interval == 0 or last
+                do_save = step % cfg_t.checkpoint_interval == 0 or last or preempt.signal is not None
+                if do_eval or do_save:
+                    read(pending)
+                    pending = None
+                if do_eval:
+                    ev = evaluate(state, step)
+                    last_val = ev["val_loss"]
+                    best_val = min(best_val, last_val)
+                    ev["best_val_loss"] = best_val
+                    log.write(ev)
+                    say(f"eval {step:6d} | train {ev['train_loss']:.4f} | val {ev['val_loss']:.4f} | "
+                        f"val ppl {ev['val_ppl']:.2f} | val bits/byte {ev['val_bpb']:.3f} | best val {best_val:.4f}")
+                    summary.update(ev)
+                if do_save:
+                    checkpointer.save(step, runner.get_state(state), meta_for(step, best_val),
+                                      val_loss=last_val if do_eval else None)
+                    saved_step = step
+                if preempt.signal is not None:
+                    say(f"jaxgpt: signal {preempt.signal} received; checkpoint written at step {step}, exiting")
+                    summary["preempted"] = True
+                    break
+            if pending is not None:
+                read(pending)
+    finally:
+        prefetch.close()
+        if bar is not None:
+            bar.close()
+        checkpointer.close()  # async saves always finish, on errors too
+        log.close()
+    summary.update({"steps": step, "best_val_loss": best_val, "saved_step": saved_step,
+                    "wall_time_s": time.time() - t0, "state": runner.get_state(state)})
+    return summary
+
+
+def _check_resume_meta(meta: dict, gcfg) -> None:
+    saved = meta.get("model", {})
+    now = gcfg.to_dict()
+    diff = {k: (saved.get(k), now[k]) for k in now if k in saved and saved[k] != now[k]
+            and k not in ("dropout", "attention", "dtype")}
+    if diff:
+        raise ckpt_lib.CheckpointError(
+            "the checkpoint's model differs from the config: " +
+            ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items()))
+
+
+def _load_pretrained(config, tokenizer):
+    try:
+        from jaxgpt.pretrained import from_pretrained
+    except ImportError as e:  # pragma: no cover
+        raise ValueError(f"init_from={config.init_from!r} needs jaxgpt.pretrained: {e}") from e
+    m = config.model
+    gcfg, params = from_pretrained(config.init_from, dtype=m.dtype, attention=m.attention)
+    gcfg = gcfg.replace(dropout=m.dropout)
+    if tokenizer.vocab_size > gcfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but {config.init_from} has a "
+                         f"vocabulary of {gcfg.vocab_size}; use data.tokenizer='gpt2' with GPT-2 weights")
+    if m.block_size < gcfg.block_size:  # crop the position table, as nanoGPT does
+        params = dict(params)
+        params["wpe"] = {"embedding": params["wpe"]["embedding"][: m.block_size]}
+        gcfg = gcfg.replace(block_size=m.block_size)
+    return gcfg, params

@@ -1,0 +1,129 @@
+"""The pure training step: loss, optimizer, TrainState, train_step and eval_step."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from jaxgpt.config import GPTConfig
+from jaxgpt.model import GPT
+
+
+@struct.dataclass
+class TrainState:
+    """Everything the step changes: step counter, params, optimizer state and the dropout RNG."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+
+
+def lr_schedule(lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to lr over warmup_steps, cosine to min_lr at decay_steps, then min_lr."""
+    if decay_steps <= warmup_steps:
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, max(warmup_steps, 1)), optax.constant_schedule(min_lr)],
+            [max(warmup_steps, 1)])
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, decay_steps, end_value=min_lr)
+
+
+def decay_mask(params) -> Any:
+    """Weight decay only on parameters with two or more dimensions (matmul kernels, embeddings)."""
+    return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+
+
+def make_schedule(train_cfg) -> optax.Schedule:
+    """The learning-rate schedule that a training config's `train` section describes."""
+    decay = train_cfg.max_steps if train_cfg.decay_steps is None else train_cfg.decay_steps
+    return lr_schedule(train_cfg.lr, train_cfg.min_lr, train_cfg.warmup_steps, decay)
+
+
+def make_optimizer(train_cfg) -> optax.GradientTransformation:
+    """AdamW with clipping by global norm, the warmup-cosine schedule and the decay mask."""
+    schedule = make_schedule(train_cfg)
+    parts = []
+    if train_cfg.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(train_cfg.grad_clip))
+    parts.append(optax.adamw(schedule, b1=train_cfg.beta1, b2=train_cfg.beta2,
+                             weight_decay=train_cfg.weight_decay, mask=decay_mask))
+    return optax.chain(*parts)
+
+
+def create_train_state(params, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), rng=rng)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in float32; logits [B, T, V], targets int [B, T]."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return losses.mean()
+
+
+def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, grad_accum: int = 1,
+                    axis_name: Optional[str] = None, schedule: Optional[optax.Schedule] = None):
+    """Build `train_step(state, x, y) -> (state, metrics)` for x, y int [b, T].
+
+    The b rows are split into `grad_accum` micro-batches whose gradients are averaged, which equals one
+    step on all b rows. With `axis_name` (under pmap) gradients and metrics are averaged over that axis.
+    """
+    model = GPT(config)
+    deterministic = config.dropout == 0.0
+
+    def loss_fn(params, x, y, rng):
+        logits = model.apply({"params": params}, x, deterministic=deterministic, rngs={"dropout": rng})
+        return cross_entropy(logits, y)
+
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def train_step(state: TrainState, x: jax.Array, y: jax.Array):
+        b, t = x.shape
+        if b % grad_accum:
+            raise ValueError(f"batch of {b} rows is not divisible by grad_accum={grad_accum}")
+        rng = jax.random.fold_in(state.rng, state.step)
+        if axis_name is not None:  # a different dropout mask on every device
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+        # micro-batch i takes rows i, i + grad_accum, ...: an even split however rows are sharded
+        xs = x.reshape(b // grad_accum, grad_accum, t).swapaxes(0, 1)
+        ys = y.reshape(b // grad_accum, grad_accum, t).swapaxes(0, 1)
+
+        def micro(carry, inputs):
+            loss_sum, grad_sum = carry
+            i, xi, yi = inputs
+            loss, grads = grad_fn(state.params, xi, yi, jax.random.fold_in(rng, i))
+            return (loss_sum + loss, jax.tree_util.tree_map(jnp.add, grad_sum, grads)), None
+
+        if grad_accum == 1:
+            loss, grads = grad_fn(state.params, x, y, rng)
+        else:
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+            (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros),
+                                            (jnp.arange(grad_accum), xs, ys))
+            loss = loss / grad_accum
+            grads = jax.tree_util.tree_map(lambda g: g / grad_accum, grads)
+        if axis_name is not None:
+            loss, grads = jax.lax.pmean((loss, grads), axis_name)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        if schedule is not None:
+            metrics["lr"] = schedule(state.step)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(config: GPTConfig, axis_name: Optional[str] = None):
+    """Build `eval_step(params, x, y) -> mean loss` (deterministic, float32)."""
+    model = GPT(config)
+
+    def eval_step(params, x, y):
+        loss = cross_entropy(model.apply({"params": params}, x), y)
+        return jax.lax.pmean(loss, axis_name) if axis_name is not None else loss
+
+    return eval_step

@@ -1,0 +1,44 @@
+"""Shared test fixtures: a small text corpus and a tiny training config."""
+
+import random
+
+from jaxgpt.config import default_config
+
+_WORDS = ("the king is dead long live the queen my lord what say you of this night and day to be or not "
+          "that is the question whether tis nobler in the mind to suffer slings arrows").split()
+
+
+def write_corpus(path, n_lines=400, seed=0):
+    rnd = random.Random(seed)
+    lines = []
+    for i in range(n_lines):
+        speaker = rnd.choice(["KING", "QUEEN", "LORD"])
+        lines.append(f"{speaker}:\n" + " ".join(rnd.choice(_WORDS) for _ in range(rnd.randint(4, 12))) + "\n")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def tiny_config(tmp_path, **train):
+    c = default_config()
+    c.out_dir = str(tmp_path / "out")
+    c.seed = 0
+    c.data.corpus = "file"
+    c.data.path = str(write_corpus(tmp_path / "corpus.txt"))
+    c.data.cache_dir = str(tmp_path / "cache")
+    c.model.block_size = 16
+    c.model.n_layer = 2
+    c.model.n_head = 2
+    c.model.n_embd = 32
+    c.train.batch_size = 8
+    c.train.max_steps = 30
+    c.train.warmup_steps = 5
+    c.train.lr = 3e-3
+    c.train.min_lr = 3e-4
+    c.train.eval_interval = 10
+    c.train.eval_steps = 2
+    c.train.log_interval = 5
+    c.train.checkpoint_interval = 10
+    c.train.progress = False
+    for k, v in train.items():
+        c.train[k] = v
+    return c

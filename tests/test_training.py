@@ -1,0 +1,140 @@
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxgpt import GPTConfig, init_params
+from jaxgpt.config import default_config, validate_config
+from jaxgpt.training import (MeshRunner, PmapRunner, TrainingDiverged, create_train_state, decay_mask,
+                             lr_schedule, make_optimizer, make_schedule, make_train_step, train)
+from tests.helpers import tiny_config
+
+CFG = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def _train_cfg(**kw):
+    t = default_config().train
+    t.warmup_steps = 2
+    t.max_steps = 10
+    for k, v in kw.items():
+        t[k] = v
+    return t
+
+
+def _batch(seed, b=8, t=16):
+    r = np.random.default_rng(seed)
+    x = r.integers(0, CFG.vocab_size, (b, t + 1)).astype(np.int32)
+    return x[:, :-1], x[:, 1:]
+
+
+def _state(tcfg):
+    opt = make_optimizer(tcfg)
+    return opt, create_train_state(init_params(CFG, jax.random.key(0)), opt, jax.random.key(1))
+
+
+def test_grad_accumulation_equals_big_batch():
+    tcfg = _train_cfg()
+    opt, state = _state(tcfg)
+    x, y = _batch(0)
+    big, mb = jax.jit(make_train_step(CFG, opt, 1))(state, x, y)
+    acc, ma = jax.jit(make_train_step(CFG, opt, 4))(state, x, y)
+    np.testing.assert_allclose(float(mb["loss"]), float(ma["loss"]), rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(big.params), jax.tree_util.tree_leaves(acc.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_pmap_mesh_and_one_device_agree_after_3_steps():
+    assert jax.device_count() == 4, "conftest sets four fake CPU devices"
+    tcfg = _train_cfg()
+    opt, state0 = _state(tcfg)
+    one = jax.jit(make_train_step(CFG, opt, 1))
+    results = {}
+    s = state0
+    for i in range(3):
+        s, _ = one(s, *_batch(i))
+    results["one"] = s.params
+    for runner in (PmapRunner(CFG, opt), MeshRunner(CFG, opt)):
+        assert runner.n == 4
+        s = runner.put_state(state0)
+        for i in range(3):
+            s, _ = runner.step(s, *_batch(i))
+        results[runner.name] = runner.get_state(s).params
+    for name in ("pmap", "mesh"):
+        for a, b in zip(jax.tree_util.tree_leaves(results["one"]), jax.tree_util.tree_leaves(results[name])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=name)
+
+
+def test_weight_decay_mask_only_matrices():
+    params = init_params(CFG, jax.random.key(0))
+    mask = decay_mask(params)
+    assert mask["wte"]["embedding"] and mask["h_0"]["attn"]["c_attn"]["kernel"]
+    assert not mask["h_0"]["attn"]["c_attn"]["bias"] and not mask["ln_f"]["scale"]
+    # with a zero gradient only the masked parameters move (decoupled weight decay)
+    tcfg = _train_cfg(lr=0.1, warmup_steps=0, weight_decay=0.5, grad_clip=0.0)
+    opt = make_optimizer(tcfg)
+    params = jax.tree_util.tree_map(lambda p: p + 1.0, params)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    updates, _ = opt.update(zeros, opt.init(params), params)
+    moved = jax.tree_util.tree_map(lambda u: bool(jnp.any(u != 0)), updates)
+    assert moved == mask
+
+
+def test_schedule_values():
+    f = lr_schedule(1e-3, 1e-4, warmup_steps=10, decay_steps=110)
+    assert float(f(0)) == 0.0
+    np.testing.assert_allclose(float(f(5)), 5e-4, rtol=1e-6)
+    np.testing.assert_allclose(float(f(10)), 1e-3, rtol=1e-6)
+    np.testing.assert_allclose(float(f(60)), 1e-4 + 0.5 * 9e-4, rtol=1e-5)  # halfway down the cosine
+    np.testing.assert_allclose(float(f(110)), 1e-4, rtol=1e-5)
+    np.testing.assert_allclose(float(f(500)), 1e-4, rtol=1e-5)
+    assert float(make_schedule(_train_cfg(lr=2e-3, warmup_steps=4, max_steps=10))(4)) == pytest.approx(2e-3)
+
+
+@pytest.mark.parametrize("section,key,value,match", [
+    ("train", "batch_size", 10, "divisible by the device count"),
+    ("train", "warmup_steps", 5000, "warmup"),
+    ("train", "parallel", "tpu", "parallel"),
+    ("train", "lr", -1.0, "lr"),
+    ("model", "n_head", 5, "n_embd"),
+    ("data", "val_fraction", 1.5, "val_fraction"),
+])
+def test_config_validation(section, key, value, match):
+    c = default_config()
+    c[section][key] = value
+    with pytest.raises(ValueError, match=match):
+        validate_config(c, device_count=4)
+
+
+def test_unknown_config_key_rejected():
+    c = default_config()
+    c.train.unlock()
+    c.train.learning_rate = 1e-3
+    with pytest.raises(ValueError, match="learning_rate"):
+        validate_config(c)
+
+
+def test_train_reduces_loss_and_writes_metrics(tmp_path):
+    c = tiny_config(tmp_path, max_steps=40, eval_interval=20)
+    s = train(c)
+    lines = [json.loads(l) for l in open(os.path.join(c.out_dir, "metrics.jsonl"))]
+    steps = [l for l in lines if "loss" in l]
+    evals = [l for l in lines if "val_loss" in l]
+    assert [l["step"] for l in steps] == list(range(5, 41, 5))
+    assert [l["step"] for l in evals] == [20, 40]
+    for l in steps:
+        assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "elapsed_s"} <= set(l)
+        assert l["tokens_per_s"] > 0 and 0 < l["mfu"] < 1.5
+    assert {"train_loss", "val_ppl", "val_bpb", "best_val_loss"} <= set(evals[0])
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+    assert evals[-1]["val_loss"] < np.log(s["state"].params["wte"]["embedding"].shape[0])
+    assert s["steps"] == 40 and s["saved_step"] == 40
+
+
+def test_nan_loss_stops_with_step(tmp_path):
+    c = tiny_config(tmp_path, max_steps=10, lr=1e30, warmup_steps=0, grad_clip=0.0)
+    with pytest.raises(TrainingDiverged, match="at step"):
+        train(c)
