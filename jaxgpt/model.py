@@ -130,7 +130,8 @@ class GPT(nn.Module):
 def init_params(config: GPTConfig, rng: jax.Array) -> dict:
     """Freshly initialised parameters (the `params` collection) for `config`."""
     tokens = jnp.zeros((1, min(8, config.block_size)), jnp.int32)
-    return GPT(config).init(rng, tokens)["params"]
+    # one jitted program: eager init would compile every initializer op separately
+    return jax.jit(lambda key: GPT(config).init(key, tokens)["params"])(rng)
 
 
 def count_params(params) -> int:

@@ -8,6 +8,7 @@ Only numpy and safetensors are needed; torch only for nanoGPT checkpoints, huggi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,7 +28,7 @@ _WEIGHTS = "model.safetensors"
 _WEIGHTS_INDEX = "model.safetensors.index.json"
 # Causal-mask buffers that older transformers versions (and nanoGPT without flash attention) save.
 _BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
-# Both are GELU's tanh approximation, which jaxgpt's MLP computes.
+# All three name GELU's tanh approximation, which jaxgpt's MLP computes.
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 PathLike = Union[str, os.PathLike]
@@ -88,7 +89,6 @@ def _params_from_tensors(shapes: dict, read: Callable[[str], np.ndarray], config
                          f"use: {_short(unexpected)}; is it a GPT-2 checkpoint?")
     dims = (f"vocab_size={config.vocab_size}, n_positions={crop_positions or config.block_size}, "
             f"n_embd={config.n_embd}, n_layer={config.n_layer}, n_head={config.n_head}")
-    flat = {}
     for name, path in wanted.items():
         want = expected[path]
         if path == ("wpe", "embedding") and crop_positions is not None:
@@ -98,13 +98,14 @@ def _params_from_tensors(shapes: dict, read: Callable[[str], np.ndarray], config
         if tuple(shapes[name]) != want:
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, but the config "
                              f"({dims}) implies {want}")
+    flat = {}
     for name, path in wanted.items():
         x = np.asarray(read(name))
         if _is_transposed(path, linear_layout):
             x = x.T
         if path == ("wpe", "embedding"):
             x = x[:config.block_size]
-        flat[path] = jnp.asarray(x.astype(config.params_dtype))
+        flat[path] = jnp.asarray(x.astype(config.params_dtype, copy=False))
     return _nest(flat)
 
 
@@ -231,7 +232,7 @@ def _strip(name: str, prefixes: tuple) -> str:
 def from_pretrained(name_or_path: PathLike, *, dtype: Optional[str] = None,
                     param_dtype: Optional[str] = None, attention: Optional[str] = None,
                     dropout: Optional[float] = None, block_size: Optional[int] = None,
-                    cache_dir: Optional[PathLike] = None) -> tuple:
+                    cache_dir: Optional[PathLike] = None) -> tuple[GPTConfig, dict]:
     """(GPTConfig, params) of a Hugging Face GPT-2 folder, or of 'gpt2'...'gpt2-xl' from the Hub.
 
     The keyword arguments override GPTConfig fields; a `block_size` below the checkpoint's n_positions
@@ -246,33 +247,23 @@ def from_pretrained(name_or_path: PathLike, *, dtype: Optional[str] = None,
     crop = _crop(config, block_size)
     config = config.replace(block_size=crop[0]) if crop else config
 
-    shapes, where = {}, {}
     for file in files:
         if not file.is_file():
             raise FileNotFoundError(f"{str(file)!r}, listed in {_WEIGHTS_INDEX}, does not exist")
-        with safe_open(str(file), framework="np") as f:
+    with contextlib.ExitStack() as stack:
+        shapes, where = {}, {}
+        for file in files:
+            f = stack.enter_context(safe_open(str(file), framework="np"))
             for key in f.keys():
                 name = _strip(key, ("transformer.",))
                 if name in shapes:
                     raise ValueError(f"{str(folder)!r} holds tensor {name!r} twice (with and without "
                                      "the 'transformer.' prefix?)")
                 shapes[name] = tuple(f.get_slice(key).get_shape())
-                where[name] = (file, key)
-
-    open_files = {}
-
-    def read(name):
-        file, key = where[name]
-        if file not in open_files:
-            open_files[file] = safe_open(str(file), framework="np").__enter__()
-        return open_files[file].get_tensor(key)
-
-    try:
-        params = _params_from_tensors(shapes, read, config, linear_layout=False, source=str(folder),
+                where[name] = (f, key)
+        params = _params_from_tensors(shapes, lambda name: where[name][0].get_tensor(where[name][1]),
+                                      config, linear_layout=False, source=str(folder),
                                       crop_positions=crop[1] if crop else None)
-    finally:
-        for f in open_files.values():
-            f.__exit__(None, None, None)
     return config, params
 
 
@@ -290,7 +281,7 @@ def _crop(config: GPTConfig, block_size: Optional[int]):
 
 def from_nanogpt(ckpt_path: PathLike, *, dtype: Optional[str] = None, param_dtype: Optional[str] = None,
                  attention: Optional[str] = None, dropout: Optional[float] = None,
-                 block_size: Optional[int] = None) -> tuple:
+                 block_size: Optional[int] = None) -> tuple[GPTConfig, dict]:
     """(GPTConfig, params) of a nanoGPT `ckpt.pt` (needs torch: pip install 'jaxgpt[torch]').
 
     nanoGPT's MLP uses exact GELU while jaxgpt's uses the tanh approximation (|difference| < 1e-3 per

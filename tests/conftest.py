@@ -1,6 +1,12 @@
-"""Test setup: four fake CPU devices (for pmap and mesh tests), set before JAX is first imported."""
+"""Test setup, before JAX is first imported: four fake CPU devices (for pmap and mesh tests) and a
+persistent compilation cache shared by this session's tests and the training processes they start."""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# many tests train the same tiny model; each train() builds new jitted functions, whose XLA programs are
+# identical, so a per-session disk cache saves most of the compile time
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxgpt-test-xla-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")

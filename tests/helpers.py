@@ -19,6 +19,7 @@ def write_corpus(path, n_lines=400, seed=0):
 
 
 def tiny_config(tmp_path, **train):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     c = default_config()
     c.out_dir = str(tmp_path / "out")
     c.seed = 0

@@ -216,6 +216,19 @@ def test_folder_of_text_files_ends_documents_with_eos(tmp_path):
     assert text == "".join(SPEECH * 10 + f"END {i}\n" for i in (0, 2, 4, 1, 3))  # sorted paths
 
 
+def test_not_utf8_error_names_the_file_and_byte(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text(SPEECH * 3)
+    (folder / "b.txt").write_bytes(b"fine\nna\xefve\n")
+    with pytest.raises(ValueError, match=r"b\.txt is not UTF-8 text .* at byte 7\b.*iconv"):
+        _prep(tmp_path, folder)
+    (folder / "b.txt").write_bytes(b"fine\n\xc3")  # cut inside a character at the end
+    with pytest.raises(ValueError, match=r"b\.txt is not UTF-8"):
+        _prep(tmp_path, folder)
+    assert _leftovers(tmp_path) == []
+
+
 def test_bad_input_is_a_clear_error_and_leaves_nothing(tmp_path):
     cache = tmp_path / "cache"
     cases = [
@@ -230,6 +243,11 @@ def test_bad_input_is_a_clear_error_and_leaves_nothing(tmp_path):
             dict(corpus="file", path=_file(tmp_path, "one line\n", "tiny.txt")),
             ValueError,
             "val split is empty",
+        ),
+        (
+            dict(corpus="file", path=_file(tmp_path, "abcdefghij", "x.txt"), val_fraction=0.99),
+            ValueError,
+            "train split is empty",
         ),
         (dict(corpus="file"), ValueError, "needs path"),
         (dict(corpus="web"), ValueError, "shakespeare, tinyshakespeare, file, hf"),

@@ -125,10 +125,11 @@ def fake_gpt2(tmp_path, monkeypatch):
     monkeypatch.setattr(tokmod, "GPT2_FILES", files)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))
     monkeypatch.delenv("JAXGPT_OFFLINE", raising=False)
+    monkeypatch.delenv("JAXGPT_GPT2_BPE_DIR", raising=False)
     return tmp_path / "remote"
 
 
-def test_gpt2_from_a_folder_of_bpe_files(fake_gpt2):
+def test_gpt2_from_a_folder_of_bpe_files(fake_gpt2, monkeypatch):
     tok = get_tokenizer("gpt2", bpe_dir=fake_gpt2)
     assert tok.vocab_size == 260 and tok.eos_id == 259
     ids = tok.encode("hi the end")
@@ -138,6 +139,8 @@ def test_gpt2_from_a_folder_of_bpe_files(fake_gpt2):
         assert tok.decode(tok.encode(text)) == text
     tok2 = tokenizer_from_dict(json.loads(json.dumps(tok.to_dict())))
     assert tok2.encode(ODD) == tok.encode(ODD)
+    monkeypatch.setenv("JAXGPT_GPT2_BPE_DIR", str(fake_gpt2))  # the folder may come from the environment
+    assert tokenizer_from_dict({"type": "gpt2", "bpe_dir": "/moved/away"}).encode(ODD) == tok.encode(ODD)
 
 
 def test_gpt2_download_is_cached_then_works_offline(fake_gpt2, tmp_path, monkeypatch):
@@ -169,13 +172,16 @@ def test_gpt2_rejects_files_that_are_not_gpt2s(fake_gpt2, tmp_path):
         get_tokenizer("gpt2", bpe_dir=other)
     with pytest.raises(FileNotFoundError):
         get_tokenizer("gpt2", bpe_dir=tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no GPT-2 BPE files"):
+        get_tokenizer("gpt2", bpe_dir=tmp_path / "empty")
 
 
 def test_real_gpt2_ids_when_the_files_are_here():
-    if os.environ.get("JAXGPT_GPT2_BPE_DIR") is None and tokmod._find_gpt2_files(None) is None:
+    if tokmod._find_gpt2_files(None) is None:
         pytest.skip(
             "GPT-2's BPE files are not available offline (set JAXGPT_GPT2_BPE_DIR or TIKTOKEN_CACHE_DIR)"
         )
-    tok = get_tokenizer("gpt2", bpe_dir=os.environ.get("JAXGPT_GPT2_BPE_DIR"))
+    tok = get_tokenizer("gpt2")
     assert tok.vocab_size == 50257 and tok.eos_id == 50256
     assert tok.encode("Hello world") == [15496, 995]

@@ -138,3 +138,31 @@ def test_nan_loss_stops_with_step(tmp_path):
     c = tiny_config(tmp_path, max_steps=10, lr=1e30, warmup_steps=0, grad_clip=0.0)
     with pytest.raises(TrainingDiverged, match="at step"):
         train(c)
+
+
+def test_every_shipped_config_validates():
+    import importlib.util
+    import glob
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = sorted(glob.glob(os.path.join(root, "configs", "*.py")))
+    assert len(files) >= 4
+    for path in files:
+        spec = importlib.util.spec_from_file_location("cfg", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        validate_config(mod.get_config(), device_count=1)
+
+
+def test_init_from_a_local_pretrained_folder(tmp_path):
+    from jaxgpt import save_pretrained
+    src = GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    params = init_params(src, jax.random.key(7))
+    save_pretrained(params, src, tmp_path / "hf")
+    c = tiny_config(tmp_path, max_steps=2, lr=1e-9, min_lr=0.0, warmup_steps=0, weight_decay=0.0)
+    c.init_from = str(tmp_path / "hf")
+    c.data.tokenizer = "byte"
+    s = train(c)
+    got = s["state"].params
+    assert got["wpe"]["embedding"].shape == (16, 32)  # cropped to model.block_size
+    np.testing.assert_allclose(np.asarray(got["h_1"]["mlp"]["c_fc"]["kernel"]),
+                               np.asarray(params["h_1"]["mlp"]["c_fc"]["kernel"]), atol=1e-6)

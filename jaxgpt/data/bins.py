@@ -278,13 +278,15 @@ def _build(
         for f in files.values():
             f.close()
 
-    if counts["train"]["chars"] == 0:
+    chars = counts["train"]["chars"] + counts["val"]["chars"]
+    if chars == 0:
         raise ValueError(f"corpus {src.describe()} is empty: it has no text to train on")
-    if counts["val"]["tokens"] == 0:
-        raise ValueError(
-            f"the val split is empty: the corpus ({counts['train']['chars']} characters) is too small for "
-            f"val_fraction={val_fraction}; raise val_fraction or use a larger corpus"
-        )
+    for split, fix in (("train", "lower val_fraction"), ("val", "raise val_fraction")):
+        if counts[split]["tokens"] == 0:
+            raise ValueError(
+                f"the {split} split is empty: the corpus ({chars} characters) is too small to split with "
+                f"val_fraction={val_fraction} at a line break; {fix} or use a larger corpus"
+            )
     for c in counts.values():
         c["bytes_per_token"] = c["bytes"] / max(c["tokens"], 1)
     save_tokenizer(tok, out / "tokenizer.json")

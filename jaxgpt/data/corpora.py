@@ -256,6 +256,7 @@ class LocalTextCorpus(Corpus):
         split = "train"
         for f in self.files:
             decoder = codecs.getincrementaldecoder("utf-8")("strict")
+            file_start = offset
             with open(f, "rb") as fh:
                 first = True
                 while True:
@@ -282,13 +283,13 @@ class LocalTextCorpus(Corpus):
                             text = decoder.decode(b)
                         except UnicodeDecodeError as e:
                             bad = b[e.start : e.start + 4]
-                            raise ValueError(_not_utf8(f, b_start + e.start, bad)) from None
+                            raise ValueError(_not_utf8(f, b_start - file_start + e.start, bad)) from None
                         for chunk in _line_chunks(text):
                             yield s, chunk, False
             try:
                 decoder.decode(b"", final=True)
             except UnicodeDecodeError:
-                raise ValueError(_not_utf8(f, offset - 1, b"")) from None
+                raise ValueError(_not_utf8(f, offset - file_start - 1, b"")) from None
             if self.documents:
                 yield split, "", True
 

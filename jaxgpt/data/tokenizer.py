@@ -1,4 +1,4 @@
-"""Tokenizers behind one interface: char, byte, byte-level BPE (trained with `tokenizers`), GPT-2 (`tiktoken`).
+"""Tokenizers behind one interface: char, byte, byte-level BPE (`tokenizers`), GPT-2 BPE (`tiktoken`).
 
 Every tokenizer can be written out with `to_dict()` (JSON-able) and rebuilt by `tokenizer_from_dict`
 with no corpus and no network, which is how datasets and checkpoints carry their tokenizer.
@@ -128,6 +128,19 @@ class ByteTokenizer(Tokenizer):
         return {"type": "byte"}
 
 
+# GPT-2's pre-tokenizer: contractions, letters, digits, other symbols, whitespace.
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's files spell each byte as a printable character: itself if printable, else chr(256 + n)."""
+    printable = [b for b in range(256) if chr(b).isprintable() and b != ord(" ")]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
+
 class BPETokenizer(Tokenizer):
     """Byte-level BPE (GPT-2 style) trained on a corpus with Hugging Face `tokenizers`; <|endoftext|> is eos.
 
@@ -149,7 +162,7 @@ class BPETokenizer(Tokenizer):
         self._json = tokenizer_json
         self.vocab_size = self._tk.get_vocab_size()
         self.eos_id = self._tk.token_to_id(ENDOFTEXT)
-        self._enc = _tiktoken_from_hf(tokenizer_json, self.eos_id)
+        self._enc = _tiktoken_from_hf(tokenizer_json)
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, progress: bool = False) -> "BPETokenizer":
@@ -193,7 +206,7 @@ class BPETokenizer(Tokenizer):
         return {"type": "bpe", "tokenizer_json": self._json}
 
 
-def _tiktoken_from_hf(tokenizer_json: str, eos_id: int | None) -> Any:
+def _tiktoken_from_hf(tokenizer_json: str) -> Any:
     """A tiktoken Encoding with the ranks of a GPT-2-style byte-level BPE JSON, or None for other JSON."""
     import tiktoken
 
@@ -230,8 +243,6 @@ GPT2_FILES = {
         "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     ),
 }
-# GPT-2's pre-tokenizer: contractions, letters, digits, other symbols, whitespace.
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 def _tiktoken_cache_dir() -> Path:
@@ -245,8 +256,9 @@ def _tiktoken_cache_dir() -> Path:
 
 
 def _find_gpt2_files(bpe_dir: str | os.PathLike | None) -> tuple[Path, Path] | None:
-    """Local (vocab.bpe, encoder.json): in bpe_dir by name or as a tiktoken cache; else tiktoken's cache."""
-    folders = [Path(bpe_dir).expanduser()] if bpe_dir else []
+    """Local (vocab.bpe, encoder.json) from bpe_dir, else $JAXGPT_GPT2_BPE_DIR, else tiktoken's cache; each
+    folder may hold them by name or as tiktoken caches them (named by the SHA-1 of their URL)."""
+    folders = [Path(d).expanduser() for d in (bpe_dir, os.environ.get("JAXGPT_GPT2_BPE_DIR")) if d]
     folders.append(_tiktoken_cache_dir())
     for d in folders:
         named = [d / "vocab.bpe", d / "encoder.json"]
@@ -255,15 +267,6 @@ def _find_gpt2_files(bpe_dir: str | os.PathLike | None) -> tuple[Path, Path] | N
             if all(p.is_file() for p in pair):
                 return pair[0], pair[1]
     return None
-
-
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """GPT-2's files spell each byte as a printable character: itself if printable, else chr(256 + n)."""
-    printable = [b for b in range(256) if chr(b).isprintable() and b != ord(" ")]
-    table = {chr(b): b for b in printable}
-    others = [b for b in range(256) if b not in table.values()]
-    table.update({chr(256 + n): b for n, b in enumerate(others)})
-    return table
 
 
 def _gpt2_ranks(encoder_json: bytes) -> tuple[dict[bytes, int], int]:
@@ -283,9 +286,9 @@ class GPT2Tokenizer(Tokenizer):
     def __init__(self, bpe_dir: str | os.PathLike | None = None, download: bool = True):
         import tiktoken
 
-        self.bpe_dir = str(bpe_dir) if bpe_dir else None
         if bpe_dir is not None and not Path(bpe_dir).expanduser().is_dir():
             raise FileNotFoundError(f"GPT-2 BPE folder {bpe_dir} does not exist")
+        self.bpe_dir = str(Path(bpe_dir).expanduser().resolve()) if bpe_dir else None
         found = _find_gpt2_files(bpe_dir)
         if found is not None:
             contents = [p.read_bytes() for p in found]
@@ -296,6 +299,11 @@ class GPT2Tokenizer(Tokenizer):
                         f"{path} is not GPT-2's {fname} (SHA-256 {actual}, expected {digest}); "
                         f"replace it with the file from {url}"
                     )
+        elif bpe_dir is not None:
+            raise ValueError(
+                f"{bpe_dir} has no GPT-2 BPE files: put vocab.bpe and encoder.json there "
+                f"(from {GPT2_FILES['vocab.bpe'][0].rsplit('/', 1)[0]}/)"
+            )
         elif download and not os.environ.get("JAXGPT_OFFLINE"):
             from tiktoken.load import read_file_cached
 
@@ -385,8 +393,9 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
         return ByteTokenizer()
     if kind == "bpe":
         return BPETokenizer(d["tokenizer_json"])
-    if kind == "gpt2":
-        return GPT2Tokenizer(bpe_dir=d.get("bpe_dir"))
+    if kind == "gpt2":  # the files are known by their hashes: look elsewhere if the folder has gone
+        bpe_dir = d.get("bpe_dir")
+        return GPT2Tokenizer(bpe_dir=bpe_dir if bpe_dir and Path(bpe_dir).is_dir() else None)
     raise ValueError(f"unknown tokenizer type {kind!r}; choose one of {', '.join(TOKENIZERS)}")
 
 

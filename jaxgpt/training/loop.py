@@ -117,8 +117,8 @@ def train(config) -> dict:
     checkpointer = ckpt_lib.Checkpointer(out_dir, keep=cfg_t.keep_checkpoints)
     start_step, best_val = 0, math.inf
     if resume:
+        _check_resume_meta(checkpointer.restore_meta(), gcfg)  # a clear message before orbax's
         state, meta = checkpointer.restore(ckpt_lib.abstract_like(state))
-        _check_resume_meta(meta, gcfg)
         sampler.load_state_dict(meta["sampler"])
         start_step = int(state.step)
         best_val = meta.get("best_val_loss", math.inf)
@@ -260,18 +260,13 @@ def _check_resume_meta(meta: dict, gcfg) -> None:
 
 
 def _load_pretrained(config, tokenizer):
-    try:
-        from jaxgpt.pretrained import from_pretrained
-    except ImportError as e:  # pragma: no cover
-        raise ValueError(f"init_from={config.init_from!r} needs jaxgpt.pretrained: {e}") from e
+    from jaxgpt.pretrained import from_pretrained
+
     m = config.model
-    gcfg, params = from_pretrained(config.init_from, dtype=m.dtype, attention=m.attention)
-    gcfg = gcfg.replace(dropout=m.dropout)
+    # crops the position table when block_size is smaller, as nanoGPT's fine-tuning does
+    gcfg, params = from_pretrained(config.init_from, dtype=m.dtype, attention=m.attention, dropout=m.dropout,
+                                   block_size=m.block_size)
     if tokenizer.vocab_size > gcfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but {config.init_from} has a "
                          f"vocabulary of {gcfg.vocab_size}; use data.tokenizer='gpt2' with GPT-2 weights")
-    if m.block_size < gcfg.block_size:  # crop the position table, as nanoGPT does
-        params = dict(params)
-        params["wpe"] = {"embedding": params["wpe"]["embedding"][: m.block_size]}
-        gcfg = gcfg.replace(block_size=m.block_size)
     return gcfg, params

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import flax.jax_utils
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -26,8 +25,16 @@ class PmapRunner:
         self._eval = jax.pmap(make_eval_step(config, axis_name=AXIS), axis_name=AXIS, devices=self.devices)
 
     def put_state(self, state):
-        """Replicate an unreplicated state onto the devices."""
-        return flax.jax_utils.replicate(state, self.devices)
+        """Replicate an unreplicated state onto the devices, laid out exactly as the step returns it.
+
+        (A different layout, e.g. flax.jax_utils.replicate's, would make the second step compile again.)
+        """
+        sharding = NamedSharding(Mesh(np.array(self.devices), (AXIS,)), P(AXIS))
+
+        def replicate(x):
+            shards = [jax.device_put(x[None], d) for d in self.devices]
+            return jax.make_array_from_single_device_arrays((self.n,) + x.shape, sharding, shards)
+        return jax.tree_util.tree_map(replicate, state)
 
     def get_state(self, state):
         """The unreplicated state (device 0's copy), e.g. for saving."""

@@ -55,7 +55,8 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
 
 
 def create_train_state(params, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params), rng=rng)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=jax.jit(optimizer.init)(params),
+                      rng=rng)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

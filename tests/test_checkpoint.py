@@ -1,0 +1,203 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxgpt import GPTConfig, init_params
+from jaxgpt.checkpoint import CheckpointError, Checkpointer, abstract_like, existing_steps, load_model
+from jaxgpt.training import MeshRunner, PmapRunner, create_train_state, make_optimizer, make_train_step, train
+from jaxgpt.config import default_config
+from tests.helpers import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def test_resume_gives_the_same_losses_as_never_stopping(tmp_path):
+    full = tiny_config(tmp_path / "a", max_steps=20, decay_steps=20, log_interval=1, checkpoint_interval=5)
+    train(full)
+    half = tiny_config(tmp_path / "b", max_steps=10, decay_steps=20, log_interval=1, checkpoint_interval=5)
+    train(half)
+    half.train.max_steps = 20
+    half.init_from = "resume"
+    s = train(half)
+    assert s["start_step"] == 10
+    a, b = _losses(full.out_dir), _losses(half.out_dir)
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    assert [a[k] for k in sorted(a)] == [b[k] for k in sorted(b)]
+
+
+def test_fresh_start_over_checkpoints_is_refused_and_resume_needs_one(tmp_path):
+    c = tiny_config(tmp_path, max_steps=5, checkpoint_interval=5, eval_interval=5)
+    c.init_from = "resume"
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        train(c)
+    c.init_from = "scratch"
+    train(c)
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        train(c)
+    c.overwrite = True
+    assert train(c)["steps"] == 5
+
+
+def test_resume_with_a_different_model_shape_fails_clearly(tmp_path):
+    c = tiny_config(tmp_path, max_steps=5, checkpoint_interval=5, eval_interval=5)
+    train(c)
+    c.init_from = "resume"
+    c.train.max_steps = 10
+    c.model.n_embd = 64
+    with pytest.raises(CheckpointError, match="n_embd"):
+        train(c)
+
+
+def test_damaged_checkpoint_fails_clearly(tmp_path):
+    c = tiny_config(tmp_path, max_steps=5, checkpoint_interval=5, eval_interval=5)
+    train(c)
+    state_dir = os.path.join(c.out_dir, "checkpoints", "5", "state")
+    for root, _, files in os.walk(state_dir):
+        for name in files:
+            if name != "_METADATA":
+                with open(os.path.join(root, name), "r+b") as f:
+                    f.truncate(3)
+    c.init_from = "resume"
+    c.train.max_steps = 10
+    with pytest.raises(CheckpointError):
+        train(c)
+
+
+def test_unwritable_out_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    c = tiny_config(tmp_path, max_steps=5)
+    c.out_dir = str(blocker / "out")
+    with pytest.raises(ValueError, match="not writable"):
+        train(c)
+
+
+def test_sample_loads_checkpoint_on_one_device(tmp_path, capsys):
+    from jaxgpt.cli.sample import main
+    c = tiny_config(tmp_path, max_steps=5, checkpoint_interval=5, eval_interval=5)
+    train(c)
+    config, params, tok, meta = load_model(c.out_dir)
+    assert meta["step"] == 5 and config.n_embd == 32
+    assert all(len(x.sharding.device_set) == 1 for x in jax.tree_util.tree_leaves(params))
+    settings = tmp_path / "s.json"
+    rc = main([f"--out_dir={c.out_dir}", "--prompt=KING:", "--num_samples=2", "--max_new_tokens=8",
+               "--seed=3", f"--save_settings={settings}"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("---------------") == 2 and out.count("\nKING:") >= 2
+    saved = json.loads(settings.read_text())
+    assert saved["settings"]["seed"] == 3 and len(saved["samples"]) == 2
+    assert main([f"--out_dir={c.out_dir}", "--prompt=KING{", "--max_new_tokens=4"]) == 2  # unknown char
+    assert "byte" in capsys.readouterr().err
+
+
+def test_restore_on_other_device_counts():
+    """Saved from pmap on 4 devices; restored on 1 device and on a 2-device mesh: same next loss."""
+    cfg = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    t = default_config().train
+    t.warmup_steps, t.max_steps = 2, 10
+    opt = make_optimizer(t)
+    r = np.random.default_rng(0)
+    batches = [r.integers(0, 50, (8, 17)).astype(np.int32) for _ in range(4)]
+    xy = [(b[:, :-1], b[:, 1:]) for b in batches]
+    pm = PmapRunner(cfg, opt)
+    state = pm.put_state(create_train_state(init_params(cfg, jax.random.key(0)), opt, jax.random.key(1)))
+    for x, y in xy[:3]:
+        state, _ = pm.step(state, x, y)
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        ck = Checkpointer(d)
+        ck.save(3, pm.get_state(state), {"step": 3})
+        ck.wait()
+        _, m_pmap = pm.step(state, *xy[3])
+        expected = float(pm.to_host(m_pmap)["loss"])
+        template = jax.eval_shape(lambda: create_train_state(init_params(cfg, jax.random.key(0)), opt,
+                                                             jax.random.key(1)))
+        one, _ = ck.restore(abstract_like(template))
+        _, m1 = jax.jit(make_train_step(cfg, opt))(one, *xy[3])
+        mesh = MeshRunner(cfg, opt, devices=jax.devices()[:2])
+        two, _ = ck.restore(abstract_like(template, mesh.replicated))
+        assert len(two.params["wte"]["embedding"].sharding.device_set) == 2
+        _, m2 = mesh.step(two, *xy[3])
+        ck.close()
+    assert int(one.step) == 3
+    np.testing.assert_allclose(float(m1["loss"]), expected, atol=1e-5)
+    np.testing.assert_allclose(float(mesh.to_host(m2)["loss"]), expected, atol=1e-5)
+
+
+def _write_config(tmp_path, **train_kw):
+    body = ", ".join(f"{k}={v!r}" for k, v in train_kw.items())
+    path = tmp_path / "cfg.py"
+    path.write_text(
+        "import pathlib, sys\n"
+        f"sys.path.insert(0, {REPO!r})\n"
+        "from tests.helpers import tiny_config\n"
+        f"def get_config():\n    return tiny_config(pathlib.Path({str(tmp_path)!r}), {body})\n")
+    return path
+
+
+def _run_until(cmd, out_dir, min_step, timeout=180):
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    deadline = time.time() + timeout
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"training exited early:\n{proc.stdout.read()}")
+            if os.path.exists(metrics) and _losses(out_dir) and max(_losses(out_dir)) >= min_step:
+                return proc
+            time.sleep(0.2)
+        raise AssertionError("training did not reach the step in time")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_and_resume_finishes(tmp_path):
+    cfg = _write_config(tmp_path, max_steps=100000, decay_steps=1000, log_interval=1, checkpoint_interval=100000,
+                        eval_interval=100000)
+    out = str(tmp_path / "out")
+    proc = _run_until([sys.executable, "train.py", f"--config={cfg}"], out, 3)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, log
+    steps = existing_steps(out)
+    assert len(steps) == 1 and steps[0] >= 3 and steps[0] == max(_losses(out))
+    done = subprocess.run([sys.executable, "train.py", f"--config={cfg}", "--config.init_from=resume",
+                           f"--config.train.max_steps={steps[0] + 3}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from step {steps[0]}" in done.stdout
+    assert max(_losses(out)) == steps[0] + 3
+
+
+@pytest.mark.slow
+def test_sigkill_during_saves_keeps_the_previous_checkpoint(tmp_path):
+    cfg = _write_config(tmp_path, max_steps=100000, decay_steps=1000, log_interval=1, checkpoint_interval=1,
+                        eval_interval=100000, keep_checkpoints=2)
+    out = str(tmp_path / "out")
+    proc = _run_until([sys.executable, "train.py", f"--config={cfg}"], out, 6)
+    time.sleep(0.37)  # land somewhere inside the save-every-step cycle
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    steps = existing_steps(out)
+    assert steps, "finished checkpoints must survive the kill"
+    done = subprocess.run([sys.executable, "train.py", f"--config={cfg}", "--config.init_from=resume",
+                           f"--config.train.max_steps={steps[-1] + 2}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from step {steps[-1]}" in done.stdout
