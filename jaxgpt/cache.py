@@ -52,21 +52,23 @@ class KVCache:
         return self.k[i], self.v[i]
 
     def write(self, i: int, k_new: jax.Array, v_new: jax.Array) -> tuple["KVCache", jax.Array, jax.Array]:
-        """Write layer i's new keys/values [B, T, K, H] at each row's `lengths`; returns the layer's k, v."""
-        k_i = _write_rows(self.k[i], k_new.astype(self.k.dtype), self.lengths)
-        v_i = _write_rows(self.v[i], v_new.astype(self.v.dtype), self.lengths)
-        return self.replace(k=self.k.at[i].set(k_i), v=self.v.at[i].set(v_i)), k_i, v_i
+        """Write layer i's new keys/values [B, T, K, H] at each row's `lengths`; returns the layer's k, v.
+
+        One dynamic_update_slice per row straight into the [L, B, S, K, H] buffer, which XLA performs in
+        place. (Slicing out the layer, updating it and setting it back copied the whole cache at every
+        layer of every step; a scatter was slower still on CPU.)
+        """
+        k, v = self.k, self.v
+        zero = jnp.zeros((), jnp.int32)
+        for r in range(k_new.shape[0]):
+            at = (jnp.int32(i), jnp.int32(r), self.lengths[r], zero, zero)
+            k = jax.lax.dynamic_update_slice(k, k_new[r][None, None].astype(k.dtype), at)
+            v = jax.lax.dynamic_update_slice(v, v_new[r][None, None].astype(v.dtype), at)
+        return self.replace(k=k, v=v), k[i], v[i]
 
     def advance(self, n: jax.Array) -> "KVCache":
         """Mark `n` (int or int [B]) more positions of each row as filled."""
         return self.replace(lengths=self.lengths + jnp.asarray(n, jnp.int32))
-
-
-def _write_rows(buf: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """buf [B, S, ...] with new [B, T, ...] written at row-specific offsets starts [B]."""
-    def one(b, n, s):
-        return jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0)
-    return jax.vmap(one)(buf, new, starts)
 
 
 def cache_bytes(config: GPTConfig, batch_size: int, max_len: int, dtype=None) -> int:

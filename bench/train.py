@@ -1,0 +1,131 @@
+"""Training-throughput benchmark: jaxgpt's real train step (the runner train.py uses) against a PyTorch
+peer (transformers' GPT2LMHeadModel + AdamW, eager) doing the same work in the same run.
+
+python bench/train.py [--configs baby 6l] [--dtypes float32 bfloat16] [--steps 20] [--no-torch]
+
+Prints the machine's measured matmul peak and bandwidth, then tokens/s, ms/step and MFU (6N + 12*L*T*D
+FLOPs per token, attention not halved) of each, median over --steps timed steps after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.common import ceilings, machine, write_results  # noqa: E402
+from jaxgpt import GPTConfig, init_params  # noqa: E402
+from jaxgpt.config import default_config  # noqa: E402
+from jaxgpt.training import create_train_state, make_optimizer, make_runner, make_schedule  # noqa: E402
+
+CONFIGS = {  # name: (n_layer, n_head, n_embd, block_size, batch, vocab)
+    "baby": (4, 4, 128, 64, 12, 65),
+    "6l": (6, 6, 384, 256, 8, 65),
+}
+
+
+def batches(n, b, t, vocab, seed=0):
+    r = np.random.default_rng(seed)
+    return [r.integers(0, vocab, (b, t + 1)).astype(np.int32) for _ in range(n)]
+
+
+def bench_jax(name, dtype, steps, attention):
+    L, H, D, T, B, V = CONFIGS[name]
+    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=D, dtype=dtype, attention=attention)
+    tc = default_config().train
+    opt = make_optimizer(tc)
+    runner = make_runner("pmap", cfg, opt, 1, make_schedule(tc))
+    state = runner.put_state(create_train_state(init_params(cfg, jax.random.key(0)), opt, jax.random.key(1)))
+    data = batches(steps + 2, B, T, V)
+    t0 = time.perf_counter()
+    state, m = runner.step(state, data[0][:, :-1], data[0][:, 1:])
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t0
+    state, m = runner.step(state, data[1][:, :-1], data[1][:, 1:])
+    jax.block_until_ready(m)
+    times = []
+    for d in data[2:]:
+        t0 = time.perf_counter()
+        state, m = runner.step(state, d[:, :-1], d[:, 1:])
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    return cfg, statistics.median(times), compile_s
+
+
+def bench_torch(name, steps, compile_=False):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    L, H, D, T, B, V = CONFIGS[name]
+    torch.manual_seed(0)
+    hf = GPT2Config(vocab_size=V, n_positions=T, n_embd=D, n_layer=L, n_head=H, resid_pdrop=0.0,
+                    embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(hf)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    fwd = torch.compile(model) if compile_ else model
+    data = [torch.from_numpy(d.astype(np.int64)) for d in batches(steps + 2, B, T, V)]
+
+    def step(d):
+        x, y = d[:, :-1], d[:, 1:]
+        logits = fwd(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    step(data[0])
+    step(data[1])
+    times = []
+    for d in data[2:]:
+        t0 = time.perf_counter()
+        step(d)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), torch.__version__
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--configs", nargs="+", default=["baby", "6l"], choices=sorted(CONFIGS))
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--attention", default="einsum")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--torch-compile", action="store_true")
+    args = p.parse_args()
+    ceil = ceilings()
+    rows = []
+    for name in args.configs:
+        L, H, D, T, B, V = CONFIGS[name]
+        peer = None
+        if not args.no_torch:
+            t_torch, tv = bench_torch(name, args.steps, args.torch_compile)
+            peer = {"ms_per_step": 1e3 * t_torch, "tokens_per_s": B * T / t_torch, "torch": tv}
+        for dtype in args.dtypes:
+            cfg, t, compile_s = bench_jax(name, dtype, args.steps, args.attention)
+            peak = ceil["matmul_bf16_flops" if dtype == "bfloat16" else "matmul_fp32_flops"]
+            tok_s = B * T / t
+            row = {"config": name, "dtype": dtype, "ms_per_step": 1e3 * t, "tokens_per_s": tok_s,
+                   "compile_s": compile_s, "mfu": cfg.flops_per_token(T) * tok_s / peak, "peer": peer,
+                   "speedup_vs_peer": (tok_s / peer["tokens_per_s"]) if peer else None}
+            rows.append(row)
+            sp = f"{row['speedup_vs_peer']:.2f}x" if peer else "-"
+            print(f"{name:>5} {dtype:>9}: jaxgpt {row['ms_per_step']:8.1f} ms/step {tok_s:9.0f} tok/s "
+                  f"MFU {100 * row['mfu']:5.1f}% compile {compile_s:5.1f}s | torch "
+                  f"{peer['ms_per_step'] if peer else float('nan'):8.1f} ms/step | speedup {sp}", flush=True)
+    path = write_results("train", {"machine": machine(), "ceilings": ceil, "settings": vars(args), "runs": rows})
+    print(f"ceilings: fp32 {ceil['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {ceil['matmul_bf16_flops'] / 1e9:.0f} "
+          f"GFLOP/s, read {ceil['read_bytes_per_s'] / 1e9:.1f} GB/s; results: {path}")
+
+
+if __name__ == "__main__":
+    main()
