@@ -53,6 +53,25 @@ def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, ban
             "fraction_of_read_bandwidth": bytes_per_step * steps_per_s / bandwidth}
 
 
+def run_peer(batch: int, prompt_len: int, new_tokens: int, reps: int) -> dict:
+    """transformers' GPT2LMHeadModel.generate (PyTorch CPU, KV cache, top-k 50), same shapes."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config()).eval()
+    prompts = torch.from_numpy(np.random.default_rng(0).integers(0, 50257, (batch, prompt_len)))
+
+    def call():
+        with torch.no_grad():
+            model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=50,
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+
+    call()
+    t, times = median_time(call, reps)
+    return {"batch": batch, "tokens_per_s": batch * new_tokens / t, "seconds": t, "torch": torch.__version__}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -60,17 +79,25 @@ def main():
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     args = p.parse_args()
     ceil = ceilings()
     rows = [run(b, d, args.prompt_len, args.new_tokens, args.reps, ceil["read_bytes_per_s"])
             for d in args.dtypes for b in args.batch]
-    path = write_results("decode", {"machine": machine(), "ceilings": ceil, "settings": vars(args), "runs": rows})
+    peers = {} if args.no_peer else {b: run_peer(b, args.prompt_len, args.new_tokens, args.reps) for b in args.batch}
+    for r in rows:
+        if r["batch"] in peers:
+            r["peer_tokens_per_s"] = peers[r["batch"]]["tokens_per_s"]
+            r["speedup_vs_peer"] = r["tokens_per_s"] / r["peer_tokens_per_s"]
+    path = write_results("decode", {"machine": machine(), "ceilings": ceil, "settings": vars(args), "runs": rows,
+                                    "peer": list(peers.values())})
     print(f"read bandwidth {ceil['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul "
           f"{ceil['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {ceil['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s")
-    print(f"{'dtype':>9} {'batch':>5} {'tok/s':>8} {'compile s':>9} {'cache MB':>8} {'% read bw':>9}")
+    print(f"{'dtype':>9} {'batch':>5} {'tok/s':>8} {'compile s':>9} {'cache MB':>8} {'% read bw':>9} {'peer tok/s':>10}")
     for r in rows:
+        peer = f"{r['peer_tokens_per_s']:10.1f} ({r['speedup_vs_peer']:.2f}x)" if "peer_tokens_per_s" in r else ""
         print(f"{r['dtype']:>9} {r['batch']:>5} {r['tokens_per_s']:8.1f} {r['compile_s']:9.2f} "
-              f"{r['kv_cache_bytes'] / 2**20:8.1f} {100 * r['fraction_of_read_bandwidth']:8.1f}%")
+              f"{r['kv_cache_bytes'] / 2**20:8.1f} {100 * r['fraction_of_read_bandwidth']:8.1f}% {peer}")
     print(f"results: {path}")
 
 

@@ -42,7 +42,13 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     def save(self, step: int, state: Any, meta: dict, val_loss: Optional[float] = None) -> None:
-        """Start saving `state` (unreplicated arrays) and `meta` (JSON) as checkpoint `step`."""
+        """Start saving `state` (unreplicated arrays) and `meta` (JSON) as checkpoint `step`.
+
+        On several processes every process calls this with the same step (orbax saves collectively: each
+        process writes the shards it holds, process 0 the metadata), and every leaf must be a global
+        array spanning all processes (replicated or sharded, e.g. a runner's get_state).
+        """
+        _check_global(state)
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)),
@@ -97,6 +103,18 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _check_global(state: Any) -> None:
+    if jax.process_count() == 1:
+        return
+    local = [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_leaves_with_path(state)
+             if not isinstance(x, jax.Array) or x.is_fully_addressable]
+    if local:
+        raise CheckpointError(
+            f"on {jax.process_count()} processes every saved leaf must be a global jax.Array spanning all of "
+            f"them (replicated or sharded), but {local[:5]}{' ...' if len(local) > 5 else ''} "
+            "are process-local; save runner.get_state(state)")
 
 
 def abstract_like(tree: Any, sharding=None) -> Any:

@@ -170,10 +170,20 @@ def default_config():
     c.train.eval_steps = 20
     c.train.log_interval = 10
     c.train.parallel = "pmap"    # pmap | mesh
+    c.train.fsdp = False         # mesh only: shard params and optimizer state over the data axis
     c.train.checkpoint_interval = 250
     c.train.keep_checkpoints = 2
     c.train.peak_flops = placeholder(float)  # per device, for MFU; None: measured or known for the device
     c.train.progress = True      # tqdm bar (quiet when stderr is not a terminal)
+
+    # several processes (hosts) through jax.distributed; see jaxgpt/distributed.py
+    c.distributed = config_dict.ConfigDict()
+    c.distributed.enabled = placeholder(bool)             # None: auto (the keys below, or a detected cluster)
+    c.distributed.coordinator_address = placeholder(str)  # "HOST:PORT" of process 0
+    c.distributed.num_processes = placeholder(int)
+    c.distributed.process_id = placeholder(int)
+    c.distributed.initialization_timeout_s = 300          # how long processes wait for each other at start
+    c.distributed.heartbeat_timeout_s = 100               # a silent process is dead after this; the rest stop
     return c
 
 
@@ -213,6 +223,12 @@ def validate_config(config, device_count: int = 1) -> None:
         need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"train.{key}",
              f"must be a positive integer, got {v!r}")
     need(t.parallel in PARALLEL_MODES, "train.parallel", f"must be one of {PARALLEL_MODES}, got {t.parallel!r}")
+    need(isinstance(t.fsdp, bool), "train.fsdp", f"must be True or False, got {t.fsdp!r}")
+    need(not t.fsdp or t.parallel == "mesh", "train.fsdp",
+         "needs train.parallel='mesh' (pmap keeps a whole copy of the state on every device)")
+    if "distributed" in config:
+        from jaxgpt.distributed import check_config
+        check_config(config.distributed)
     need(t.batch_size % (device_count * t.grad_accum) == 0, "train.batch_size",
          f"{t.batch_size} must be divisible by the device count ({device_count}) times "
          f"train.grad_accum ({t.grad_accum})")

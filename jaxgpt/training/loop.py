@@ -28,7 +28,8 @@ def _prepare_out_dir(out_dir: str) -> str:
     out_dir = os.path.abspath(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, ".write_test")
+        # one probe per process: several processes may share the folder (one host, or a shared filesystem)
+        probe = os.path.join(out_dir, f".write_test-{jax.process_index()}-{os.getpid()}")
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
@@ -42,22 +43,40 @@ def _load_data(config, process_index: int, process_count: int):
     from jaxgpt.data import BatchSampler, prepare_dataset
 
     d = config.data
+    # every process prepares (or finds) the bins itself: the cache is built under a temporary name and
+    # renamed into place, so processes sharing a filesystem do not clash
     ds = prepare_dataset(corpus=d.corpus, path=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
-                         val_fraction=d.val_fraction, cache_dir=d.cache_dir, progress=config.train.progress)
+                         val_fraction=d.val_fraction, cache_dir=d.cache_dir,
+                         progress=config.train.progress and process_index == 0)
     t = config.train
     train = BatchSampler(ds.train, t.batch_size, config.model.block_size, config.seed, process_index, process_count)
     return ds, train
 
 
 class _Preemption:
-    """Turns SIGTERM/SIGINT into a flag the loop checks after each step (main thread only)."""
+    """Turns SIGTERM/SIGINT into a flag the loop checks after each step (main thread only).
 
-    def __init__(self):
+    On several processes the signal may reach them at different steps, yet all must stop (and save
+    collectively) at the same one: there SIGTERM is left to JAX's preemption notifier, and `stop(step)`
+    asks JAX's preemption sync point, which answers True on every process at the same step. SIGINT
+    keeps its default there (KeyboardInterrupt: the process stops at once).
+    """
+
+    def __init__(self, multiprocess: bool = False):
         self.signal: Optional[int] = None
+        self.multiprocess = multiprocess
         self._old = {}
 
+    def stop(self, step: int) -> bool:
+        """Whether to write a checkpoint and stop after `step`; call it once per step on every process."""
+        if self.multiprocess and self.signal is None:
+            from jax.experimental import multihost_utils
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.signal = signal.SIGTERM
+        return self.signal is not None
+
     def __enter__(self):
-        if threading_is_main():
+        if threading_is_main() and not self.multiprocess:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
@@ -78,11 +97,20 @@ def threading_is_main() -> bool:
 
 
 def train(config) -> dict:
-    """Run training as `config` describes; returns a summary (final losses, steps, times)."""
+    """Run training as `config` describes; returns a summary (final losses, steps, times, final state).
+
+    On several processes every process calls this with the same config: it connects them first through
+    `jaxgpt.distributed.initialize` (unless that already ran), each process then feeds its own rows of
+    every global batch, only process 0 prints and writes metrics, and checkpoints are saved by all.
+    """
     t0 = time.time()
     cfg_t = config.train
+    validate_config(config)  # the device-independent checks, before the first JAX call
+    from jaxgpt import distributed
+    distributed.initialize(config)  # jax.distributed as config.distributed says (a no-op if it already ran)
     process_index, process_count = jax.process_index(), jax.process_count()
     is_main = process_index == 0
+    multiprocess = process_count > 1
     n_devices = jax.device_count() if cfg_t.parallel == "mesh" else jax.local_device_count() * process_count
     validate_config(config, n_devices)
     out_dir = _prepare_out_dir(config.out_dir)
@@ -98,6 +126,8 @@ def train(config) -> dict:
     if not resume and existing and config.overwrite and is_main:
         import shutil
         shutil.rmtree(ckpt_lib.checkpoint_dir(out_dir))
+    if multiprocess:  # nobody opens the checkpoint folder while process 0 may still be clearing it
+        distributed.barrier("jaxgpt-out-dir")
 
     ds, sampler = _load_data(config, process_index, process_count)
     tokenizer = ds.tokenizer
@@ -108,21 +138,34 @@ def train(config) -> dict:
         gcfg = model_config_from(config, tokenizer.vocab_size)
 
     optimizer, schedule = make_optimizer(cfg_t), make_schedule(cfg_t)
-    runner = make_runner(cfg_t.parallel, gcfg, optimizer, cfg_t.grad_accum, schedule)
-    if params is None:
-        params = init_params(gcfg, jax.random.key(config.seed))
-    state = create_train_state(params, optimizer, jax.random.key(config.seed + 1))
+    runner = make_runner(cfg_t.parallel, gcfg, optimizer, cfg_t.grad_accum, schedule, fsdp=cfg_t.fsdp)
+    seed = config.seed
+
+    def make_state(*pretrained):
+        p = pretrained[0] if pretrained else init_params(gcfg, jax.random.key(seed))
+        return create_train_state(p, optimizer, jax.random.key(seed + 1))
+
+    args = () if params is None else (params,)
     del params
 
     checkpointer = ckpt_lib.Checkpointer(out_dir, keep=cfg_t.keep_checkpoints)
     start_step, best_val = 0, math.inf
-    if resume:
-        _check_resume_meta(checkpointer.restore_meta(), gcfg)  # a clear message before orbax's
-        state, meta = checkpointer.restore(ckpt_lib.abstract_like(state))
-        sampler.load_state_dict(meta["sampler"])
-        start_step = int(state.step)
-        best_val = meta.get("best_val_loss", math.inf)
-    state = runner.put_state(state)
+    try:
+        if resume:
+            _check_resume_meta(checkpointer.restore_meta(), gcfg)  # a clear message before orbax's
+            # restored straight into the runner's layout (sharded with fsdp), on any device count
+            state, meta = checkpointer.restore(runner.abstract_state(make_state, *args))
+            sampler.load_state_dict(meta["sampler"])
+            start_step = int(state.step)  # replicated: readable on every process
+            best_val = meta.get("best_val_loss", math.inf)
+            state = runner.put_state(state)
+        else:
+            state = runner.init_state(make_state, *args)
+    except BaseException:
+        if not multiprocess:  # (closing is collective on several processes; see the end of the loop)
+            checkpointer.close()
+        raise
+    del args
 
     log = MetricsLog(out_dir, enabled=is_main, truncate_after_step=start_step if resume else None)
     from jaxgpt.data import BatchSampler
@@ -137,6 +180,7 @@ def train(config) -> dict:
     tokens_per_step = cfg_t.batch_size * gcfg.block_size
     flops_per_token = gcfg.flops_per_token(gcfg.block_size)
     peak, peak_source = peak_flops(gcfg.dtype, cfg_t.peak_flops)
+    peak *= process_count  # peak_flops counts this process's devices; tokens/s counts the global batch
 
     def say(msg):
         if is_main:
@@ -144,7 +188,8 @@ def train(config) -> dict:
 
     if is_main:
         print(f"jaxgpt: {gcfg.num_params(non_embedding=False) / 1e6:.2f}M parameters, "
-              f"{runner.n} device(s) via {runner.name}, tokens/step {tokens_per_step}, "
+              f"{n_devices} device(s) via {runner.name}"
+              f"{f' on {process_count} processes' if multiprocess else ''}, tokens/step {tokens_per_step}, "
               f"vocab {gcfg.vocab_size} ({config.data.tokenizer}), dtype {gcfg.dtype}; MFU against "
               f"{peak / 1e9:.0f} GFLOP/s ({peak_source}), {flops_per_token / 1e6:.2f} MFLOP/token "
               f"(6N + 12*L*T*D, attention not halved)", flush=True)
@@ -181,6 +226,7 @@ def train(config) -> dict:
     last_val = None
     step = start_step
     saved_step = start_step if resume else None
+    failed = False
 
     def read(pending):
         nonlocal last_log_time, last_log_step
@@ -202,7 +248,7 @@ def train(config) -> dict:
                 f"{tok_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | {now - t0:.1f}s")
 
     try:
-        with _Preemption() as preempt:
+        with _Preemption(multiprocess) as preempt:
             while step < cfg_t.max_steps:
                 x, y = next(prefetch)
                 state, metrics = runner.step(state, x, y)
@@ -213,8 +259,9 @@ def train(config) -> dict:
                 if bar is not None:
                     bar.update(1)
                 last = step == cfg_t.max_steps
+                stop = preempt.stop(step)
                 do_eval = step % cfg_t.eval_interval == 0 or last
-                do_save = step % cfg_t.checkpoint_interval == 0 or last or preempt.signal is not None
+                do_save = step % cfg_t.checkpoint_interval == 0 or last or stop
                 if do_eval or do_save:
                     read(pending)
                     pending = None
@@ -231,17 +278,23 @@ def train(config) -> dict:
                     checkpointer.save(step, runner.get_state(state), meta_for(step, best_val),
                                       val_loss=last_val if do_eval else None)
                     saved_step = step
-                if preempt.signal is not None:
+                if stop:
                     say(f"jaxgpt: signal {preempt.signal} received; checkpoint written at step {step}, exiting")
                     summary["preempted"] = True
                     break
             if pending is not None:
                 read(pending)
+    except BaseException:
+        failed = True
+        raise
     finally:
         prefetch.close()
         if bar is not None:
             bar.close()
-        checkpointer.close()  # async saves always finish, on errors too
+        # async saves always finish, on errors too; but on several processes finishing is collective, and
+        # after an error the others may never join: leave the save unfinished (earlier ones are whole)
+        if not (failed and multiprocess):
+            checkpointer.close()
         log.close()
     summary.update({"steps": step, "best_val_loss": best_val, "saved_step": saved_step,
                     "wall_time_s": time.time() - t0, "state": runner.get_state(state)})

@@ -1,6 +1,22 @@
-"""The two ways to run the step on many devices, each in one place: pmap, and jit over a Mesh."""
+"""The two ways to run the step on many devices, each in one place: pmap, and jit over a Mesh.
+
+Both work unchanged on one process or on several (JAX's multi-controller runtime, `jax.distributed`):
+each process hands its runner only its own rows of the global batch, and the state that comes out of
+`get_state` (what checkpoints hold) is made of global arrays that span every process's devices.
+
+- `PmapRunner`: data parallel with `jax.pmap` over this process's devices; the axis spans all
+  processes' devices, so `pmean` averages over the whole global batch. State is replicated with a
+  leading local-device axis.
+- `MeshRunner`: `jax.jit` over a 1-D `Mesh` of all global devices, batch sharded over `data`. State is
+  replicated, or with `fsdp=True` sharded over the same `data` axis (each leaf along its largest
+  dimension divisible by the number of devices; leaves with no such dimension stay replicated). XLA
+  gathers the parameters for the forward and backward passes and reduce-scatters the gradients; the
+  update is the same as replicated training.
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import numpy as np
@@ -11,37 +27,154 @@ from jaxgpt.training.step import make_eval_step, make_train_step
 
 AXIS = "data"
 
+tree_map = jax.tree_util.tree_map
+
+
+def fsdp_spec(shape: tuple[int, ...], n: int) -> P:
+    """The PartitionSpec that shards the largest dimension divisible by `n` over the data axis (the
+    first such one on ties); P() (replicated) when no dimension divides, or when n == 1."""
+    best = None
+    for i, d in enumerate(shape):
+        if n > 1 and d >= n and d % n == 0 and (best is None or d > shape[best]):
+            best = i
+    if best is None:
+        return P()
+    return P(*([None] * best), AXIS)
+
+
+def _local_value(a) -> np.ndarray:
+    """The host value of a replicated (or fully addressable) array, read from a local device only."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        if not a.is_fully_replicated:
+            raise ValueError(f"array of shape {a.shape} is sharded across processes; it has no local value")
+        return np.asarray(a.addressable_data(0))
+    return np.asarray(a)
+
+
+def _is_key(x) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _to_global(x, sharding: NamedSharding):
+    """`x` (a host value, or a jax.Array with the same value on every process) laid out as `sharding`."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    if sharding.is_fully_addressable:  # one process: a plain device_put
+        return jax.device_put(x, sharding)
+    if _is_key(x):  # typed PRNG keys travel as their raw key data
+        impl = jax.random.key_impl(x)
+        data = _to_global(jax.random.key_data(x), NamedSharding(sharding.mesh, P()))
+        return jax.device_put(jax.random.wrap_key_data(data, impl=impl), sharding)
+    host = _local_value(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _key_impls(tree) -> tuple:
+    """The PRNG key implementation of each leaf of `tree` (None for leaves that are not typed keys)."""
+    return tuple(jax.random.key_impl(x) if _is_key(x) else None for x in jax.tree_util.tree_leaves(tree))
+
+
+def _split_keys(tree):
+    """`tree` with its typed PRNG keys replaced by their raw key data."""
+    return tree_map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def _join_keys(tree, impls):
+    """The inverse of _split_keys."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef.unflatten([x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+                              for x, impl in zip(leaves, impls)])
+
+
+def _abstract(state, shardings):
+    return tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+
 
 class PmapRunner:
-    """Data parallel over local devices with `jax.pmap`; state replicated with a leading device axis."""
+    """Data parallel over this process's devices with `jax.pmap`; state replicated with a leading
+    device axis. Across processes the pmap axis spans every process's devices.
+
+    Between put_state and get_state typed PRNG keys are held as raw key data: on several processes
+    pmap copies typed-key arguments through the host on every call, which would make each step wait
+    for the one before it.
+    """
 
     name = "pmap"
 
     def __init__(self, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, devices=None):
-        self.devices = list(devices or jax.local_devices())
+        # Without explicit devices pmap maps over the local devices (on several processes its axis, and
+        # so pmean, still spans all of them); explicit devices are for single-process subsets.
+        self.devices = list(devices) if devices is not None else jax.local_devices()
         self.n = len(self.devices)
+        all_devices = self.devices if devices is not None else jax.devices()
+        # the saved ("unreplicated") layout: one value replicated on every device of every process
+        self.replicated = NamedSharding(Mesh(np.array(all_devices), (AXIS,)), P())
+        # the layout pmap returns: one copy per local device along the leading axis
+        self._layout = NamedSharding(Mesh(np.array(self.devices), (AXIS,)), P(AXIS))
+        kw = {} if devices is None else {"devices": self.devices}
         step = make_train_step(config, optimizer, grad_accum, axis_name=AXIS, schedule=schedule)
-        self._step = jax.pmap(step, axis_name=AXIS, devices=self.devices, donate_argnums=(0,))
-        self._eval = jax.pmap(make_eval_step(config, axis_name=AXIS), axis_name=AXIS, devices=self.devices)
+        self._impls = None  # the key implementation of each state leaf (None: not a key), from put_state
+
+        def raw_step(raw_state, x, y):
+            state, metrics = step(_join_keys(raw_state, self._impls), x, y)
+            return _split_keys(state), metrics
+
+        self._step = jax.pmap(raw_step, axis_name=AXIS, donate_argnums=(0,), **kw)
+        self._eval = jax.pmap(make_eval_step(config, axis_name=AXIS), axis_name=AXIS, **kw)
+
+    def state_shardings(self, state):
+        """Shardings of the state as get_state returns it (and checkpoints hold it): replicated."""
+        return tree_map(lambda _: self.replicated, state)
+
+    def abstract_state(self, make_state: Callable, *args):
+        """ShapeDtypeStructs of `make_state(*args)` in the saved layout: a restore target."""
+        shapes = jax.eval_shape(make_state, *args)
+        return _abstract(shapes, self.state_shardings(shapes))
+
+    def init_state(self, make_state: Callable, *args):
+        """`make_state(*args)` computed once here, replicated onto the local devices."""
+        return self.put_state(jax.jit(make_state)(*args))
 
     def put_state(self, state):
-        """Replicate an unreplicated state onto the devices, laid out exactly as the step returns it.
-
-        (A different layout, e.g. flax.jax_utils.replicate's, would make the second step compile again.)
-        """
-        sharding = NamedSharding(Mesh(np.array(self.devices), (AXIS,)), P(AXIS))
-
+        """Replicate a state (on one device, or replicated as get_state returns it) onto the local devices,
+        laid out exactly as the step returns it (any other layout would make the second step compile again)."""
         def replicate(x):
-            shards = [jax.device_put(x[None], d) for d in self.devices]
-            return jax.make_array_from_single_device_arrays((self.n,) + x.shape, sharding, shards)
-        return jax.tree_util.tree_map(replicate, state)
+            copies = self._copies(x)
+            if _is_key(x):
+                copies = [jax.random.key_data(c) for c in copies]
+            shards = [c[None] for c in copies]
+            return jax.make_array_from_single_device_arrays((self.n,) + shards[0].shape[1:], self._layout, shards)
+
+        impls = _key_impls(state)
+        if self._impls is not None and impls != self._impls:
+            raise ValueError("put_state got a state whose PRNG keys differ from the earlier one's")
+        self._impls = impls
+        return tree_map(replicate, state)
+
+    def _copies(self, x) -> list:
+        """x's whole value on each local device, reusing the copies x already has there."""
+        if not isinstance(x, jax.Array):
+            return [jax.device_put(x, d) for d in self.devices]
+        have = {s.device: s.data for s in x.addressable_shards if s.data.shape == x.shape}
+        if not have and not x.is_fully_addressable:
+            raise ValueError(f"cannot replicate an array of shape {x.shape} that is sharded across processes")
+        src = next(iter(have.values())) if have else x
+        return [have[d] if d in have else jax.device_put(src, d) for d in self.devices]
 
     def get_state(self, state):
-        """The unreplicated state (device 0's copy), e.g. for saving."""
-        return jax.tree_util.tree_map(lambda x: x[0], state)
+        """The unreplicated state as global arrays replicated over all devices (of all processes), built
+        from the copies the local devices already hold: what orbax saves, on one process or several."""
+        def unreplicate(x, impl):
+            local = [s.data.reshape(x.shape[1:]) for s in x.addressable_shards]
+            if impl is not None:
+                local = [jax.random.wrap_key_data(c, impl=impl) for c in local]
+            return jax.make_array_from_single_device_arrays(local[0].shape, self.replicated, local)
+
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        return treedef.unflatten([unreplicate(x, impl) for x, impl in zip(leaves, self._impls)])
 
     def put_batch(self, x: np.ndarray):
-        """This process's rows [b, T] -> [devices, b / devices, T]."""
+        """This process's rows [b, T] -> [local devices, b / local devices, T]."""
         return x.reshape(self.n, x.shape[0] // self.n, *x.shape[1:])
 
     def step(self, state, x, y):
@@ -51,29 +184,50 @@ class PmapRunner:
         return self._eval(state.params, self.put_batch(x), self.put_batch(y))
 
     def to_host(self, tree):
-        """Metrics (identical on every device after pmean) as host scalars."""
-        return jax.device_get(jax.tree_util.tree_map(lambda a: a[0], tree))
+        """Metrics (identical on every device after pmean) as host values, read from a local device."""
+        return tree_map(lambda a: np.asarray(a.addressable_data(0))[0], tree)
 
 
 class MeshRunner:
-    """The same step under `jax.jit` over a 1-D device Mesh: batch sharded over `data`, state replicated."""
+    """The same step under `jax.jit` over a 1-D Mesh of all devices: batch sharded over `data`; state
+    replicated, or sharded over `data` too with `fsdp=True`."""
 
     name = "mesh"
 
-    def __init__(self, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, devices=None):
-        self.mesh = Mesh(np.array(devices or jax.devices()), (AXIS,))
+    def __init__(self, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, devices=None,
+                 fsdp: bool = False):
+        self.mesh = Mesh(np.array(devices if devices is not None else jax.devices()), (AXIS,))
         self.n = self.mesh.size
+        self.fsdp = bool(fsdp)
+        if self.fsdp:
+            self.name = "mesh (fsdp)"
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P(AXIS))
-        step = make_train_step(config, optimizer, grad_accum, axis_name=None, schedule=schedule)
-        self._step = jax.jit(step, out_shardings=(self.replicated, self.replicated), donate_argnums=(0,))
-        self._eval = jax.jit(make_eval_step(config), out_shardings=self.replicated)
+        self._train_step = make_train_step(config, optimizer, grad_accum, axis_name=None, schedule=schedule)
+        self._eval_step = make_eval_step(config)
+        self._step = self._eval = None  # jitted on first use, when the state's structure is known
 
     def state_shardings(self, state):
-        return jax.tree_util.tree_map(lambda _: self.replicated, state)
+        """Per leaf: replicated, or with fsdp its largest dimension divisible by the mesh size sharded."""
+        if not self.fsdp:
+            return tree_map(lambda _: self.replicated, state)
+        return tree_map(lambda x: NamedSharding(self.mesh, fsdp_spec(tuple(x.shape), self.n)), state)
+
+    def abstract_state(self, make_state: Callable, *args):
+        """ShapeDtypeStructs of `make_state(*args)` laid out as this runner keeps it: a restore target."""
+        shapes = jax.eval_shape(make_state, *args)
+        return _abstract(shapes, self.state_shardings(shapes))
+
+    def init_state(self, make_state: Callable, *args):
+        """`make_state(*args)` computed straight into its shardings (no device ever holds it all with fsdp)."""
+        shapes = jax.eval_shape(make_state, *args)
+        if jax.process_count() > 1:  # jit over every process's devices takes host values or global arrays
+            args = jax.device_get(args)
+        return jax.jit(make_state, out_shardings=self.state_shardings(shapes))(*args)
 
     def put_state(self, state):
-        return jax.device_put(state, self.state_shardings(state))
+        """Lay out a state (one device, host values, or global arrays) as this runner keeps it."""
+        return tree_map(_to_global, state, self.state_shardings(state))
 
     def get_state(self, state):
         return state
@@ -84,18 +238,32 @@ class MeshRunner:
         return jax.make_array_from_process_local_data(self.batch_sharding, x, global_shape)
 
     def step(self, state, x, y):
+        if self._step is None:
+            shardings = self.state_shardings(state)
+            self._step = jax.jit(self._train_step,
+                                 in_shardings=(shardings, self.batch_sharding, self.batch_sharding),
+                                 out_shardings=(shardings, self.replicated), donate_argnums=(0,))
         return self._step(state, self.put_batch(x), self.put_batch(y))
 
     def eval(self, state, x, y):
+        if self._eval is None:
+            self._eval = jax.jit(self._eval_step,
+                                 in_shardings=(self.state_shardings(state.params), self.batch_sharding,
+                                               self.batch_sharding),
+                                 out_shardings=self.replicated)
         return self._eval(state.params, self.put_batch(x), self.put_batch(y))
 
     def to_host(self, tree):
-        return jax.device_get(tree)
+        """Replicated outputs (metrics) as host values, read from a local device."""
+        return tree_map(_local_value, tree)
 
 
-def make_runner(kind: str, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None):
-    """A PmapRunner or MeshRunner by name ('pmap' | 'mesh')."""
-    runners = {"pmap": PmapRunner, "mesh": MeshRunner}
-    if kind not in runners:
-        raise ValueError(f"train.parallel must be one of {sorted(runners)}, got {kind!r}")
-    return runners[kind](config, optimizer, grad_accum, schedule)
+def make_runner(kind: str, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, fsdp: bool = False):
+    """A PmapRunner or MeshRunner by name ('pmap' | 'mesh'); `fsdp` applies to the mesh only."""
+    if kind == "pmap":
+        if fsdp:
+            raise ValueError("train.fsdp needs train.parallel='mesh' (pmap keeps a full copy per device)")
+        return PmapRunner(config, optimizer, grad_accum, schedule)
+    if kind == "mesh":
+        return MeshRunner(config, optimizer, grad_accum, schedule, fsdp=fsdp)
+    raise ValueError(f"train.parallel must be one of ['mesh', 'pmap'], got {kind!r}")
