@@ -8,7 +8,6 @@ import time
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxgpt import GPTConfig, init_params
 from jaxgpt.checkpoint import CheckpointError, Checkpointer, abstract_like, existing_steps, load_model

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import jaxgpt
-from jaxgpt import GPT, GPTConfig, KVCache
+from jaxgpt import GPT, GPTConfig
 
 
 def tiny(**kw):

@@ -121,6 +121,7 @@ def test_same_rng_same_output_and_no_retrace(tiny):
     c = generate(params, cfg, np.array([[9, 8, 7, 6]]), 6, jax.random.key(6), **kw)
     assert sampling.TRACE_COUNT == count, "new prompt values of the same shape must not retrace"
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert np.asarray(c.tokens[0, :4]).tolist() == [9, 8, 7, 6]
     generate(params, cfg, np.array([[1, 2, 3, 4, 5]]), 6, jax.random.key(5), **kw)
     assert sampling.TRACE_COUNT == count + 1
 

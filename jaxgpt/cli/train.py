@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import app
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(

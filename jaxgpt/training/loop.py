@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import sys
+import threading
 import time
 from typing import Optional
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from jaxgpt import checkpoint as ckpt_lib
 from jaxgpt.config import model_config_from, validate_config
+from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset
 from jaxgpt.model import init_params
 from jaxgpt.training.metrics import MetricsLog, peak_flops
 from jaxgpt.training.parallel import make_runner
@@ -40,8 +44,6 @@ def _prepare_out_dir(out_dir: str) -> str:
 
 
 def _load_data(config, process_index: int, process_count: int):
-    from jaxgpt.data import BatchSampler, prepare_dataset
-
     d = config.data
     # every process prepares (or finds) the bins itself: the cache is built under a temporary name and
     # renamed into place, so processes sharing a filesystem do not clash
@@ -92,7 +94,6 @@ class _Preemption:
 
 
 def threading_is_main() -> bool:
-    import threading
     return threading.current_thread() is threading.main_thread()
 
 
@@ -124,7 +125,6 @@ def train(config) -> dict:
         raise ValueError(f"{ckpt_lib.checkpoint_dir(out_dir)} already holds checkpoints (steps {existing}); "
                          "use --config.init_from=resume to continue, or --config.overwrite=True to start over")
     if not resume and existing and config.overwrite and is_main:
-        import shutil
         shutil.rmtree(ckpt_lib.checkpoint_dir(out_dir))
     if multiprocess:  # nobody opens the checkpoint folder while process 0 may still be clearing it
         distributed.barrier("jaxgpt-out-dir")
@@ -168,7 +168,6 @@ def train(config) -> dict:
     del args
 
     log = MetricsLog(out_dir, enabled=is_main, truncate_after_step=start_step if resume else None)
-    from jaxgpt.data import BatchSampler
     val_sampler = BatchSampler(ds.val, cfg_t.batch_size, gcfg.block_size, config.seed + 1, process_index,
                                process_count)
     eval_train = BatchSampler(ds.train, cfg_t.batch_size, gcfg.block_size, config.seed + 2, process_index,
@@ -198,7 +197,6 @@ def train(config) -> dict:
 
     bar = None
     if is_main and cfg_t.progress:
-        from tqdm import tqdm
         bar = tqdm(total=cfg_t.max_steps, initial=start_step, dynamic_ncols=True, desc="train",
                    disable=not sys.stderr.isatty())
         if bar.disable:
@@ -218,7 +216,6 @@ def train(config) -> dict:
                 "sampler": {**sampler.state_dict(), "step": step}, "best_val_loss": best,
                 "dataset": {k: ds.meta[k] for k in ds.meta if k != "tokenizer"}}
 
-    from jaxgpt.data import Prefetcher
     prefetch = Prefetcher(sampler, size=2)
     summary = {"start_step": start_step, "out_dir": out_dir}
     pending = None  # (step, metrics on device, dispatch time) of the step whose metrics are not read yet
