@@ -98,6 +98,11 @@ def test_sample_loads_checkpoint_on_one_device(tmp_path, capsys):
     assert rc == 0 and out.count("---------------") == 2 and out.count("\nKING:") >= 2
     saved = json.loads(settings.read_text())
     assert saved["settings"]["seed"] == 3 and len(saved["samples"]) == 2
+    # longer than block_size (16): continues in chunks from the most recent context
+    assert main([f"--out_dir={c.out_dir}", "--prompt=KING:", "--num_samples=2", "--max_new_tokens=40",
+                 f"--save_settings={settings}"]) == 0
+    capsys.readouterr()
+    assert all(len(s) == len("KING:") + 40 for s in json.loads(settings.read_text())["samples"])
     assert main([f"--out_dir={c.out_dir}", "--prompt=KING{", "--max_new_tokens=4"]) == 2  # unknown char
     assert "byte" in capsys.readouterr().err
 

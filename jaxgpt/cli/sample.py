@@ -40,13 +40,45 @@ def _load(args):
     return config, params, tok, {"source": args.out_dir, "step": meta.get("step")}
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def _generate_long(params, config, tok, ids, args, top_k) -> list:
+    """New token ids per sample. Past the model's block_size, continue in chunks from the most recent
+    context (nanoGPT crops the context the same way); at most a few distinct shapes, so few compiles."""
     import jax
     import numpy as np
 
-    from jaxgpt.checkpoint import CheckpointError
     from jaxgpt.sampling import generate
+
+    seqs = [list(ids) for _ in range(args.num_samples)]
+    new = [[] for _ in range(args.num_samples)]
+    done = [False] * args.num_samples
+    chunk_cap = max(1, config.block_size // 2) if len(ids) + args.max_new_tokens > config.block_size else \
+        args.max_new_tokens
+    rng, remaining = jax.random.key(args.seed), args.max_new_tokens
+    while remaining > 0 and not all(done):
+        n = min(remaining, chunk_cap)
+        ctx = [s[-(config.block_size - n):] for s in seqs]
+        plen = np.array([len(c) for c in ctx], np.int32)
+        prompts = np.zeros((len(ctx), plen.max()), np.int32)
+        for r, c in enumerate(ctx):
+            prompts[r, :len(c)] = c
+        rng, key = jax.random.split(rng)
+        out = generate(params, config, prompts, n, key, prompt_lengths=plen, temperature=args.temperature,
+                       top_k=top_k, top_p=args.top_p, eos_id=tok.eos_id)
+        tokens, lengths = jax.device_get((out.tokens, out.lengths))
+        for r in range(len(seqs)):
+            if done[r]:
+                continue
+            got = [int(t) for t in tokens[r, plen[r]:lengths[r]]]
+            seqs[r] += got
+            new[r] += got
+            done[r] = tok.eos_id is not None and tok.eos_id in got
+        remaining -= n
+    return new
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from jaxgpt.checkpoint import CheckpointError
 
     prompt = args.prompt
     if args.prompt_file or prompt.startswith("FILE:"):
@@ -62,14 +94,8 @@ def main(argv=None) -> int:
         if not ids:
             raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
         top_k = args.top_k if args.top_k else None
-        if len(ids) + args.max_new_tokens > config.block_size:
-            raise ValueError(f"prompt ({len(ids)} tokens) + --max_new_tokens ({args.max_new_tokens}) exceeds the "
-                             f"model's block_size ({config.block_size}); shorten one of them")
-        prompts = np.tile(np.asarray(ids, np.int32)[None], (args.num_samples, 1))
         t0 = time.time()
-        out = generate(params, config, prompts, args.max_new_tokens, jax.random.key(args.seed),
-                       temperature=args.temperature, top_k=top_k, top_p=args.top_p, eos_id=tok.eos_id)
-        tokens, lengths = jax.device_get((out.tokens, out.lengths))
+        new_tokens = _generate_long(params, config, tok, ids, args, top_k)
         dt = time.time() - t0
     except (ValueError, CheckpointError, FileNotFoundError) as e:
         print(f"jaxgpt-sample: {e}", file=sys.stderr)
@@ -80,16 +106,15 @@ def main(argv=None) -> int:
                 "max_new_tokens": args.max_new_tokens, "num_samples": args.num_samples, "stop": args.stop}
     print("# settings: " + json.dumps(settings))
     samples = []
-    for row, n in zip(tokens, lengths):
-        new_ids = [int(t) for t in row[len(ids):n] if t != tok.eos_id]
-        text = tok.decode(new_ids)
+    for new_ids in new_tokens:
+        text = tok.decode([t for t in new_ids if t != tok.eos_id])
         cuts = [text.find(s) for s in args.stop if s and s in text]
         if cuts:
             text = text[: min(cuts)]
         samples.append(prompt + text)
         print(prompt + text)
         print("---------------")
-    n_new = int(sum(lengths)) - len(ids) * len(lengths)
+    n_new = sum(len(t) for t in new_tokens)
     print(f"# {n_new} tokens in {dt:.2f}s (compile included)", file=sys.stderr)
     if args.save_settings:
         with open(args.save_settings, "w", encoding="utf-8") as f:
