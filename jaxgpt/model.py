@@ -12,15 +12,37 @@ import jax.numpy as jnp
 from jaxgpt.attention import attention
 from jaxgpt.cache import KVCache
 from jaxgpt.config import GPTConfig
+from jaxgpt.ops import linear
 
 _init = nn.initializers.normal(stddev=0.02)
 
 
-def _dense(cfg: GPTConfig, features: int, name: str, residual_out: bool = False) -> nn.Dense:
+class Dense(nn.Module):
+    """`nn.Dense`'s parameters (kernel [in, out], bias [out]) computed through `ops.linear`: one 2-D matmul
+    with compute-dtype operands and float32 accumulation in the forward and in both gradient matmuls."""
+
+    features: int
+    use_bias: bool
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+    kernel_init: nn.initializers.Initializer = _init
+    out_dtype: Optional[jnp.dtype] = None  # default: the compute dtype
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+        out_dtype = self.out_dtype or self.dtype
+        y = linear(x, kernel, self.dtype, out_dtype=jnp.float32 if self.use_bias else out_dtype)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+        return y.astype(out_dtype)
+
+
+def _dense(cfg: GPTConfig, features: int, name: str, residual_out: bool = False) -> Dense:
     # GPT-2 scales the init of layers that write into the residual stream by 1/sqrt(2 * n_layer)
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual_out else 0.02
-    return nn.Dense(features, use_bias=cfg.bias, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
-                    kernel_init=nn.initializers.normal(stddev=std), name=name)
+    return Dense(features, use_bias=cfg.bias, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+                 kernel_init=nn.initializers.normal(stddev=std), name=name)
 
 
 def _layer_norm(cfg: GPTConfig, name: str) -> nn.LayerNorm:
@@ -118,12 +140,11 @@ class GPT(nn.Module):
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index.astype(jnp.int32)[:, None, None], axis=1)
         x = _layer_norm(cfg, "ln_f")(x)
-        if cfg.tie_embeddings:
-            logits = wte.attend(x)
+        if cfg.tie_embeddings:  # x @ wte.T without materialising the transpose
+            logits = linear(x, wte.embedding, cfg.compute_dtype, transpose_w=True, out_dtype=jnp.float32)
         else:
-            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
-                              param_dtype=cfg.params_dtype, kernel_init=_init, name="lm_head")(x)
-        logits = logits.astype(jnp.float32)
+            logits = Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+                           out_dtype=jnp.float32, name="lm_head")(x)
         return logits if cache is None else (logits, cache)
 
 
