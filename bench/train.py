@@ -36,9 +36,10 @@ def batches(n, b, t, vocab, seed=0):
     return [r.integers(0, vocab, (b, t + 1)).astype(np.int32) for _ in range(n)]
 
 
-def bench_jax(name, dtype, steps, attention):
+def bench_jax(name, dtype, steps, attention, scan_layers=False, remat="none"):
     L, H, D, T, B, V = CONFIGS[name]
-    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=D, dtype=dtype, attention=attention)
+    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=D, dtype=dtype, attention=attention,
+                    scan_layers=scan_layers, remat=remat)
     tc = default_config().train
     opt = make_optimizer(tc)
     runner = make_runner("pmap", cfg, opt, 1, make_schedule(tc))
@@ -97,7 +98,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--configs", nargs="+", default=["baby", "6l"], choices=sorted(CONFIGS))
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--attention", default="einsum")
+    p.add_argument("--attention", default="blocked", choices=["blocked", "einsum", "dot_product"])
+    p.add_argument("--scan-layers", action="store_true", help="GPTConfig.scan_layers")
+    p.add_argument("--remat", default="none", choices=["none", "block", "dots"])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--torch-compile", action="store_true")
@@ -111,7 +114,7 @@ def main():
             t_torch, tv = bench_torch(name, args.steps, args.torch_compile)
             peer = {"ms_per_step": 1e3 * t_torch, "tokens_per_s": B * T / t_torch, "torch": tv}
         for dtype in args.dtypes:
-            cfg, t, compile_s = bench_jax(name, dtype, args.steps, args.attention)
+            cfg, t, compile_s = bench_jax(name, dtype, args.steps, args.attention, args.scan_layers, args.remat)
             peak = ceil["matmul_bf16_flops" if dtype == "bfloat16" else "matmul_fp32_flops"]
             tok_s = B * T / t
             row = {"config": name, "dtype": dtype, "ms_per_step": 1e3 * t, "tokens_per_s": tok_s,

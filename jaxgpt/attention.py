@@ -58,7 +58,72 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     return jax.nn.dot_product_attention(q, k, v, mask=mask)
 
 
-IMPLEMENTATIONS = {"einsum": einsum_attention, "dot_product": fused_attention}
+def causal_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 64) -> jax.Array:
+    """Causal self-attention of a whole sequence (query t sees keys 0..t), skipping the masked blocks.
+
+    q [B,T,N,H], k/v [B,T,K,H] with queries and keys at positions 0..T-1 (training, eval, a plain
+    forward). Queries go in blocks of `block` rows; block i attends only to keys [0, (i+1)*block), so the
+    score matmuls, softmax and their gradients do about (n+1)/(2n) of the full T x T work for n blocks.
+    Heads are laid out [B, K, G*rows, H] so each matmul is one batched GEMM with no per-call transposes,
+    and the G query heads sharing a key/value head form one taller matrix. Equals `einsum_attention` with
+    the causal mask (to float32 rounding).
+    """
+    _check_shapes(q, k, v)
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    if k.shape[1] != t:
+        raise ValueError(f"causal_block_attention needs as many keys as queries, got {t} and {k.shape[1]}")
+    scale = 1.0 / jnp.sqrt(jnp.asarray(h, jnp.float32))
+    q_bkgth = (q * scale.astype(q.dtype)).reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4)
+    k_bksh = k.transpose(0, 2, 1, 3)
+    v_bksh = v.transpose(0, 2, 1, 3)
+    block = min(block, t)
+    outs = []
+    for lo in range(0, t, block):
+        hi = min(lo + block, t)
+        rows = hi - lo
+        qi = q_bkgth[:, :, :, lo:hi].reshape(b, kh, g * rows, h)
+        scores = jnp.einsum("bkmh,bksh->bkms", qi, k_bksh[:, :, :hi], preferred_element_type=jnp.float32)
+        q_pos = jnp.tile(jnp.arange(lo, hi, dtype=jnp.int32), g)  # row m is query lo + m % rows
+        visible = jnp.arange(hi, dtype=jnp.int32)[None, :] <= q_pos[:, None]
+        scores = jnp.where(visible, scores, MASK_VALUE)
+        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkms,bksh->bkmh", weights, v_bksh[:, :, :hi], preferred_element_type=jnp.float32)
+        outs.append(out.reshape(b, kh, g, rows, h))
+    out = jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
+
+
+# "blocked" is `causal_block_attention` for a whole sequence (the model's path without a cache); for
+# arbitrary positions (prefill at an offset, decode) it is the masked einsum.
+IMPLEMENTATIONS = {"einsum": einsum_attention, "dot_product": fused_attention, "blocked": einsum_attention}
+
+
+def cached_attention(q: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_positions: jax.Array,
+                     kv_length: jax.Array, implementation: str = "einsum") -> jax.Array:
+    """Attention of q [B,T,N,H] over a head-major cache layer k/v [B,K,S,H] (see `KVCache`) -> [B,T,N,H].
+
+    The einsum path multiplies the cache as it is laid out; "dot_product" transposes it for
+    `jax.nn.dot_product_attention`.
+    """
+    if implementation == "dot_product":
+        return attention(q, k_bksh.swapaxes(1, 2), v_bksh.swapaxes(1, 2), q_positions, kv_length,
+                         implementation)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {implementation!r}; "
+                         f"choose from {sorted(IMPLEMENTATIONS)}")
+    b, t, n, h = q.shape
+    kh, s = k_bksh.shape[1], k_bksh.shape[2]
+    g = n // kh
+    mask = causal_mask(q_positions, kv_length, s)  # [B, 1, T, S]
+    scale = 1.0 / jnp.sqrt(jnp.asarray(h, jnp.float32))
+    q_bkmh = (q * scale.astype(q.dtype)).reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
+    scores = jnp.einsum("bkmh,bksh->bkms", q_bkmh, k_bksh.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = jnp.where(jnp.tile(mask, (1, 1, g, 1)), scores, MASK_VALUE)  # row m is query m % t
+    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkms,bksh->bkmh", weights, v_bksh.astype(q.dtype), preferred_element_type=jnp.float32)
+    return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,

@@ -54,6 +54,9 @@ def _matmul_bwd(compute_dtype, transpose_w, res, dy):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+SMALL_ROWS = 16
+
+
 def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, transpose_w: bool = False,
            out_dtype=None) -> jax.Array:
     """x [..., in] times w [in, out] (or w [out, in] with transpose_w) -> [..., out] in `out_dtype`
@@ -61,5 +64,11 @@ def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, transpose_w
     compute_dtype = jnp.dtype(compute_dtype)
     features = w.shape[0] if transpose_w else w.shape[1]
     lead = x.shape[:-1]
-    y = _matmul(x.reshape(-1, x.shape[-1]), w, compute_dtype, transpose_w)
+    x2 = x.reshape(-1, x.shape[-1])
+    if transpose_w and x2.shape[0] <= SMALL_ROWS:
+        # a few rows (decode): w [out, in] times x.T, then transpose the small result; XLA's CPU matmul
+        # ran this 1.8-3.5x faster than x times w.T at batch 8 (GPT-2 shapes)
+        y = _matmul(w, x2, compute_dtype, True).T
+    else:
+        y = _matmul(x2, w, compute_dtype, transpose_w)
     return y.astype(out_dtype or compute_dtype).reshape(*lead, features)

@@ -3,7 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt.attention import MASK_VALUE, attention, causal_mask, einsum_attention, fused_attention
+from jaxgpt.attention import (MASK_VALUE, attention, causal_block_attention, causal_mask, einsum_attention,
+                              fused_attention)
 
 
 def _qkv(key, b=2, t=6, s=None, n=4, k=4, h=8, dtype=jnp.float32):
@@ -82,3 +83,35 @@ def test_bad_shapes_and_implementation():
         attention(q, k, v, pos)
     with pytest.raises(ValueError, match="unknown attention implementation"):
         attention(*_qkv(jax.random.key(5)), pos, implementation="flash")
+
+
+@pytest.mark.parametrize("t,block,kv_heads", [(6, 64, 4), (7, 3, 2), (16, 4, 1), (16, 1, 4)])
+def test_causal_blocks_equal_masked_einsum_values_and_grads(t, block, kv_heads):
+    q, k, v = _qkv(jax.random.key(t), t=t, k=kv_heads)
+    pos = jnp.broadcast_to(jnp.arange(t)[None], (2, t))
+    d = jax.random.normal(jax.random.key(9), q.shape)
+
+    def blocked(q, k, v):
+        return jnp.sum(causal_block_attention(q, k, v, block) * d)
+
+    def reference(q, k, v):
+        return jnp.sum(einsum_attention(q, k, v, causal_mask(pos, None, t)) * d)
+
+    np.testing.assert_allclose(causal_block_attention(q, k, v, block),
+                               einsum_attention(q, k, v, causal_mask(pos, None, t)), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.grad(blocked, (0, 1, 2))(q, k, v), jax.grad(reference, (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_causal_blocks_are_causal_and_check_shapes():
+    q, k, v = _qkv(jax.random.key(1), t=9)
+    out = causal_block_attention(q, k, v, 4)
+    k2, v2 = k.at[:, 5:].add(3.0), v.at[:, 5:].add(3.0)  # change the future of query 4
+    np.testing.assert_array_equal(causal_block_attention(q, k2, v2, 4)[:, :5], out[:, :5])
+    assert not np.allclose(causal_block_attention(q, k2, v2, 4)[:, 5:], out[:, 5:])
+    with pytest.raises(ValueError, match="as many keys as queries"):
+        causal_block_attention(q, k[:, :4], v[:, :4])
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    out_bf16 = causal_block_attention(qb, kb, vb, 4)
+    assert out_bf16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out_bf16.astype(jnp.float32), out, atol=5e-2)

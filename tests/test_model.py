@@ -111,3 +111,23 @@ def test_bf16_compute_keeps_float32_params_and_logits():
     ref = GPT(tiny()).apply(variables, tokens)
     assert logits.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=0.1)
+
+
+@pytest.mark.parametrize("tie,bias,batch", [(True, True, 1), (False, False, 2), (True, False, 6)])
+def test_transposed_kernels_give_the_same_logits_and_cache(tie, bias, batch):
+    # kernel_out_in is the decode layout `generate` uses; batch 6 x 5 tokens takes the many-row matmul path
+    from jaxgpt.model import transpose_kernels
+
+    cfg = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                    tie_embeddings=tie, bias=bias)
+    tokens = jax.random.randint(jax.random.key(1), (batch, 5), 0, 40)
+    params = GPT(cfg).init(jax.random.key(0), tokens)["params"]
+    t_params = transpose_kernels(params)
+    assert t_params["h_0"]["mlp"]["c_fc"]["kernel"].shape == (128, 32)
+    np.testing.assert_allclose(GPT(cfg, kernel_out_in=True).apply({"params": t_params}, tokens),
+                               GPT(cfg).apply({"params": params}, tokens), rtol=1e-5, atol=1e-5)
+    cache = jaxgpt.KVCache.create(cfg, batch, 8)
+    a, ca = GPT(cfg).apply({"params": params}, tokens, cache)
+    b, cb = GPT(cfg, kernel_out_in=True).apply({"params": t_params}, tokens, cache)
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cb.k, ca.k, rtol=1e-5, atol=1e-5)

@@ -54,6 +54,23 @@ def test_sample_logits_greedy_and_filters_match_argmax():
         np.testing.assert_array_equal(np.asarray(sample_logits(jax.random.key(1), logits, **kw)), greedy)
 
 
+@pytest.mark.parametrize("top_k,top_p", [(None, None), (4, None), (None, 0.7), (4, 0.7), (12, 0.9)])
+def test_sample_logits_draws_from_the_filtered_softmax(top_k, top_p):
+    logits = jax.random.normal(jax.random.key(3), (10,)) * 1.5
+    temperature = 0.8
+    expect = logits / temperature
+    if top_k is not None:
+        expect = top_k_filter(expect, top_k)
+    if top_p is not None:
+        expect = top_p_filter(expect, top_p)
+    expect = np.asarray(jax.nn.softmax(expect))
+    n = 20000
+    draws = sample_logits(jax.random.key(4), jnp.broadcast_to(logits, (n, 10)), temperature, top_k, top_p)
+    freq = np.bincount(np.asarray(draws), minlength=10) / n
+    assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(expect > 0))
+    np.testing.assert_allclose(freq, expect, atol=0.015)
+
+
 def _naive_greedy(cfg, params, prompt, n):
     # full forward over a fixed-length padded sequence; causality makes the padding irrelevant
     forward = jax.jit(lambda x: GPT(cfg).apply({"params": params}, x))

@@ -302,7 +302,7 @@ def _check_resume_meta(meta: dict, gcfg) -> None:
     saved = meta.get("model", {})
     now = gcfg.to_dict()
     diff = {k: (saved.get(k), now[k]) for k in now if k in saved and saved[k] != now[k]
-            and k not in ("dropout", "attention", "dtype")}
+            and k not in ("dropout", "attention", "dtype", "scan_layers", "remat")}  # same params either way
     if diff:
         raise ckpt_lib.CheckpointError(
             "the checkpoint's model differs from the config: " +
@@ -316,6 +316,7 @@ def _load_pretrained(config, tokenizer):
     # crops the position table when block_size is smaller, as nanoGPT's fine-tuning does
     gcfg, params = from_pretrained(config.init_from, dtype=m.dtype, attention=m.attention, dropout=m.dropout,
                                    block_size=m.block_size)
+    gcfg = gcfg.replace(scan_layers=m.scan_layers, remat=m.remat)  # how to compute, not what
     if tokenizer.vocab_size > gcfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but {config.init_from} has a "
                          f"vocabulary of {gcfg.vocab_size}; use data.tokenizer='gpt2' with GPT-2 weights")

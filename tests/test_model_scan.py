@@ -1,0 +1,212 @@
+"""GPTConfig.scan_layers and GPTConfig.remat: same parameters and same results as the unrolled model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt import GPT, GPTConfig, KVCache, generate, init_params
+from jaxgpt.config import default_config, model_config_from, validate_config
+from jaxgpt.training.step import create_train_state, cross_entropy, make_optimizer, make_train_step
+
+MODES = [(scan, remat) for scan in (False, True) for remat in ("none", "block", "dots")]
+MODE_IDS = [f"scan={scan}-remat={remat}" for scan, remat in MODES]
+
+
+def tiny(**kw):
+    base = dict(vocab_size=50, block_size=16, n_layer=2, n_head=4, n_embd=32, n_kv_head=2)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def _assert_trees_close(a, b, atol, what):
+    assert jax.tree.structure(a) == jax.tree.structure(b), what
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        name = f"{what} {jax.tree_util.keystr(path)}"
+        assert x.shape == y.shape, name
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0, err_msg=name)
+
+
+def _loss_and_logits(cfg):
+    def f(params, x, y):
+        logits = GPT(cfg).apply({"params": params}, x)
+        return cross_entropy(logits, y), logits
+
+    return jax.jit(jax.value_and_grad(f, has_aux=True))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg = tiny()
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 13), 0, cfg.vocab_size)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    (loss, logits), grads = _loss_and_logits(cfg)(params, x, y)
+    return cfg, params, x, y, loss, logits, grads
+
+
+@pytest.mark.parametrize("scan,remat", MODES, ids=MODE_IDS)
+def test_init_gives_identical_gpt2_parameter_tree(reference, scan, remat):
+    cfg, params = reference[:2]
+    got = init_params(cfg.replace(scan_layers=scan, remat=remat), jax.random.key(0))
+    assert set(got) == {"wte", "wpe", "ln_f"} | {f"h_{i}" for i in range(cfg.n_layer)}
+    assert set(got["h_1"]) == {"ln_1", "attn", "ln_2", "mlp"}
+    assert set(got["h_1"]["attn"]) == {"c_attn", "c_proj"} and set(got["h_1"]["mlp"]) == {"c_fc", "c_proj"}
+    _assert_trees_close(got, params, 0.0, "init")
+
+
+@pytest.mark.parametrize("scan,remat", MODES, ids=MODE_IDS)
+def test_logits_loss_and_gradients_equal_unrolled(reference, scan, remat):
+    cfg, params, x, y, loss, logits, grads = reference
+    (got_loss, got_logits), got_grads = _loss_and_logits(cfg.replace(scan_layers=scan, remat=remat))(params, x, y)
+    np.testing.assert_allclose(float(got_loss), float(loss), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(logits), atol=1e-5, rtol=0)
+    _assert_trees_close(got_grads, grads, 1e-5, "grad")
+
+
+@pytest.mark.parametrize("remat", ["none", "block"])
+def test_scan_prefill_and_decode_equal_unrolled(reference, remat):
+    cfg, params = reference[:2]
+    tokens = jax.random.randint(jax.random.key(2), (3, 10), 0, cfg.vocab_size)
+    prompt_lengths = jnp.array([5, 2, 7], jnp.int32)
+    prompt = jnp.where(jnp.arange(7)[None] < prompt_lengths[:, None], tokens[:, :7], 0)
+
+    def run(c):
+        model = GPT(c)
+        prefill = jax.jit(lambda cache: model.apply({"params": params}, prompt, cache,
+                                                    token_lengths=prompt_lengths))
+        logits, cache = prefill(KVCache.create(c, 3, 10))
+        outs, caches = [logits], [cache]
+        step = jax.jit(lambda cache, tok: model.apply({"params": params}, tok, cache))
+        for i in range(3):
+            logits, cache = step(cache, tokens[:, 7 + i:8 + i])
+            outs.append(logits)
+            caches.append(cache)
+        return outs, caches
+
+    want_logits, want_caches = run(cfg)
+    got_logits, got_caches = run(cfg.replace(scan_layers=True, remat=remat))
+    for i, (a, b) in enumerate(zip(got_logits, want_logits)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0, err_msg=f"call {i}")
+    for i, (a, b) in enumerate(zip(got_caches, want_caches)):
+        np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
+        np.testing.assert_allclose(np.asarray(a.k), np.asarray(b.k), atol=1e-5, rtol=0, err_msg=f"k after {i}")
+        np.testing.assert_allclose(np.asarray(a.v), np.asarray(b.v), atol=1e-5, rtol=0, err_msg=f"v after {i}")
+    assert float(jnp.abs(got_caches[-1].k[1]).max()) > 0  # the last layer was written too
+
+
+def test_scan_greedy_generate_equals_unrolled(reference):
+    cfg, params = reference[:2]
+    prompts = np.array([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0]])
+    kw = dict(prompt_lengths=np.array([5, 3]), temperature=0.0)
+    want = generate(params, cfg, prompts, 7, jax.random.key(0), **kw)
+    got = generate(params, cfg.replace(scan_layers=True, remat="dots"), prompts, 7, jax.random.key(0), **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(want.lengths))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_dropout_with_remat_uses_the_same_masks_as_without(reference, scan):
+    # remat recomputes the forward in the backward: it must draw the same dropout masks. (The scan draws
+    # different masks from the unrolled model, by design, so each path is compared with itself.)
+    params, x, no_dropout = reference[1], reference[2], reference[5]
+
+    def forward(remat):
+        model = GPT(tiny(dropout=0.5, scan_layers=scan, remat=remat))
+
+        def f(p, key):
+            return model.apply({"params": p}, x, deterministic=False, rngs={"dropout": key})
+
+        return jax.jit(lambda p, key: (f(p, key), jax.grad(lambda q: f(q, key).mean())(p)))
+
+    plain, remat = forward("none"), forward("block")
+    a, grads_a = remat(params, jax.random.key(1))
+    b, _ = remat(params, jax.random.key(2))
+    assert np.abs(np.asarray(a - no_dropout)).max() > 0 and np.abs(np.asarray(a - b)).max() > 0
+    want, want_grads = plain(params, jax.random.key(1))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(want), atol=1e-5, rtol=0)
+    _assert_trees_close(grads_a, want_grads, 1e-5, "dropout grad")
+
+
+def _all_eqns(jaxpr):
+    """Every equation of a jaxpr, including those of sub-jaxprs (scan bodies, custom_vjp calls, ...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
+
+
+def _program(n_layer, grad=False, **kw):
+    cfg = tiny(n_layer=n_layer, **kw)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    x = jnp.zeros((2, 8), jnp.int32)
+
+    def f(p):
+        return GPT(cfg).apply({"params": p}, x)
+
+    fn = jax.grad(lambda p: f(p).mean()) if grad else f
+    jaxpr = jax.make_jaxpr(fn)(params).jaxpr
+    top = [e.primitive.name for e in jaxpr.eqns]
+    dots = sum(e.primitive.name == "dot_general" for e in _all_eqns(jaxpr))
+    return top, dots
+
+
+@pytest.mark.parametrize("grad,remat", [(False, "none"), (True, "block"), (True, "dots")])
+def test_scan_program_size_is_flat_in_depth(grad, remat):
+    top2, dots2 = _program(2, grad, scan_layers=True, remat=remat)
+    top4, dots4 = _program(4, grad, scan_layers=True, remat=remat)
+    assert top2.count("scan") >= 1 and top4.count("scan") == top2.count("scan")
+    assert dots2 == dots4 > 0  # the block's matmuls appear once, in the scan body
+    _, unrolled2 = _program(2, grad, remat=remat)
+    _, unrolled4 = _program(4, grad, remat=remat)
+    assert unrolled4 > unrolled2  # the unrolled program grows with depth
+
+
+def test_train_step_with_scan_and_remat_equals_default():
+    train = default_config().train
+    train.warmup_steps, train.lr = 0, 1e-2
+    optimizer = make_optimizer(train)
+    cfg = tiny()
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(3), (4, 13), 0, cfg.vocab_size)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def run(c):
+        step = jax.jit(make_train_step(c, optimizer))
+        state = create_train_state(params, optimizer, jax.random.key(1))
+        losses = []
+        for _ in range(2):
+            state, metrics = step(state, x, y)
+            losses.append(float(metrics["loss"]))
+        return state.params, losses
+
+    want, want_losses = run(cfg)
+    got, got_losses = run(cfg.replace(scan_layers=True, remat="block"))
+    np.testing.assert_allclose(got_losses, want_losses, atol=1e-5, rtol=0)
+    _assert_trees_close(got, want, 1e-5, "params after 2 steps")
+    moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(params)))
+    assert moved > 1e-3  # the steps really changed the parameters
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(remat="full"), "GPTConfig.remat"),
+    (dict(remat=None), "GPTConfig.remat"),
+    (dict(scan_layers="yes"), "GPTConfig.scan_layers"),
+])
+def test_bad_values_raise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**kw)
+
+
+def test_training_config_keys_reach_gpt_config():
+    c = default_config()
+    assert c.model.scan_layers is False and c.model.remat == "none"
+    c.model.scan_layers, c.model.remat = True, "dots"
+    gcfg = model_config_from(c, vocab_size=65)
+    assert gcfg.scan_layers is True and gcfg.remat == "dots"
+    c.model.remat = "everything"
+    with pytest.raises(ValueError, match="remat"):
+        validate_config(c)
