@@ -65,9 +65,10 @@ def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, transpose_w
     features = w.shape[0] if transpose_w else w.shape[1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if transpose_w and x2.shape[0] <= SMALL_ROWS:
+    if transpose_w and 1 < x2.shape[0] <= SMALL_ROWS:
         # a few rows (decode): w [out, in] times x.T, then transpose the small result; XLA's CPU matmul
-        # ran this 1.8-3.5x faster than x times w.T at batch 8 (GPT-2 shapes)
+        # ran this 1.8-3.5x faster than x times w.T at batch 8 (GPT-2 shapes). One row is a
+        # matrix-vector product that XLA already runs near the memory bound either way.
         y = _matmul(w, x2, compute_dtype, True).T
     else:
         y = _matmul(x2, w, compute_dtype, transpose_w)

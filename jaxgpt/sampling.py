@@ -12,6 +12,7 @@ import numpy as np
 from jaxgpt.cache import KVCache
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT, transpose_kernels
+from jaxgpt.ops import SMALL_ROWS
 
 NEG_INF = -jnp.inf
 
@@ -134,10 +135,14 @@ def _generate(params, prompts, prompt_lengths, rng, *, config, max_new_tokens, t
               eos_id, pad_id):
     global TRACE_COUNT
     TRACE_COUNT += 1
-    # kernels [out, in] for the few-row matmuls of decoding (see model.transpose_kernels); one copy per call
-    model = GPT(config, kernel_out_in=True)
-    params = transpose_kernels(params)
     b, p = prompts.shape
+    # For 2..16 rows, kernels [out, in] make the decode matmuls faster (see model.transpose_kernels): one
+    # copy per call. One row is a matrix-vector product, already near the memory bound in GPT-2's layout
+    # (there the copy cost 6% of a 128-token batch-1 call and the layout gained nothing).
+    out_in = 1 < b <= SMALL_ROWS
+    model = GPT(config, kernel_out_in=out_in)
+    if out_in:
+        params = transpose_kernels(params)
     total = p + max_new_tokens
     cache = KVCache.create(config, b, total)
     # Prefill: the whole (padded) prompt at once, logits only at each row's last prompt token.
