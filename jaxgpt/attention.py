@@ -58,15 +58,29 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
     return jax.nn.dot_product_attention(q, k, v, mask=mask)
 
 
+def _grouped_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """Scaled q [B,T,N,H] -> [B,K,G,T,H]: the G query heads that share each of the K key/value heads."""
+    b, t, n, h = q.shape
+    scale = 1.0 / jnp.sqrt(jnp.asarray(h, jnp.float32))
+    return (q * scale.astype(q.dtype)).reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
+
+
+def _attend(q_bkmh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, visible: jax.Array) -> jax.Array:
+    """Scaled queries [B,K,M,H] over head-major keys/values [B,K,S,H]; `visible` bool broadcasts to
+    [B,K,M,S]. Scores and softmax in float32; returns float32 [B,K,M,H]. Each matmul is one batched GEMM
+    over (B, K) with no transposes, and the query heads of a group form one taller matrix."""
+    scores = jnp.einsum("bkmh,bksh->bkms", q_bkmh, k_bksh, preferred_element_type=jnp.float32)
+    weights = jax.nn.softmax(jnp.where(visible, scores, MASK_VALUE), axis=-1).astype(v_bksh.dtype)
+    return jnp.einsum("bkms,bksh->bkmh", weights, v_bksh, preferred_element_type=jnp.float32)
+
+
 def causal_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 64) -> jax.Array:
     """Causal self-attention of a whole sequence (query t sees keys 0..t), skipping the masked blocks.
 
     q [B,T,N,H], k/v [B,T,K,H] with queries and keys at positions 0..T-1 (training, eval, a plain
     forward). Queries go in blocks of `block` rows; block i attends only to keys [0, (i+1)*block), so the
     score matmuls, softmax and their gradients do about (n+1)/(2n) of the full T x T work for n blocks.
-    Heads are laid out [B, K, G*rows, H] so each matmul is one batched GEMM with no per-call transposes,
-    and the G query heads sharing a key/value head form one taller matrix. Equals `einsum_attention` with
-    the causal mask (to float32 rounding).
+    Equals `einsum_attention` with the causal mask (to float32 rounding).
     """
     _check_shapes(q, k, v)
     b, t, n, h = q.shape
@@ -74,23 +88,16 @@ def causal_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int 
     g = n // kh
     if k.shape[1] != t:
         raise ValueError(f"causal_block_attention needs as many keys as queries, got {t} and {k.shape[1]}")
-    scale = 1.0 / jnp.sqrt(jnp.asarray(h, jnp.float32))
-    q_bkgth = (q * scale.astype(q.dtype)).reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4)
-    k_bksh = k.transpose(0, 2, 1, 3)
-    v_bksh = v.transpose(0, 2, 1, 3)
-    block = min(block, t)
+    q_bkgth = _grouped_queries(q, kh)
+    k_bksh, v_bksh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     outs = []
     for lo in range(0, t, block):
         hi = min(lo + block, t)
-        rows = hi - lo
-        qi = q_bkgth[:, :, :, lo:hi].reshape(b, kh, g * rows, h)
-        scores = jnp.einsum("bkmh,bksh->bkms", qi, k_bksh[:, :, :hi], preferred_element_type=jnp.float32)
-        q_pos = jnp.tile(jnp.arange(lo, hi, dtype=jnp.int32), g)  # row m is query lo + m % rows
+        q_pos = jnp.tile(jnp.arange(lo, hi, dtype=jnp.int32), g)  # row m is query lo + m % (hi - lo)
         visible = jnp.arange(hi, dtype=jnp.int32)[None, :] <= q_pos[:, None]
-        scores = jnp.where(visible, scores, MASK_VALUE)
-        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkms,bksh->bkmh", weights, v_bksh[:, :, :hi], preferred_element_type=jnp.float32)
-        outs.append(out.reshape(b, kh, g, rows, h))
+        out = _attend(q_bkgth[:, :, :, lo:hi].reshape(b, kh, g * (hi - lo), h), k_bksh[:, :, :hi],
+                      v_bksh[:, :, :hi], visible)
+        outs.append(out.reshape(b, kh, g, hi - lo, h))
     out = jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
 
@@ -116,13 +123,9 @@ def cached_attention(q: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_posit
     b, t, n, h = q.shape
     kh, s = k_bksh.shape[1], k_bksh.shape[2]
     g = n // kh
-    mask = causal_mask(q_positions, kv_length, s)  # [B, 1, T, S]
-    scale = 1.0 / jnp.sqrt(jnp.asarray(h, jnp.float32))
-    q_bkmh = (q * scale.astype(q.dtype)).reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
-    scores = jnp.einsum("bkmh,bksh->bkms", q_bkmh, k_bksh.astype(q.dtype), preferred_element_type=jnp.float32)
-    scores = jnp.where(jnp.tile(mask, (1, 1, g, 1)), scores, MASK_VALUE)  # row m is query m % t
-    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkms,bksh->bkmh", weights, v_bksh.astype(q.dtype), preferred_element_type=jnp.float32)
+    mask = jnp.tile(causal_mask(q_positions, kv_length, s), (1, 1, g, 1))  # [B, 1, G*T, S]: row m is m % T
+    out = _attend(_grouped_queries(q, kh).reshape(b, kh, g * t, h), k_bksh.astype(q.dtype),
+                  v_bksh.astype(q.dtype), mask)
     return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
 
 

@@ -31,10 +31,9 @@ class Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        if self.kernel_out_in:  # only ever applied to parameters converted by `transpose_kernels`
-            kernel = self.param("kernel", self.kernel_init, (self.features, x.shape[-1]), self.param_dtype)
-        else:
-            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+        # [out, in] only ever holds parameters converted by `transpose_kernels`
+        shape = (self.features, x.shape[-1]) if self.kernel_out_in else (x.shape[-1], self.features)
+        kernel = self.param("kernel", self.kernel_init, shape, self.param_dtype)
         out_dtype = self.out_dtype or self.dtype
         y = linear(x, kernel, self.dtype, transpose_w=self.kernel_out_in,
                    out_dtype=jnp.float32 if self.use_bias else out_dtype)

@@ -29,7 +29,7 @@ def _dot(a, b, contract_a: int, contract_b: int):
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _matmul(x, w, compute_dtype, transpose_w):
-    return _dot(x.astype(compute_dtype), w.astype(compute_dtype), 1, 1 if transpose_w else 0)
+    return _matmul_fwd(x, w, compute_dtype, transpose_w)[0]
 
 
 def _matmul_fwd(x, w, compute_dtype, transpose_w):

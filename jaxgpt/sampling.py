@@ -27,14 +27,18 @@ def top_k_filter(logits: jax.Array, k: int) -> jax.Array:
     return jnp.where(keep, logits, NEG_INF)
 
 
+def _top_p_keep(sorted_logits: jax.Array, p: float) -> jax.Array:
+    """For logits sorted in descending order: keep each token whose preceding probability mass is < p."""
+    probs = jax.nn.softmax(sorted_logits.astype(jnp.float32), axis=-1)
+    return jnp.cumsum(probs, axis=-1) - probs < p  # the top token always has mass 0 before it
+
+
 def top_p_filter(logits: jax.Array, p: float) -> jax.Array:
     """Keep the smallest set of largest-probability tokens whose total reaches p (the crossing token too)."""
     order = jnp.argsort(-logits, axis=-1, stable=True)
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits.astype(jnp.float32), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < p  # the top token always has mass_before == 0 < p
-    keep = jnp.put_along_axis(jnp.zeros(logits.shape, bool), order, keep_sorted, axis=-1, inplace=False)
+    keep = jnp.put_along_axis(jnp.zeros(logits.shape, bool), order, _top_p_keep(sorted_logits, p), axis=-1,
+                              inplace=False)
     return jnp.where(keep, logits, NEG_INF)
 
 
@@ -44,8 +48,8 @@ def sample_logits(rng: jax.Array, logits: jax.Array, temperature: float = 1.0,
 
     The distribution is softmax(logits / temperature) restricted by `top_k_filter` then `top_p_filter`.
     With top_k it is drawn among the k candidates only (their logits come sorted from `lax.top_k`, so
-    top-p needs no sort of the vocabulary): on GPT-2's 50257 tokens the full-vocabulary route spent more
-    time drawing Gumbel noise and sorting than a batch-1 decode step spends reading the weights.
+    top-p needs no sort of the vocabulary): on GPT-2's 50257 tokens, drawing Gumbel noise over the whole
+    vocabulary took about 8% of a batch-1 decode step.
     """
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -53,9 +57,7 @@ def sample_logits(rng: jax.Array, logits: jax.Array, temperature: float = 1.0,
     if top_k is not None and top_k < logits.shape[-1]:
         values, candidates = jax.lax.top_k(logits, top_k)  # descending, ties broken by index
         if top_p is not None and top_p < 1.0:
-            probs = jax.nn.softmax(values, axis=-1)
-            mass_before = jnp.cumsum(probs, axis=-1) - probs
-            values = jnp.where(mass_before < top_p, values, NEG_INF)
+            values = jnp.where(_top_p_keep(values, top_p), values, NEG_INF)
         choice = jax.random.categorical(rng, values, axis=-1)
         return jnp.take_along_axis(candidates, choice[..., None], axis=-1)[..., 0].astype(jnp.int32)
     if top_p is not None and top_p < 1.0:
