@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -113,6 +114,9 @@ def test_prefetcher_yields_in_order_and_tracks_the_consumed_state(tokens):
             np.testing.assert_array_equal(x, rx)
             assert p.state_dict()["step"] == i + 1
         saved = p.state_dict()
+        deadline = time.monotonic() + 10  # the producer thread may not have been scheduled yet
+        while s.step <= saved["step"] and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert s.step > saved["step"]  # the sampler itself ran ahead
     r = BatchSampler(tokens, B, T, seed=0)
     r.load_state_dict(saved)
