@@ -66,12 +66,13 @@ def _grouped_queries(q: jax.Array, kv_heads: int) -> jax.Array:
 
 
 def _attend(q_bkmh: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, visible: jax.Array) -> jax.Array:
-    """Scaled queries [B,K,M,H] over head-major keys/values [B,K,S,H]; `visible` bool broadcasts to
-    [B,K,M,S]. Scores and softmax in float32; returns float32 [B,K,M,H]. Each matmul is one batched GEMM
-    over (B, K) with no transposes, and the query heads of a group form one taller matrix."""
-    scores = jnp.einsum("bkmh,bksh->bkms", q_bkmh, k_bksh, preferred_element_type=jnp.float32)
+    """Scaled queries [..., M, H] over head-major keys/values [..., S, H] (leading dims (B, K), or B*K
+    merged); `visible` bool broadcasts to [..., M, S]. Scores and softmax in float32; returns float32
+    [..., M, H]. Each matmul is one batched GEMM over the leading dims with no transposes, and the query
+    heads of a group form one taller matrix."""
+    scores = jnp.einsum("...mh,...sh->...ms", q_bkmh, k_bksh, preferred_element_type=jnp.float32)
     weights = jax.nn.softmax(jnp.where(visible, scores, MASK_VALUE), axis=-1).astype(v_bksh.dtype)
-    return jnp.einsum("bkms,bksh->bkmh", weights, v_bksh, preferred_element_type=jnp.float32)
+    return jnp.einsum("...ms,...sh->...mh", weights, v_bksh, preferred_element_type=jnp.float32)
 
 
 def causal_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 64) -> jax.Array:
@@ -107,25 +108,30 @@ def causal_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int 
 IMPLEMENTATIONS = {"einsum": einsum_attention, "dot_product": fused_attention, "blocked": einsum_attention}
 
 
-def cached_attention(q: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, q_positions: jax.Array,
+def cached_attention(q: jax.Array, k_nsh: jax.Array, v_nsh: jax.Array, q_positions: jax.Array,
                      kv_length: jax.Array, implementation: str = "einsum") -> jax.Array:
-    """Attention of q [B,T,N,H] over a head-major cache layer k/v [B,K,S,H] (see `KVCache`) -> [B,T,N,H].
+    """Attention of q [B,T,N,H] over one cache layer k/v [B*K, S, H] (row b's kv head j at b*K + j, the
+    layout of `KVCache`) -> [B,T,N,H].
 
     The einsum path multiplies the cache as it is laid out; "dot_product" transposes it for
     `jax.nn.dot_product_attention`.
     """
+    b, t, n, h = q.shape
+    if k_nsh.ndim != 3 or k_nsh.shape != v_nsh.shape or k_nsh.shape[0] % b or n % (k_nsh.shape[0] // b):
+        raise ValueError(f"cache layer k/v must be [B*K, S, H] with K dividing the {n} query heads, "
+                         f"got k{k_nsh.shape} v{v_nsh.shape} for {b} rows")
+    kh, s = k_nsh.shape[0] // b, k_nsh.shape[1]
     if implementation == "dot_product":
-        return attention(q, k_bksh.swapaxes(1, 2), v_bksh.swapaxes(1, 2), q_positions, kv_length,
-                         implementation)
+        k, v = (a.reshape(b, kh, s, h).swapaxes(1, 2) for a in (k_nsh, v_nsh))
+        return attention(q, k, v, q_positions, kv_length, implementation)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {implementation!r}; "
                          f"choose from {sorted(IMPLEMENTATIONS)}")
-    b, t, n, h = q.shape
-    kh, s = k_bksh.shape[1], k_bksh.shape[2]
     g = n // kh
     mask = jnp.tile(causal_mask(q_positions, kv_length, s), (1, 1, g, 1))  # [B, 1, G*T, S]: row m is m % T
-    out = _attend(_grouped_queries(q, kh).reshape(b, kh, g * t, h), k_bksh.astype(q.dtype),
-                  v_bksh.astype(q.dtype), mask)
+    mask = jnp.broadcast_to(mask, (b, kh, g * t, s)).reshape(b * kh, g * t, s)
+    out = _attend(_grouped_queries(q, kh).reshape(b * kh, g * t, h), k_nsh.astype(q.dtype),
+                  v_nsh.astype(q.dtype), mask)
     return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
 
 

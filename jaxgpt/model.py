@@ -90,8 +90,8 @@ class CausalSelfAttention(nn.Module):
             out = attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, positions_BxT, None, cfg.attention)
         else:
             kv_length = cache.lengths + t
-            cache, k_BxKxSxH, v_BxKxSxH = cache.write(layer, k_BxTxKxH, v_BxTxKxH)
-            out = cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, positions_BxT, kv_length, cfg.attention)
+            cache, k_BKxSxH, v_BKxSxH = cache.write(layer, k_BxTxKxH, v_BxTxKxH)
+            out = cached_attention(q_BxTxNxH, k_BKxSxH, v_BKxSxH, positions_BxT, kv_length, cfg.attention)
         y = _dense(cfg, cfg.n_embd, "c_proj", True, self.kernel_out_in)(out.reshape(b, t, n * h))
         return nn.Dropout(cfg.dropout)(y, deterministic=deterministic), cache
 
@@ -144,8 +144,9 @@ class GPT(nn.Module):
     The parameters are always h_0 ... h_{L-1} as in GPT-2, whatever `config.scan_layers` and `config.remat`.
     With `scan_layers`, `init` still builds the blocks in a Python loop (so the parameters get those names
     and the same values), while `apply` stacks the h_i subtrees along a new leading axis and runs one
-    `jax.lax.scan` over the layers, threading the KV cache through the carry. The stacking copies the block
-    parameters once per call (their gradient is sliced back per layer). Dropout inside the scan draws one
+    `jax.lax.scan` over the layers; a KV cache's layers go in and come out stacked. The stacking copies the
+    block parameters (and the cache) once per call (their gradient is sliced back per layer), which is why
+    `generate` decodes layer by layer whatever `scan_layers` says. Dropout inside the scan draws one
     "dropout" key and folds in the layer index, so its masks differ from the unrolled model's (same
     distribution, different draws); without dropout both give the same results. `remat` ("block" or
     "dots") recomputes each block's activations in the backward pass (`jax.checkpoint` around the scanned
@@ -207,19 +208,23 @@ class GPT(nn.Module):
         block = Block(cfg, self.kernel_out_in, parent=None)  # unbound: applied to one layer's parameters at a time
         dropout_rng = None if deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
 
-        def layer(x, cache, layer_params, i):
+        def layer(x, layer_params, i, kv):
             rngs = {} if dropout_rng is None else {"dropout": jax.random.fold_in(dropout_rng, i)}
-            return block.apply({"params": layer_params}, x, positions, cache, i, deterministic, rngs=rngs)
+            # one layer's cache as a one-layer KVCache (its layer 0); None without a cache
+            one = None if kv is None else KVCache(k=(kv[0],), v=(kv[1],), lengths=cache.lengths)
+            x, one = block.apply({"params": layer_params}, x, positions, one, 0, deterministic, rngs=rngs)
+            return x, None if one is None else (one.k[0], one.v[0])
 
         if cfg.remat != "none" and cache is None:
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
 
-        def body(carry, xs):
-            return layer(*carry, *xs), None
+        def body(x, xs):
+            return layer(x, *xs)
 
-        # the cache rides in the carry: each layer writes its slice of the [L, ...] buffers in place
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, jnp.arange(cfg.n_layer, dtype=jnp.int32)))
-        return x, cache
+        # the cache's layers go in and come out stacked [L, ...] (copies: `generate` decodes unrolled)
+        kv = None if cache is None else cache.stacked()
+        x, new_kv = jax.lax.scan(body, x, (stacked, jnp.arange(cfg.n_layer, dtype=jnp.int32), kv))
+        return x, None if cache is None else cache.from_stacked(*new_kv)
 
 
 def init_params(config: GPTConfig, rng: jax.Array) -> dict:

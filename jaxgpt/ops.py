@@ -57,6 +57,21 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 SMALL_ROWS = 16
 
 
+def _few_rows(x, w, compute_dtype):
+    """x [b, in] times w [out, in].T for a few rows (decode) as one multiply-and-sum over `in`.
+
+    XLA's CPU matmul runs [8, 768] x [768, 50257] at a third of the rate it reads the weights for one row
+    (GPT-2's head: 26 ms at 8 rows against 8 ms for 1), and it rewrites `(w @ x.T).T` back into that
+    matmul. As a fused multiply-and-reduce each row of w is read once and multiplied by every row of x
+    while it is in cache: 2-3x faster for 2-16 rows at GPT-2's shapes (bench numbers in ops' tests'
+    docstring are not timed; see bench/README.md). Products and sums in float32 (the compute-dtype
+    operands are upcast in registers), as the matmul path accumulates.
+    """
+    xc = x.astype(compute_dtype).astype(jnp.float32)
+    wc = w.astype(compute_dtype).astype(jnp.float32)
+    return jnp.sum(wc[None, :, :] * xc[:, None, :], axis=-1)
+
+
 def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, transpose_w: bool = False,
            out_dtype=None) -> jax.Array:
     """x [..., in] times w [in, out] (or w [out, in] with transpose_w) -> [..., out] in `out_dtype`
@@ -66,10 +81,7 @@ def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, transpose_w
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if transpose_w and 1 < x2.shape[0] <= SMALL_ROWS:
-        # a few rows (decode): w [out, in] times x.T, then transpose the small result; XLA's CPU matmul
-        # ran this 1.8-3.5x faster than x times w.T at batch 8 (GPT-2 shapes). One row is a
-        # matrix-vector product that XLA already runs near the memory bound either way.
-        y = _matmul(w, x2, compute_dtype, True).T
+        y = _few_rows(x2, w, compute_dtype)
     else:
         y = _matmul(x2, w, compute_dtype, transpose_w)
     return y.astype(out_dtype or compute_dtype).reshape(*lead, features)

@@ -142,7 +142,9 @@ def _generate(params, prompts, prompt_lengths, rng, *, config, max_new_tokens, t
     # copy per call. One row is a matrix-vector product, already near the memory bound in GPT-2's layout
     # (there the copy cost 6% of a 128-token batch-1 call and the layout gained nothing).
     out_in = 1 < b <= SMALL_ROWS
-    model = GPT(config, kernel_out_in=out_in)
+    # layer by layer even with scan_layers: the scan would copy the stacked parameters and the whole cache
+    # at every step (same results either way)
+    model = GPT(config.replace(scan_layers=False, remat="none"), kernel_out_in=out_in)
     if out_in:
         params = transpose_kernels(params)
     total = p + max_new_tokens

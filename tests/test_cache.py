@@ -72,9 +72,9 @@ def test_logits_index_selects_last_prompt_position():
 def test_cache_is_a_pytree_and_immutable():
     cfg, model, variables = _setup(n_kv_head=2)
     cache = KVCache.create(cfg, 2, 10)
-    assert len(jax.tree_util.tree_leaves(cache)) == 3
+    assert len(jax.tree_util.tree_leaves(cache)) == 2 * cfg.n_layer + 1  # k, v per layer; lengths
     _, new = model.apply(variables, jnp.ones((2, 3), jnp.int32), cache)
-    assert int(cache.lengths.sum()) == 0 and float(jnp.abs(cache.k).sum()) == 0.0
+    assert int(cache.lengths.sum()) == 0 and float(jnp.abs(jnp.stack(cache.k)).sum()) == 0.0
     np.testing.assert_array_equal(np.asarray(new.lengths), [3, 3])
     assert cache.nbytes == cache_bytes(cfg, 2, 10) == 2 * 2 * 2 * 2 * 10 * 8 * 4
 
@@ -89,3 +89,24 @@ def test_create_rejects_bad_sizes():
         KVCache.create(cfg, 1, cfg.block_size + 1)
     with pytest.raises(ValueError, match="batch_size"):
         KVCache.create(cfg, 0, 4)
+
+
+def test_write_puts_each_row_at_its_length_and_layer_view_matches():
+    cfg = _setup(n_kv_head=2)[0]  # 2 layers, 2 kv heads of 8
+    cache = KVCache.create(cfg, 3, 6).advance(jnp.array([0, 2, 5]))
+    k_new = jax.random.normal(jax.random.key(4), (3, 1, 2, 8))
+    v_new = k_new + 1.0
+    new, k_buf, v_buf = cache.write(1, k_new, v_new)
+    assert k_buf.shape == (3 * 2, 6, 8) and new.k[1] is k_buf
+    k_view, v_view = new.layer(1)  # [B, K, S, H]
+    want = np.zeros((3, 2, 6, 8), np.float32)
+    for r, pos in enumerate([0, 2, 5]):
+        want[r, :, pos] = np.asarray(k_new[r, 0])
+    np.testing.assert_array_equal(np.asarray(k_view), want)
+    np.testing.assert_array_equal(np.asarray(v_view), np.where(want != 0, want + 1.0, 0.0))
+    assert float(jnp.abs(new.k[0]).sum()) == 0.0  # other layers untouched
+    k, v = new.stacked()
+    assert k.shape == (cfg.n_layer, 6, 6, 8)
+    again = new.from_stacked(k, v)
+    for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(new)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
