@@ -46,10 +46,6 @@ class KVCache:
                    lengths=jnp.zeros((batch_size,), jnp.int32))
 
     @property
-    def num_layers(self) -> int:
-        return len(self.k)
-
-    @property
     def max_len(self) -> int:
         return self.k[0].shape[1]
 

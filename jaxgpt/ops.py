@@ -63,9 +63,8 @@ def _few_rows(x, w, compute_dtype):
     XLA's CPU matmul runs [8, 768] x [768, 50257] at a third of the rate it reads the weights for one row
     (GPT-2's head: 26 ms at 8 rows against 8 ms for 1), and it rewrites `(w @ x.T).T` back into that
     matmul. As a fused multiply-and-reduce each row of w is read once and multiplied by every row of x
-    while it is in cache: 2-3x faster for 2-16 rows at GPT-2's shapes (bench numbers in ops' tests'
-    docstring are not timed; see bench/README.md). Products and sums in float32 (the compute-dtype
-    operands are upcast in registers), as the matmul path accumulates.
+    while it is in cache: 2-3x faster for 2-16 rows at GPT-2's shapes (see bench/README.md). Products and
+    sums in float32 (the compute-dtype operands are upcast in registers), as the matmul path accumulates.
     """
     xc = x.astype(compute_dtype).astype(jnp.float32)
     wc = w.astype(compute_dtype).astype(jnp.float32)

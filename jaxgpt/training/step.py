@@ -106,7 +106,7 @@ def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, 
                                             (jnp.arange(grad_accum), xs, ys))
             loss = loss / grad_accum
             grads = jax.tree_util.tree_map(lambda g: g / grad_accum, grads)
-        # (over one device the mean is the value: no all-reduce, which also cost XLA copies of the state)
+        # over one device the mean is the value itself: skip the all-reduce
         if axis_name is not None and jax.lax.psum(1, axis_name) > 1:
             loss, grads = jax.lax.pmean((loss, grads), axis_name)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
