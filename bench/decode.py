@@ -1,6 +1,6 @@
 """Decode benchmark: jaxgpt.generate on the GPT-2 124M shape with random weights.
 
-python bench/decode.py [--batch 1 8] [--dtypes float32 bfloat16] [--reps 3]
+python bench/decode.py [--batch 1 8] [--dtypes float32 bfloat16] [--kernels auto portable] [--reps 3]
 
 16-token prompt, 128 new tokens, top-k 50 sampling. Reports tokens/s (median of reps, compile excluded),
 compile time (first call minus a warm call), and the achieved bytes/s of weights plus KV cache read per
@@ -23,13 +23,14 @@ import jaxgpt  # noqa: E402
 from bench.common import ceilings, machine, median_time, write_results  # noqa: E402
 
 
-def gpt2_config(dtype: str) -> jaxgpt.GPTConfig:
+def gpt2_config(dtype: str, kernels: str = "auto") -> jaxgpt.GPTConfig:
     return jaxgpt.GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768,
-                            dtype=dtype, param_dtype=dtype)
+                            dtype=dtype, param_dtype=dtype, kernels=kernels)
 
 
-def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, bandwidth: float) -> dict:
-    cfg = gpt2_config(dtype)
+def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, bandwidth: float,
+        kernels: str = "auto") -> dict:
+    cfg = gpt2_config(dtype, kernels)
     params = jaxgpt.init_params(cfg, jax.random.key(0))
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len))
 
@@ -47,7 +48,7 @@ def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, ban
     cache = jaxgpt.cache_bytes(cfg, batch, prompt_len + new_tokens)
     bytes_per_step = (n_params - cfg.block_size * cfg.n_embd) * itemsize + cache
     steps_per_s = new_tokens / t
-    return {"batch": batch, "dtype": dtype, "tokens_per_s": batch * new_tokens / t, "seconds": t,
+    return {"batch": batch, "dtype": dtype, "kernels": kernels, "tokens_per_s": batch * new_tokens / t, "seconds": t,
             "all_seconds": times, "compile_s": first - t, "kv_cache_bytes": cache,
             "bytes_per_step": bytes_per_step, "achieved_read_bytes_per_s": bytes_per_step * steps_per_s,
             "fraction_of_read_bandwidth": bytes_per_step * steps_per_s / bandwidth}
@@ -76,14 +77,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "portable", "cpu"])
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     args = p.parse_args()
     ceil = ceilings()
-    rows = [run(b, d, args.prompt_len, args.new_tokens, args.reps, ceil["read_bytes_per_s"])
-            for d in args.dtypes for b in args.batch]
+    rows = [run(b, d, args.prompt_len, args.new_tokens, args.reps, ceil["read_bytes_per_s"], k)
+            for k in args.kernels for d in args.dtypes for b in args.batch]
     peers = {} if args.no_peer else {b: run_peer(b, args.prompt_len, args.new_tokens, args.reps) for b in args.batch}
     for r in rows:
         if r["batch"] in peers:
@@ -93,10 +95,10 @@ def main():
                                     "peer": list(peers.values())})
     print(f"read bandwidth {ceil['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul "
           f"{ceil['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {ceil['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s")
-    print(f"{'dtype':>9} {'batch':>5} {'tok/s':>8} {'compile s':>9} {'cache MB':>8} {'% read bw':>9} {'peer tok/s':>10}")
+    print(f"{'kernels':>8} {'dtype':>9} {'batch':>5} {'tok/s':>8} {'compile s':>9} {'cache MB':>8} {'% read bw':>9} {'peer tok/s':>10}")
     for r in rows:
         peer = f"{r['peer_tokens_per_s']:10.1f} ({r['speedup_vs_peer']:.2f}x)" if "peer_tokens_per_s" in r else ""
-        print(f"{r['dtype']:>9} {r['batch']:>5} {r['tokens_per_s']:8.1f} {r['compile_s']:9.2f} "
+        print(f"{r['kernels']:>8} {r['dtype']:>9} {r['batch']:>5} {r['tokens_per_s']:8.1f} {r['compile_s']:9.2f} "
               f"{r['kv_cache_bytes'] / 2**20:8.1f} {100 * r['fraction_of_read_bandwidth']:8.1f}% {peer}")
     print(f"results: {path}")
 

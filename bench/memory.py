@@ -24,7 +24,7 @@ HERE = os.path.abspath(__file__)
 def child_train(name: str) -> dict:
     import jax
     from bench.train import CONFIGS, bench_jax
-    cfg, t, _ = bench_jax(name, "float32", 3, "blocked")
+    cfg, t, _ = bench_jax(name, "float32", 3, "dot_product")
     params = cfg.vocab_size * cfg.n_embd + cfg.block_size * cfg.n_embd + cfg.n_layer * 12 * cfg.n_embd ** 2
     return {"what": f"train {name}", "approx_params_bytes": 4 * params, "approx_adam_state_bytes": 8 * params,
             "batch_tokens": CONFIGS[name][3] * CONFIGS[name][4], "jax": jax.__version__}

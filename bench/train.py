@@ -1,7 +1,7 @@
 """Training-throughput benchmark: jaxgpt's real train step (the runner train.py uses) against a PyTorch
 peer (transformers' GPT2LMHeadModel + AdamW, eager) doing the same work in the same run.
 
-python bench/train.py [--configs baby 6l] [--dtypes float32 bfloat16] [--steps 20] [--no-torch]
+python bench/train.py [--configs baby 6l] [--dtypes float32 bfloat16] [--kernels auto portable] [--steps 20] [--no-torch]
 
 Prints the machine's measured matmul peak and bandwidth, then tokens/s, ms/step and MFU (6N + 12*L*T*D
 FLOPs per token, attention not halved) of each, median over --steps timed steps after warm-up.
@@ -36,10 +36,10 @@ def batches(n, b, t, vocab, seed=0):
     return [r.integers(0, vocab, (b, t + 1)).astype(np.int32) for _ in range(n)]
 
 
-def bench_jax(name, dtype, steps, attention, scan_layers=False, remat="none"):
+def bench_jax(name, dtype, steps, attention, kernels="auto", scan_layers=False, remat="none"):
     L, H, D, T, B, V = CONFIGS[name]
     cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=D, dtype=dtype, attention=attention,
-                    scan_layers=scan_layers, remat=remat)
+                    kernels=kernels, scan_layers=scan_layers, remat=remat)
     tc = default_config().train
     opt = make_optimizer(tc)
     runner = make_runner("pmap", cfg, opt, 1, make_schedule(tc))
@@ -98,7 +98,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--configs", nargs="+", default=["baby", "6l"], choices=sorted(CONFIGS))
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--attention", default="blocked", choices=["blocked", "einsum", "dot_product"])
+    p.add_argument("--attention", default="dot_product", choices=["dot_product", "einsum"])
+    p.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "portable", "cpu"])
     p.add_argument("--scan-layers", action="store_true", help="GPTConfig.scan_layers")
     p.add_argument("--remat", default="none", choices=["none", "block", "dots"])
     p.add_argument("--steps", type=int, default=10)
@@ -113,16 +114,17 @@ def main():
         if not args.no_torch:
             t_torch, tv = bench_torch(name, args.steps, args.torch_compile)
             peer = {"ms_per_step": 1e3 * t_torch, "tokens_per_s": B * T / t_torch, "torch": tv}
-        for dtype in args.dtypes:
-            cfg, t, compile_s = bench_jax(name, dtype, args.steps, args.attention, args.scan_layers, args.remat)
+        for dtype, kernels in [(d, k) for d in args.dtypes for k in args.kernels]:
+            cfg, t, compile_s = bench_jax(name, dtype, args.steps, args.attention, kernels, args.scan_layers,
+                                          args.remat)
             peak = ceil["matmul_bf16_flops" if dtype == "bfloat16" else "matmul_fp32_flops"]
             tok_s = B * T / t
-            row = {"config": name, "dtype": dtype, "ms_per_step": 1e3 * t, "tokens_per_s": tok_s,
+            row = {"config": name, "dtype": dtype, "kernels": kernels, "ms_per_step": 1e3 * t, "tokens_per_s": tok_s,
                    "compile_s": compile_s, "mfu": cfg.flops_per_token(T) * tok_s / peak, "peer": peer,
                    "speedup_vs_peer": (tok_s / peer["tokens_per_s"]) if peer else None}
             rows.append(row)
             sp = f"{row['speedup_vs_peer']:.2f}x" if peer else "-"
-            print(f"{name:>5} {dtype:>9}: jaxgpt {row['ms_per_step']:8.1f} ms/step {tok_s:9.0f} tok/s "
+            print(f"{name:>5} {dtype:>9} {kernels:>8}: jaxgpt {row['ms_per_step']:8.1f} ms/step {tok_s:9.0f} tok/s "
                   f"MFU {100 * row['mfu']:5.1f}% compile {compile_s:5.1f}s | torch "
                   f"{peer['ms_per_step'] if peer else float('nan'):8.1f} ms/step | speedup {sp}", flush=True)
     path = write_results("train", {"machine": machine(), "ceilings": ceil, "settings": vars(args), "runs": rows})

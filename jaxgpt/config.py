@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax.numpy as jnp
 
-ATTENTION_IMPLEMENTATIONS = ("blocked", "einsum", "dot_product")
+from jaxgpt.attention import attention_names
+from jaxgpt.kernels import KERNEL_SETS
+
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_MODES = ("none", "block", "dots")
+_INT_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head")
+_BOOL_FIELDS = ("bias", "tie_embeddings", "scan_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,12 +22,18 @@ class GPTConfig:
     """A GPT-2 style decoder-only transformer's hyperparameters.
 
     `n_kv_head` < `n_head` gives grouped-query attention (1 = multi-query); `None` means `n_head`.
-    `dtype` is the compute dtype; parameters are always kept in `param_dtype` (float32 by default).
+    `dtype` is the compute dtype; parameters are kept in `param_dtype` (float32 by default). float16 is
+    for inference on GPUs without bfloat16; training has no loss scaling, so it refuses float16.
 
-    `scan_layers` and `remat` change how the blocks are computed, never the parameters or the results:
-    `scan_layers` runs the n_layer blocks as one `jax.lax.scan` (a program whose size does not grow with
-    depth); `remat` recomputes activations in the backward pass instead of keeping them: "block" keeps
-    only each block's input, "dots" also keeps the outputs of the matmuls without batch dimensions.
+    `attention` names a registered implementation (jaxgpt.attention; "dot_product" by default), and
+    `kernels` picks backend kernels: "auto" (the CPU kernels on a CPU, the portable core elsewhere),
+    "portable" or "cpu" (jaxgpt/kernels/). Both change how, never what, is computed.
+
+    `scan_layers` stores the blocks' parameters stacked ([L, ...] leaves under `h`) and runs them as one
+    `jax.lax.scan`, so compile time does not grow with depth; checkpoints and Hugging Face weights
+    convert between that and GPT-2's h_0 ... h_{L-1} (`jaxgpt.model.convert_layers`). `remat` recomputes
+    activations in the backward pass instead of keeping them: "block" keeps only each block's input,
+    "dots" also keeps the outputs of the matmuls without batch dimensions.
     """
 
     vocab_size: int = 50257
@@ -36,7 +47,8 @@ class GPTConfig:
     tie_embeddings: bool = True
     dtype: str = "float32"
     param_dtype: str = "float32"
-    attention: str = "blocked"
+    attention: str = "dot_product"
+    kernels: str = "auto"
     layer_norm_epsilon: float = 1e-5
     scan_layers: bool = False
     remat: str = "none"
@@ -44,30 +56,29 @@ class GPTConfig:
     def __post_init__(self):
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head"):
+        for name in _INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        choices = {"dtype": DTYPES, "param_dtype": DTYPES, "attention": attention_names(), "kernels": KERNEL_SETS,
+                   "remat": REMAT_MODES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_head % self.n_kv_head:
             raise ValueError(
                 f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(
-                f"GPTConfig.attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {self.attention!r}")
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"GPTConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
-        if self.layer_norm_epsilon <= 0:
-            raise ValueError(f"GPTConfig.layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon!r}")
-        if not isinstance(self.scan_layers, bool):
-            raise ValueError(f"GPTConfig.scan_layers must be True or False, got {self.scan_layers!r}")
-        if self.remat not in REMAT_MODES:
-            raise ValueError(f"GPTConfig.remat must be one of {REMAT_MODES}, got {self.remat!r}")
+        if not _is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
+        if not _is_real(self.layer_norm_epsilon) or not 0 < self.layer_norm_epsilon < math.inf:
+            raise ValueError(f"GPTConfig.layer_norm_epsilon must be a finite number > 0, got "
+                             f"{self.layer_norm_epsilon!r}")
 
     @property
     def head_dim(self) -> int:
@@ -94,32 +105,28 @@ class GPTConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown GPTConfig fields {unknown}; known fields are {sorted(known)}")
+        if d.get("attention") == "blocked":  # checkpoints before the kernel switch: now kernels="cpu"'s job
+            d = {**d, "attention": "dot_product"}
         return cls(**d)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; by default without position embeddings (and token embeddings if untied)."""
-        d, kv = self.n_embd, self.n_kv_head * self.head_dim
-        b = 1 if self.bias else 0
-        attn = d * (d + 2 * kv) + b * (d + 2 * kv) + d * d + b * d
-        mlp = d * 4 * d + b * 4 * d + 4 * d * d + b * d
-        ln = 2 * (d + b * d)
-        per_layer = attn + mlp + ln
-        total = self.n_layer * per_layer + (d + b * d) + self.vocab_size * d + self.block_size * d
-        if not self.tie_embeddings:
-            total += self.vocab_size * d
-        if non_embedding:
-            total -= self.block_size * d
-        return total
+        """Parameters of the model this config builds, counted on its (abstract) parameter tree.
+
+        `non_embedding` leaves out the tables that are only looked up, never multiplied: the position
+        embeddings, and the token embeddings when the output head is a separate matrix.
+        """
+        from jaxgpt.model import abstract_params, count_params  # the model module builds the tree
+        return count_params(abstract_params(self), non_embedding=non_embedding)
 
     def flops_per_token(self, seq_len: Optional[int] = None, causal_halved: bool = False) -> float:
         """Training FLOPs per token: 6N plus attention's 12 * n_layer * T * n_embd (PaLM appendix B).
 
-        N excludes the position embeddings (they cost no matmul); with `causal_halved` the attention term
-        is halved since a causal mask skips half the score matrix.
+        N counts the parameters that take part in a matmul (`num_params(non_embedding=True)`); with
+        `causal_halved` the attention term is halved since a causal mask skips half the score matrix.
         """
         t = self.block_size if seq_len is None else seq_len
         n = self.num_params(non_embedding=True)
-        attn = 12 * self.n_layer * t * self.n_embd
+        attn = 12 * self.n_layer * t * self.n_head * self.head_dim
         if causal_halved:
             attn /= 2
         return 6.0 * n + attn
@@ -131,7 +138,7 @@ class GPTConfig:
 # anything is compiled.
 
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "dropout", "bias", "tie_embeddings",
-              "dtype", "attention", "scan_layers", "remat")
+              "dtype", "attention", "kernels", "scan_layers", "remat")
 PARALLEL_MODES = ("pmap", "mesh")
 
 
@@ -156,8 +163,9 @@ def default_config():
     c.model.bias = True
     c.model.tie_embeddings = True
     c.model.dtype = "float32"  # compute dtype; parameters and optimizer state stay float32
-    c.model.attention = "blocked"  # causal blocks (fastest here), "einsum" (reference) or "dot_product"
-    c.model.scan_layers = False  # run the blocks as one lax.scan: compile time flat in depth, same params
+    c.model.attention = "dot_product"  # a registered attention: "dot_product", "einsum" (reference), "cudnn"
+    c.model.kernels = "auto"  # "auto" (CPU kernels on a CPU), "portable" or "cpu": see jaxgpt/kernels/
+    c.model.scan_layers = False  # blocks stored stacked, run as one lax.scan: compile time flat in depth
     c.model.remat = "none"       # "block" or "dots": recompute activations in the backward to save memory
 
     c.data = config_dict.ConfigDict()
@@ -236,6 +244,8 @@ def validate_config(config, device_count: int = 1) -> None:
         v = t[key]
         need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"train.{key}",
              f"must be a positive integer, got {v!r}")
+    need(config.model.dtype != "float16", "model.dtype",
+         "float16 training has no loss scaling (gradients underflow); use bfloat16 or float32")
     need(t.parallel in PARALLEL_MODES, "train.parallel", f"must be one of {PARALLEL_MODES}, got {t.parallel!r}")
     need(isinstance(t.fsdp, bool), "train.fsdp", f"must be True or False, got {t.fsdp!r}")
     need(not t.fsdp or t.parallel == "mesh", "train.fsdp",
@@ -262,3 +272,7 @@ def validate_config(config, device_count: int = 1) -> None:
          "the bpe tokenizer needs data.vocab_size > 256")
     need(isinstance(config.init_from, str) and config.init_from != "", "init_from",
          "must be 'scratch', 'resume', a GPT-2 name or a folder")
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

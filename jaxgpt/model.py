@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -9,58 +10,45 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.attention import attention, cached_attention, causal_block_attention
+from jaxgpt import kernels
+from jaxgpt.attention import get_attention
 from jaxgpt.cache import KVCache
 from jaxgpt.config import GPTConfig
+from jaxgpt.kernels import cpu
 from jaxgpt.ops import linear
 
 _init = nn.initializers.normal(stddev=0.02)
 
 
 class Dense(nn.Module):
-    """`nn.Dense`'s parameters (kernel [in, out], bias [out]) computed through `ops.linear`: one 2-D matmul
-    with compute-dtype operands and float32 accumulation in the forward and in both gradient matmuls."""
+    """`nn.Dense`'s parameters (kernel [in, out], bias [out]) computed by `ops.linear`: compute-dtype
+    operands and float32 sums in the forward and in both gradient matmuls."""
 
     features: int
     use_bias: bool
-    dtype: jnp.dtype
-    param_dtype: jnp.dtype
+    config: GPTConfig
     kernel_init: nn.initializers.Initializer = _init
     out_dtype: Optional[jnp.dtype] = None  # default: the compute dtype
-    kernel_out_in: bool = False  # the kernel is stored transposed, [out, in] (see `transpose_kernels`)
+    kernel_out_in: bool = False  # kernel stored [out, in]: only the CPU kernels' decode path (cpu.decode_params)
 
     @nn.compact
     def __call__(self, x):
-        # [out, in] only ever holds parameters converted by `transpose_kernels`
+        cfg = self.config
         shape = (self.features, x.shape[-1]) if self.kernel_out_in else (x.shape[-1], self.features)
-        kernel = self.param("kernel", self.kernel_init, shape, self.param_dtype)
-        out_dtype = self.out_dtype or self.dtype
-        y = linear(x, kernel, self.dtype, transpose_w=self.kernel_out_in,
+        kernel = self.param("kernel", self.kernel_init, shape, cfg.params_dtype)
+        out_dtype = self.out_dtype or cfg.compute_dtype
+        matmul = cpu.linear if kernels.resolve(cfg.kernels) == "cpu" else linear  # XLA:CPU: kernels/cpu.py
+        y = matmul(x, kernel, cfg.compute_dtype, w_out_in=self.kernel_out_in,
                    out_dtype=jnp.float32 if self.use_bias else out_dtype)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), cfg.params_dtype)
         return y.astype(out_dtype)
 
 
-def _dense(cfg: GPTConfig, features: int, name: str, residual_out: bool = False,
-           kernel_out_in: bool = False) -> Dense:
+def _dense(cfg: GPTConfig, features: int, name: str, kernel_out_in: bool, residual_out: bool = False) -> Dense:
     # GPT-2 scales the init of layers that write into the residual stream by 1/sqrt(2 * n_layer)
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual_out else 0.02
-    return Dense(features, use_bias=cfg.bias, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
-                 kernel_init=nn.initializers.normal(stddev=std), kernel_out_in=kernel_out_in, name=name)
-
-
-def transpose_kernels(params) -> dict:
-    """The same parameters with every dense kernel stored [out, in], for `GPT(cfg, kernel_out_in=True)`.
-
-    For decoding 2..16 rows: with kernels [out, in], `ops.linear` computes each dense layer as a fused
-    multiply-and-sum that reads every weight row once (GPT-2 shapes, batch 8: c_fc 0.50 ms against 1.45 ms
-    for XLA's matmul, the 50257-wide head 18 ms against 33 ms). `generate` converts once per call.
-    """
-    def convert(path, leaf):
-        return leaf.T if getattr(path[-1], "key", None) == "kernel" and leaf.ndim == 2 else leaf
-
-    return jax.tree_util.tree_map_with_path(convert, params)
+    return Dense(features, cfg.bias, cfg, nn.initializers.normal(stddev=std), kernel_out_in=kernel_out_in, name=name)
 
 
 def _layer_norm(cfg: GPTConfig, name: str) -> nn.LayerNorm:
@@ -75,24 +63,31 @@ class CausalSelfAttention(nn.Module):
     kernel_out_in: bool = False
 
     @nn.compact
-    def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache], layer: int, deterministic: bool):
+    def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache], layer, deterministic: bool):
         cfg = self.config
         b, t, _ = x_BxTxD.shape
         n, kh, h = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        qkv = _dense(cfg, (n + 2 * kh) * h, "c_attn", kernel_out_in=self.kernel_out_in)(x_BxTxD)
+        qkv = _dense(cfg, (n + 2 * kh) * h, "c_attn", self.kernel_out_in)(x_BxTxD)
         q, k, v = jnp.split(qkv, [n * h, (n + kh) * h], axis=-1)
         q_BxTxNxH = q.reshape(b, t, n, h)
         k_BxTxKxH = k.reshape(b, t, kh, h)
         v_BxTxKxH = v.reshape(b, t, kh, h)
-        if cache is None and cfg.attention == "blocked":  # positions are 0..t-1: skip the masked blocks
-            out = causal_block_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
-        elif cache is None:
-            out = attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, positions_BxT, None, cfg.attention)
+        if cache is None:  # queries and keys at 0..t-1
+            if kernels.cpu_attention(cfg):  # XLA:CPU: skip the masked blocks (kernels/cpu.py)
+                out = cpu.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
+            else:
+                out = get_attention(cfg.attention)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None, None)
         else:
-            kv_length = cache.lengths + t
-            cache, k_BKxSxH, v_BKxSxH = cache.write(layer, k_BxTxKxH, v_BxTxKxH)
-            out = cached_attention(q_BxTxNxH, k_BKxSxH, v_BKxSxH, positions_BxT, kv_length, cfg.attention)
-        y = _dense(cfg, cfg.n_embd, "c_proj", True, self.kernel_out_in)(out.reshape(b, t, n * h))
+            kv_lengths = cache.lengths + t
+            cache = cache.write(layer, k_BxTxKxH, v_BxTxKxH)
+            # [B, K, S, H]; a cache kept in another dtype is read in the compute dtype
+            keys, values = (a.astype(q_BxTxNxH.dtype) for a in cache.layer(layer))
+            if kernels.cpu_attention(cfg):  # XLA:CPU: kernels/cpu.py
+                out = cpu.cached_attention(q_BxTxNxH, keys, values, positions_BxT, kv_lengths)
+            else:
+                out = get_attention(cfg.attention)(q_BxTxNxH, keys.swapaxes(1, 2), values.swapaxes(1, 2),
+                                                   positions_BxT, kv_lengths)
+        y = _dense(cfg, cfg.n_embd, "c_proj", self.kernel_out_in, residual_out=True)(out.reshape(b, t, n * h))
         return nn.Dropout(cfg.dropout)(y, deterministic=deterministic), cache
 
 
@@ -103,9 +98,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool):
         cfg = self.config
-        x = _dense(cfg, 4 * cfg.n_embd, "c_fc", kernel_out_in=self.kernel_out_in)(x)
+        x = _dense(cfg, 4 * cfg.n_embd, "c_fc", self.kernel_out_in)(x)
         x = nn.gelu(x, approximate=True)  # GPT-2's tanh approximation
-        x = _dense(cfg, cfg.n_embd, "c_proj", True, self.kernel_out_in)(x)
+        x = _dense(cfg, cfg.n_embd, "c_proj", self.kernel_out_in, residual_out=True)(x)
         return nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
 
 
@@ -116,7 +111,7 @@ class Block(nn.Module):
     kernel_out_in: bool = False
 
     @nn.compact
-    def __call__(self, x, positions, cache: Optional[KVCache], layer: int, deterministic: bool):
+    def __call__(self, x, positions, cache: Optional[KVCache], layer, deterministic: bool):
         cfg = self.config
         y, cache = CausalSelfAttention(cfg, self.kernel_out_in, name="attn")(
             _layer_norm(cfg, "ln_1")(x), positions, cache, layer, deterministic)
@@ -137,28 +132,20 @@ class GPT(nn.Module):
     """GPT-2: token + position embeddings, n_layer blocks, final LayerNorm, (tied) output head.
 
     `model.apply(variables, tokens)` gives float32 logits [B, T, V]. With `cache=`, the tokens continue
-    each row at its cache length and the call returns `(logits, new_cache)`. `token_lengths` [B] says how
-    many of the T tokens of each row are real (ragged prefill; default all T), and `logits_index` [B]
-    asks for the logits at one position per row only ([B, 1, V]), which spares the head's work on a prompt.
+    each row at its cache length and the call returns `(logits, new_cache)`; a row whose tokens would not
+    fit the cache gets NaN logits under jit (a ValueError outside it). `token_lengths` [B] says how many of
+    the T tokens of each row are real (ragged prefill; default all T), and `logits_index` [B] asks for
+    the logits at one position per row only ([B, 1, V]), which spares the head's work on a prompt.
 
-    The parameters are always h_0 ... h_{L-1} as in GPT-2, whatever `config.scan_layers` and `config.remat`.
-    With `scan_layers`, `init` still builds the blocks in a Python loop (so the parameters get those names
-    and the same values), while `apply` stacks the h_i subtrees along a new leading axis and runs one
-    `jax.lax.scan` over the layers; a KV cache's layers go in and come out stacked. The stacking copies the
-    block parameters (and the cache) once per call (their gradient is sliced back per layer), which is why
-    `generate` decodes layer by layer whatever `scan_layers` says. Dropout inside the scan draws one
-    "dropout" key and folds in the layer index, so its masks differ from the unrolled model's (same
-    distribution, different draws); without dropout both give the same results. `remat` ("block" or
-    "dots") recomputes each block's activations in the backward pass (`jax.checkpoint` around the scanned
-    layer, `nn.remat(Block)` when unrolled); it applies to calls without a cache only, since decoding is
-    not differentiated.
-
-    `kernel_out_in=True` reads every dense kernel as [out, in]: the layout `transpose_kernels` makes for
-    decoding (`generate` uses it); parameter names are unchanged.
+    The blocks' parameters are h_0 ... h_{L-1} as in GPT-2, or with `config.scan_layers` one stacked
+    subtree `h` ([L, ...] leaves) that a `jax.lax.scan` runs through (a KV cache's layers then come
+    stacked too). Dropout inside the scan folds the layer index into one key, so its masks differ from
+    the unrolled model's (same distribution). `remat` recomputes each block's activations in the backward
+    pass; it applies to calls without a cache only, since decoding is not differentiated.
     """
 
     config: GPTConfig
-    kernel_out_in: bool = False
+    kernel_out_in: bool = False  # dense kernels stored [out, in] (see Dense)
 
     @nn.compact
     def __call__(self, tokens_BxT: jax.Array, cache: Optional[KVCache] = None, *,
@@ -172,6 +159,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {t} exceeds block_size {cfg.block_size}")
         steps = jnp.arange(t, dtype=jnp.int32)[None, :]
         positions = jnp.broadcast_to(steps, (b, t)) if cache is None else cache.lengths[:, None] + steps
+        overflow = None if cache is None else cache.overflow(t)
 
         wte = nn.Embed(cfg.vocab_size, cfg.n_embd, embedding_init=_init, dtype=cfg.compute_dtype,
                        param_dtype=cfg.params_dtype, name="wte")
@@ -179,60 +167,111 @@ class GPT(nn.Module):
                        param_dtype=cfg.params_dtype, name="wpe")
         x = wte(tokens_BxT) + wpe(positions)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
-        if cfg.scan_layers and not self.is_initializing():
+        if cfg.scan_layers:
             x, cache = self._scan_blocks(x, positions, cache, deterministic)
         else:
             remat = cfg.remat != "none" and cache is None and not self.is_initializing()
             block = _REMAT_BLOCKS[cfg.remat] if remat else Block
             for i in range(cfg.n_layer):
                 x, cache = block(cfg, self.kernel_out_in, name=f"h_{i}")(x, positions, cache, i, deterministic)
-        if cache is not None:
-            cache = cache.advance(t if token_lengths is None else token_lengths)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index.astype(jnp.int32)[:, None, None], axis=1)
         x = _layer_norm(cfg, "ln_f")(x)
-        if cfg.tie_embeddings:  # x @ wte.T without materialising the transpose
-            logits = linear(x, wte.embedding, cfg.compute_dtype, transpose_w=True, out_dtype=jnp.float32)
+        if cfg.tie_embeddings:  # x @ wte.T, contracting the table as it is stored
+            matmul = cpu.linear if kernels.resolve(cfg.kernels) == "cpu" else linear  # XLA:CPU: kernels/cpu.py
+            logits = matmul(x, wte.embedding, cfg.compute_dtype, w_out_in=True, out_dtype=jnp.float32)
         else:
-            logits = Dense(cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
-                           out_dtype=jnp.float32, kernel_out_in=self.kernel_out_in, name="lm_head")(x)
-        return logits if cache is None else (logits, cache)
+            logits = Dense(cfg.vocab_size, False, cfg, out_dtype=jnp.float32, kernel_out_in=self.kernel_out_in,
+                           name="lm_head")(x)
+        if cache is None:
+            return logits
+        cache = cache.advance(t if token_lengths is None else token_lengths)
+        return jnp.where(overflow[:, None, None], jnp.nan, logits), cache
 
     def _scan_blocks(self, x, positions, cache: Optional[KVCache], deterministic: bool):
-        """The n_layer blocks as one lax.scan over their stacked parameters; same result as the loop."""
+        """The blocks as one lax.scan over the stacked parameters `h` (and the stacked cache, if any)."""
         cfg = self.config
-        params = self.variables["params"]
-        # [L, ...] leaves with the h_i layout; built per call, since the stored tree keeps GPT-2's names
-        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves),
-                               *[params[f"h_{i}"] for i in range(cfg.n_layer)])
-        block = Block(cfg, self.kernel_out_in, parent=None)  # unbound: applied to one layer's parameters at a time
+        block = Block(cfg, self.kernel_out_in, parent=None)  # unbound: applied to one layer's parameters
+
+        def init_stacked(rng, x, positions):
+            def one(key):
+                return block.init({"params": key}, x, positions, None, 0, True)["params"]
+            return jax.vmap(one)(jax.random.split(rng, cfg.n_layer))
+
+        stacked = self.param("h", init_stacked, x, positions)
         dropout_rng = None if deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
 
-        def layer(x, layer_params, i, kv):
+        def layer(carry, xs):
+            x, cache = carry
+            layer_params, i = xs
             rngs = {} if dropout_rng is None else {"dropout": jax.random.fold_in(dropout_rng, i)}
-            # one layer's cache as a one-layer KVCache (its layer 0); None without a cache
-            one = None if kv is None else KVCache(k=(kv[0],), v=(kv[1],), lengths=cache.lengths)
-            x, one = block.apply({"params": layer_params}, x, positions, one, 0, deterministic, rngs=rngs)
-            return x, None if one is None else (one.k[0], one.v[0])
+            x, cache = block.apply({"params": layer_params}, x, positions, cache, i, deterministic, rngs=rngs)
+            return (x, cache), None
 
         if cfg.remat != "none" and cache is None:
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), (stacked, jnp.arange(cfg.n_layer, dtype=jnp.int32)))
+        return x, cache
 
-        def body(x, xs):
-            return layer(x, *xs)
 
-        # the cache's layers go in and come out stacked [L, ...] (copies: `generate` decodes unrolled)
-        kv = None if cache is None else cache.stacked()
-        x, new_kv = jax.lax.scan(body, x, (stacked, jnp.arange(cfg.n_layer, dtype=jnp.int32), kv))
-        return x, None if cache is None else cache.from_stacked(*new_kv)
-
+# ---------------------------------------------------------------------------------------------------
+# Parameters
 
 def init_params(config: GPTConfig, rng: jax.Array) -> dict:
-    """Freshly initialised parameters (the `params` collection) for `config`."""
+    """Freshly initialised parameters (the `params` collection) for `config`.
+
+    Built as the unrolled model and stacked for `scan_layers`, so both layouts start from the same values.
+    """
     tokens = jnp.zeros((1, min(8, config.block_size)), jnp.int32)
+    unrolled = GPT(config.replace(scan_layers=False, remat="none"))
     # one jitted program: eager init would compile every initializer op separately
-    return jax.jit(lambda key: GPT(config).init(key, tokens)["params"])(rng)
+    return jax.jit(lambda key: convert_layers(unrolled.init(key, tokens)["params"], config))(rng)
 
 
-def count_params(params) -> int:
-    return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+@functools.lru_cache(maxsize=64)
+def abstract_params(config: GPTConfig):
+    """The parameters' shapes and dtypes (jax.ShapeDtypeStruct leaves), without allocating them."""
+    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+
+
+def count_params(params, non_embedding: bool = False) -> int:
+    """Number of parameters; `non_embedding` leaves out the tables that are only looked up: wpe, and wte
+    when an untied `lm_head` does the output matmul."""
+    total = sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+    if non_embedding:
+        lookups = ["wpe"] + (["wte"] if "lm_head" in params else [])
+        total -= sum(int(x.size) for name in lookups if name in params
+                     for x in jax.tree_util.tree_leaves(params[name]))
+    return total
+
+
+def _is_params(node) -> bool:
+    return isinstance(node, dict) and "wte" in node
+
+
+def stack_layers(params: dict, n_layer: int) -> dict:
+    """GPT-2's h_0 ... h_{L-1} -> one subtree `h` with [L, ...] leaves (the scan_layers layout)."""
+    layers = [params[f"h_{i}"] for i in range(n_layer)]
+    rest = {k: v for k, v in params.items() if not (k.startswith("h_") and k[2:].isdigit())}
+    return {**rest, "h": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+
+
+def unstack_layers(params: dict, n_layer: int) -> dict:
+    """The inverse of `stack_layers`."""
+    rest = {k: v for k, v in params.items() if k != "h"}
+    return {**rest, **{f"h_{i}": jax.tree.map(lambda x, i=i: x[i], params["h"]) for i in range(n_layer)}}
+
+
+def convert_layers(tree, config: GPTConfig):
+    """`tree` with every parameter-shaped dict in it (the params, the optimizer's moments) in `config`'s
+    layout: stacked for `scan_layers`, GPT-2's h_i otherwise. Dicts already in that layout are kept."""
+    def convert(node):
+        if not _is_params(node):
+            return node
+        if config.scan_layers and "h" not in node:
+            return stack_layers(node, config.n_layer)
+        if not config.scan_layers and "h" in node:
+            return unstack_layers(node, config.n_layer)
+        return node
+
+    return jax.tree_util.tree_map(convert, tree, is_leaf=_is_params)

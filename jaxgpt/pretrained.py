@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import GPTConfig
-from jaxgpt.model import init_params
+from jaxgpt.model import abstract_params, convert_layers
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 _HUB_REPOS = {name: f"openai-community/{name}" for name in GPT2_NAMES}
@@ -49,8 +49,8 @@ def gpt2_name(path: tuple) -> str:
 
 
 def _expected_shapes(config: GPTConfig) -> dict:
-    """{jaxgpt param path: shape} for `config`, without allocating anything."""
-    abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    """{jaxgpt param path: shape} for `config` in GPT-2's per-layer layout, without allocating anything."""
+    abstract = abstract_params(config.replace(scan_layers=False, remat="none"))
     return {_path_names(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
 
 
@@ -106,7 +106,7 @@ def _params_from_tensors(shapes: dict, read: Callable[[str], np.ndarray], config
         if path == ("wpe", "embedding"):
             x = x[:config.block_size]
         flat[path] = jnp.asarray(x.astype(config.params_dtype, copy=False))
-    return _nest(flat)
+    return convert_layers(_nest(flat), config)  # stacked for a scan_layers config
 
 
 def _short(names: list, limit: int = 6) -> str:
@@ -166,8 +166,15 @@ def config_to_hf(config: GPTConfig) -> dict:
     }
 
 
-def _overrides(dtype, param_dtype, attention, dropout) -> dict:
-    given = dict(dtype=dtype, param_dtype=param_dtype, attention=attention, dropout=dropout)
+# GPTConfig fields that say how to compute, not what the weights are: an import may set them.
+COMPUTE_FIELDS = ("dtype", "param_dtype", "attention", "kernels", "dropout", "scan_layers", "remat")
+
+
+def _overrides(given: dict) -> dict:
+    unknown = sorted(set(given) - set(COMPUTE_FIELDS))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {unknown}; the GPTConfig fields an import can set "
+                        f"are {COMPUTE_FIELDS} (and block_size, to crop the position table)")
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -229,21 +236,20 @@ def _strip(name: str, prefixes: tuple) -> str:
     return name
 
 
-def from_pretrained(name_or_path: PathLike, *, dtype: Optional[str] = None,
-                    param_dtype: Optional[str] = None, attention: Optional[str] = None,
-                    dropout: Optional[float] = None, block_size: Optional[int] = None,
-                    cache_dir: Optional[PathLike] = None) -> tuple[GPTConfig, dict]:
+def from_pretrained(name_or_path: PathLike, *, block_size: Optional[int] = None,
+                    cache_dir: Optional[PathLike] = None, **overrides) -> tuple[GPTConfig, dict]:
     """(GPTConfig, params) of a Hugging Face GPT-2 folder, or of 'gpt2'...'gpt2-xl' from the Hub.
 
-    The keyword arguments override GPTConfig fields; a `block_size` below the checkpoint's n_positions
-    keeps the first `block_size` position embeddings.
+    `overrides` set GPTConfig fields that do not change the weights (dtype, attention, kernels,
+    scan_layers, ...; see COMPUTE_FIELDS); a `block_size` below the checkpoint's n_positions keeps the
+    first `block_size` position embeddings. The params come in the config's layer layout.
     """
     from safetensors import safe_open
 
     folder = resolve(name_or_path, cache_dir)
     hf = _read_config(folder)
     files = _weight_files(folder)
-    config = config_from_hf(hf, **_overrides(dtype, param_dtype, attention, dropout))
+    config = config_from_hf(hf, **_overrides(overrides))
     crop = _crop(config, block_size)
     config = config.replace(block_size=crop[0]) if crop else config
 
@@ -279,9 +285,7 @@ def _crop(config: GPTConfig, block_size: Optional[int]):
     return block_size, config.block_size
 
 
-def from_nanogpt(ckpt_path: PathLike, *, dtype: Optional[str] = None, param_dtype: Optional[str] = None,
-                 attention: Optional[str] = None, dropout: Optional[float] = None,
-                 block_size: Optional[int] = None) -> tuple[GPTConfig, dict]:
+def from_nanogpt(ckpt_path: PathLike, *, block_size: Optional[int] = None, **overrides) -> tuple[GPTConfig, dict]:
     """(GPTConfig, params) of a nanoGPT `ckpt.pt` (needs torch: pip install 'jaxgpt[torch]').
 
     nanoGPT's MLP uses exact GELU while jaxgpt's uses the tanh approximation (|difference| < 1e-3 per
@@ -304,7 +308,7 @@ def from_nanogpt(ckpt_path: PathLike, *, dtype: Optional[str] = None, param_dtyp
     fields = dict(vocab_size=args["vocab_size"], block_size=args["block_size"], n_layer=args["n_layer"],
                   n_head=args["n_head"], n_embd=args["n_embd"], bias=args.get("bias", True),
                   tie_embeddings=True, dropout=0.0)
-    fields.update(_overrides(dtype, param_dtype, attention, dropout))
+    fields.update(_overrides(overrides))
     try:
         config = GPTConfig(**fields)
     except (TypeError, ValueError) as e:
@@ -326,6 +330,7 @@ def _gpt2_tensors(params, config: GPTConfig) -> dict:
     grouped k/v heads repeated for every query head (the same function, in GPT-2's layout)."""
     if set(params) == {"params"}:
         params = params["params"]
+    params = convert_layers(params, config.replace(scan_layers=False))  # GPT-2's h_i
     expected = _expected_shapes(config)
     got = {_path_names(p): np.asarray(jax.device_get(x))
            for p, x in jax.tree_util.tree_leaves_with_path(params)}

@@ -43,3 +43,19 @@ def tiny_config(tmp_path, **train):
     for k, v in train.items():
         c.train[k] = v
     return c
+
+
+def varied_params(config, seed=0):
+    """Parameters whose greedy continuations vary, in `config`'s layout. At init scale a tiny model's
+    greedy decoding repeats one token, and a cache bug (a key at the wrong position, the newest key
+    unseen) changes nothing visible; dense kernels x3 and position embeddings x5 give 9-11 distinct
+    tokens in 12 greedy steps."""
+    import jax
+
+    from jaxgpt import init_params
+
+    def scale(path, x):
+        name = jax.tree_util.keystr(path)
+        return x * 3.0 if "kernel" in name else x * 5.0 if "wpe" in name else x
+
+    return jax.tree_util.tree_map_with_path(scale, init_params(config, jax.random.key(seed)))

@@ -1,10 +1,14 @@
+"""Attention: the mask rule, every registered implementation against the reference, GQA, the registry."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt.attention import (MASK_VALUE, attention, causal_block_attention, causal_mask, einsum_attention,
-                              fused_attention)
+from jaxgpt.attention import (_REGISTRY, MASK_VALUE, attention, attention_names, causal_mask, dot_product_attention,
+                              einsum_attention, get_attention, register_attention)
+
+PORTABLE = [name for name in attention_names() if name != "cudnn"]  # cudnn needs an NVIDIA GPU
 
 
 def _qkv(key, b=2, t=6, s=None, n=4, k=4, h=8, dtype=jnp.float32):
@@ -12,6 +16,27 @@ def _qkv(key, b=2, t=6, s=None, n=4, k=4, h=8, dtype=jnp.float32):
     kq, kk, kv = jax.random.split(key, 3)
     return (jax.random.normal(kq, (b, t, n, h), dtype), jax.random.normal(kk, (b, s, k, h), dtype),
             jax.random.normal(kv, (b, s, k, h), dtype))
+
+
+def _positions(b, t, start=0):
+    return jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32)[None], (b, t))
+
+
+def _loop_reference(q, k, v, q_positions, kv_lengths):
+    """Attention written out query by query, head by head, in float64 numpy."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    b, t, n, h = q.shape
+    g = n // k.shape[2]
+    out = np.zeros_like(q)
+    for r in range(b):
+        for i in range(t):
+            visible = [s for s in range(k.shape[1]) if s <= q_positions[r, i] and s < kv_lengths[r]]
+            for head in range(n):
+                kk, vv = k[r, visible, head // g], v[r, visible, head // g]
+                scores = kk @ q[r, i, head] / np.sqrt(h)
+                w = np.exp(scores - scores.max())
+                out[r, i, head] = (w / w.sum()) @ vv
+    return out
 
 
 def test_textbook_example_first_row_and_no_future_weight():
@@ -32,86 +57,92 @@ def test_mask_from_positions_and_lengths():
     np.testing.assert_array_equal(np.asarray(m), expect)
 
 
+@pytest.mark.parametrize("name", PORTABLE)
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_einsum_equals_fused(kv_heads):
-    q, k, v = _qkv(jax.random.key(0), k=kv_heads)
-    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    a = attention(q, k, v, pos, None, "einsum")
-    b = attention(q, k, v, pos, None, "dot_product")
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+def test_every_implementation_equals_a_loop_reference(name, kv_heads):
+    # self-attention (positions None) and queries at an offset over a longer, partly filled key range
+    q, k, v = _qkv(jax.random.key(kv_heads), t=5, s=5, k=kv_heads)
+    got = get_attention(name)(q, k, v, None, None)
+    want = _loop_reference(q, k, v, np.asarray(_positions(2, 5)), [5, 5])
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    q2, k2, v2 = _qkv(jax.random.key(10 + kv_heads), t=2, s=8, k=kv_heads)
+    pos, lengths = jnp.array([[3, 4], [1, 2]]), jnp.array([5, 3])
+    got = get_attention(name)(q2, k2, v2, pos, lengths)
+    np.testing.assert_allclose(np.asarray(got), _loop_reference(q2, k2, v2, np.asarray(pos), [5, 3]), atol=1e-5)
 
 
 def test_gqa_equals_repeated_kv_heads():
     q, k, v = _qkv(jax.random.key(1), n=4, k=2)
-    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    gqa = attention(q, k, v, pos)
-    full = attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), pos)
+    gqa = attention(q, k, v)
+    full = attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2))
     np.testing.assert_allclose(np.asarray(gqa), np.asarray(full), atol=1e-6)
 
 
-def test_offset_queries_against_longer_keys():
-    # queries at positions 3..4 over 8 cache slots of which 5 are valid == full attention's rows 3..4
-    q, k, v = _qkv(jax.random.key(2), t=5, s=5)
-    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
-    full = attention(q, k, v, pos)
-    pad = jnp.zeros((2, 3, 4, 8))
-    k8, v8 = jnp.concatenate([k, pad + 7.0], 1), jnp.concatenate([v, pad + 7.0], 1)
-    part = attention(q[:, 3:], k8, v8, pos[:, 3:], jnp.array([5, 5]))
-    np.testing.assert_allclose(np.asarray(part), np.asarray(full[:, 3:]), atol=1e-6)
+def test_self_attention_without_positions_equals_the_mask_rule():
+    q, k, v = _qkv(jax.random.key(2), t=7)
+    for name in PORTABLE:
+        np.testing.assert_allclose(np.asarray(attention(q, k, v, None, None, name)),
+                                   np.asarray(attention(q, k, v, _positions(2, 7), None, name)), atol=1e-6)
 
 
-@pytest.mark.parametrize("fn", [einsum_attention, fused_attention])
-def test_fully_masked_rows_are_finite(fn):
+@pytest.mark.parametrize("name", PORTABLE)
+def test_fully_masked_rows_are_finite(name):
     q, k, v = _qkv(jax.random.key(3))
-    mask = jnp.zeros((2, 1, 6, 6), bool)
-    assert np.isfinite(np.asarray(fn(q, k, v, mask))).all()
+    out = get_attention(name)(q, k, v, _positions(2, 6), jnp.zeros((2,), jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()
 
 
-def test_softmax_in_float32_for_bf16():
-    q, k, v = _qkv(jax.random.key(4), dtype=jnp.bfloat16)
-    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    out = attention(q, k, v, pos)
-    ref = attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), pos)
+def float32_softmax_case():
+    """bf16-exact q, k, v whose scores (256, 257, 258, 259) bf16 cannot hold (its spacing there is 2): an
+    implementation that rounds scores to bf16 before the softmax gets weights up to 0.2 off."""
+    h = 64
+    q = jnp.ones((1, 1, 1, h))  # scale 1/sqrt(64): score = sum(k) / 8
+    k = jnp.zeros((1, 4, 1, h)).at[0, :, 0, 0].set(2048.0).at[0, :, 0, 1].set(8.0 * jnp.arange(4))
+    v = jnp.eye(4, h)[None, :, None, :]  # output [:4] = the attention weights
+    weights = np.asarray(jax.nn.softmax(jnp.arange(4.0)))
+    return q, k, v, weights
+
+
+@pytest.mark.parametrize("name", PORTABLE)
+def test_scores_and_softmax_run_in_float32_for_bf16_inputs(name):
+    q, k, v, weights = float32_softmax_case()
+    out = get_attention(name)(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                              jnp.array([[3]]), None)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=3e-2)
+    np.testing.assert_allclose(np.asarray(out[0, 0, 0, :4], np.float32), weights, atol=1e-2)
 
 
 def test_bad_shapes_and_implementation():
     q, k, v = _qkv(jax.random.key(5), n=4, k=3)
-    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
     with pytest.raises(ValueError, match="multiple"):
-        attention(q, k, v, pos)
+        attention(q, k, v)
     with pytest.raises(ValueError, match="unknown attention implementation"):
-        attention(*_qkv(jax.random.key(5)), pos, implementation="flash")
-
-
-@pytest.mark.parametrize("t,block,kv_heads", [(6, 64, 4), (7, 3, 2), (16, 4, 1), (16, 1, 4)])
-def test_causal_blocks_equal_masked_einsum_values_and_grads(t, block, kv_heads):
-    q, k, v = _qkv(jax.random.key(t), t=t, k=kv_heads)
-    pos = jnp.broadcast_to(jnp.arange(t)[None], (2, t))
-    d = jax.random.normal(jax.random.key(9), q.shape)
-
-    def blocked(q, k, v):
-        return jnp.sum(causal_block_attention(q, k, v, block) * d)
-
-    def reference(q, k, v):
-        return jnp.sum(einsum_attention(q, k, v, causal_mask(pos, None, t)) * d)
-
-    np.testing.assert_allclose(causal_block_attention(q, k, v, block),
-                               einsum_attention(q, k, v, causal_mask(pos, None, t)), rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.grad(blocked, (0, 1, 2))(q, k, v), jax.grad(reference, (0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-
-
-def test_causal_blocks_are_causal_and_check_shapes():
-    q, k, v = _qkv(jax.random.key(1), t=9)
-    out = causal_block_attention(q, k, v, 4)
-    k2, v2 = k.at[:, 5:].add(3.0), v.at[:, 5:].add(3.0)  # change the future of query 4
-    np.testing.assert_array_equal(causal_block_attention(q, k2, v2, 4)[:, :5], out[:, :5])
-    assert not np.allclose(causal_block_attention(q, k2, v2, 4)[:, 5:], out[:, 5:])
+        attention(*_qkv(jax.random.key(5)), implementation="flash")
+    q, k, v = _qkv(jax.random.key(5), t=3, s=5)
     with pytest.raises(ValueError, match="as many keys as queries"):
-        causal_block_attention(q, k[:, :4], v[:, :4])
-    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    out_bf16 = causal_block_attention(qb, kb, vb, 4)
-    assert out_bf16.dtype == jnp.bfloat16
-    np.testing.assert_allclose(out_bf16.astype(jnp.float32), out, atol=5e-2)
+        attention(q, k, v)
+
+
+def test_a_new_variant_is_one_function_and_one_registry_entry():
+    from jaxgpt import GPT, GPTConfig, KVCache
+
+    calls = []
+
+    @register_attention("test_recorded")
+    def recorded(q, k, v, q_positions, kv_lengths):
+        calls.append(q_positions is None)
+        return einsum_attention(q, k, v, q_positions, kv_lengths)
+
+    try:
+        cfg = GPTConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16, attention="test_recorded")
+        model = GPT(cfg)
+        tokens = jnp.arange(6)[None] % 20
+        variables = model.init(jax.random.key(0), tokens)
+        full = model.apply(variables, tokens)
+        logits, _ = model.apply(variables, tokens, KVCache.create(cfg, 1, 8))
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(full), atol=1e-5)
+        assert True in calls and False in calls  # the training path and the cached path both used it
+    finally:
+        _REGISTRY.pop("test_recorded")
+    with pytest.raises(ValueError, match="attention"):
+        GPTConfig(attention="test_recorded")

@@ -40,6 +40,18 @@ def test_untied_head_bias_off_and_param_count():
         tiny().num_params(non_embedding=False)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_flops_count_only_parameters_that_multiply(tied):
+    # The N of 6N: position embeddings are a lookup; so is the token table when a separate lm_head
+    # does the output matmul (then the table must not be counted, or MFU is overstated).
+    cfg = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, tie_embeddings=tied)
+    blocks = 12 * (4 * 768 * 768 + 4 * 768 + 8 * 768 * 768 + 5 * 768 + 4 * 768)  # attn, mlp, two LayerNorms
+    head = 50257 * 768
+    assert cfg.num_params(non_embedding=True) == blocks + 2 * 768 + head
+    assert cfg.num_params(non_embedding=False) == blocks + 2 * 768 + head * (1 if tied else 2) + 1024 * 768
+    assert cfg.flops_per_token(1024) == 6 * cfg.num_params() + 12 * 12 * 1024 * 768
+
+
 def test_logits_shape_and_dtype(model_and_vars):
     cfg, variables, tokens = model_and_vars
     logits = GPT(cfg).apply(variables, tokens)
@@ -77,9 +89,20 @@ def test_causality_by_gradient():
     (dict(n_embd=30), "n_embd"),
     (dict(n_kv_head=3), "n_kv_head"),
     (dict(attention="flash"), "attention"),
+    (dict(attention="blocked"), "attention"),  # now the CPU kernels' job: kernels="cpu"
+    (dict(kernels="gpu"), "kernels"),
     (dict(dtype="int8"), "dtype"),
     (dict(n_layer=0), "n_layer"),
+    (dict(n_layer=2.0), "n_layer"),
     (dict(dropout=1.5), "dropout"),
+    (dict(dropout=float("nan")), "dropout"),
+    (dict(dropout="0.1"), "dropout"),
+    (dict(bias="no"), "bias"),
+    (dict(tie_embeddings=0), "tie_embeddings"),
+    (dict(scan_layers=1), "scan_layers"),
+    (dict(layer_norm_epsilon=float("nan")), "layer_norm_epsilon"),
+    (dict(layer_norm_epsilon=0.0), "layer_norm_epsilon"),
+    (dict(layer_norm_epsilon=True), "layer_norm_epsilon"),
 ])
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -102,32 +125,15 @@ def test_dropout_needs_rng_and_changes_output():
     assert np.abs(np.asarray(a - det)).max() > 0 and np.abs(np.asarray(a - b)).max() > 0
 
 
-def test_bf16_compute_keeps_float32_params_and_logits():
-    cfg = tiny(dtype="bfloat16")
-    tokens = jnp.zeros((1, 8), jnp.int32)
-    variables = GPT(cfg).init(jax.random.key(0), tokens)
-    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(variables))
-    logits = GPT(cfg).apply(variables, tokens)
-    ref = GPT(tiny()).apply(variables, tokens)
+@pytest.mark.parametrize("kernels", ["portable", "cpu"])
+def test_bf16_compute_keeps_float32_params_and_logits(kernels):
+    cfg = tiny(dtype="bfloat16", kernels=kernels)
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    params = jaxgpt.init_params(cfg, jax.random.key(0))
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+    params = jax.tree.map(lambda x: 4.0 * x if x.ndim >= 2 else x, params)  # logits of std ~0.5, not ~0.1
+    logits = GPT(cfg).apply({"params": params}, tokens)
+    ref = GPT(cfg.replace(dtype="float32")).apply({"params": params}, tokens)
     assert logits.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=0.1)
-
-
-@pytest.mark.parametrize("tie,bias,batch", [(True, True, 1), (False, False, 2), (True, False, 6)])
-def test_transposed_kernels_give_the_same_logits_and_cache(tie, bias, batch):
-    # kernel_out_in is the decode layout `generate` uses; batch 6 x 5 tokens takes the many-row matmul path
-    from jaxgpt.model import transpose_kernels
-
-    cfg = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                    tie_embeddings=tie, bias=bias)
-    tokens = jax.random.randint(jax.random.key(1), (batch, 5), 0, 40)
-    params = GPT(cfg).init(jax.random.key(0), tokens)["params"]
-    t_params = transpose_kernels(params)
-    assert t_params["h_0"]["mlp"]["c_fc"]["kernel"].shape == (128, 32)
-    np.testing.assert_allclose(GPT(cfg, kernel_out_in=True).apply({"params": t_params}, tokens),
-                               GPT(cfg).apply({"params": params}, tokens), rtol=1e-5, atol=1e-5)
-    cache = jaxgpt.KVCache.create(cfg, batch, 8)
-    a, ca = GPT(cfg).apply({"params": params}, tokens, cache)
-    b, cb = GPT(cfg, kernel_out_in=True).apply({"params": t_params}, tokens, cache)
-    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(cb.k, ca.k, rtol=1e-5, atol=1e-5)
+    err = float(jnp.abs(logits - ref).max()) / float(ref.std())
+    assert 1e-4 < err < 0.06, err  # bf16 rounding really happened, and stayed at bf16's ~3 digits

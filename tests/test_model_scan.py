@@ -1,4 +1,5 @@
-"""GPTConfig.scan_layers and GPTConfig.remat: same parameters and same results as the unrolled model."""
+"""GPTConfig.scan_layers (stacked parameters, one lax.scan) and GPTConfig.remat: the same parameters, in
+another layout, and the same results as the unrolled model."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import pytest
 
 from jaxgpt import GPT, GPTConfig, KVCache, generate, init_params
 from jaxgpt.config import default_config, model_config_from, validate_config
+from jaxgpt.model import convert_layers
 from jaxgpt.training.step import create_train_state, cross_entropy, make_optimizer, make_train_step
 
 MODES = [(scan, remat) for scan in (False, True) for remat in ("none", "block", "dots")]
@@ -46,22 +48,29 @@ def reference():
 
 
 @pytest.mark.parametrize("scan,remat", MODES, ids=MODE_IDS)
-def test_init_gives_identical_gpt2_parameter_tree(reference, scan, remat):
+def test_init_gives_the_same_parameters_in_the_configs_layout(reference, scan, remat):
     cfg, params = reference[:2]
     got = init_params(cfg.replace(scan_layers=scan, remat=remat), jax.random.key(0))
+    if scan:
+        assert set(got) == {"wte", "wpe", "ln_f", "h"}  # one stacked subtree, as MaxText and levanter store it
+        assert got["h"]["attn"]["c_attn"]["kernel"].shape == (cfg.n_layer,) + params["h_0"]["attn"]["c_attn"]["kernel"].shape
+        got = convert_layers(got, cfg)
     assert set(got) == {"wte", "wpe", "ln_f"} | {f"h_{i}" for i in range(cfg.n_layer)}
     assert set(got["h_1"]) == {"ln_1", "attn", "ln_2", "mlp"}
-    assert set(got["h_1"]["attn"]) == {"c_attn", "c_proj"} and set(got["h_1"]["mlp"]) == {"c_fc", "c_proj"}
     _assert_trees_close(got, params, 0.0, "init")
 
 
-@pytest.mark.parametrize("scan,remat", MODES, ids=MODE_IDS)
-def test_logits_loss_and_gradients_equal_unrolled(reference, scan, remat):
-    cfg, params, x, y, loss, logits, grads = reference
-    (got_loss, got_logits), got_grads = _loss_and_logits(cfg.replace(scan_layers=scan, remat=remat))(params, x, y)
-    np.testing.assert_allclose(float(got_loss), float(loss), atol=1e-5, rtol=0)
-    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(logits), atol=1e-5, rtol=0)
-    _assert_trees_close(got_grads, grads, 1e-5, "grad")
+def test_convert_layers_round_trip_and_optimizer_state():
+    cfg = tiny()
+    scan = cfg.replace(scan_layers=True)
+    params = init_params(cfg, jax.random.key(0))
+    stacked = convert_layers(params, scan)
+    assert convert_layers(stacked, scan) is not None and set(convert_layers(stacked, scan)) == set(stacked)
+    _assert_trees_close(convert_layers(stacked, cfg), params, 0.0, "round trip")
+    opt = make_optimizer(default_config().train)
+    state = create_train_state(params, opt, jax.random.key(1))
+    converted = convert_layers(state, scan)  # the optimizer's moments follow the parameters' layout
+    _assert_trees_close(converted.opt_state, opt.init(stacked), 0.0, "opt state")
 
 
 @pytest.mark.parametrize("remat", ["none", "block"])
@@ -73,11 +82,12 @@ def test_scan_prefill_and_decode_equal_unrolled(reference, remat):
 
     def run(c):
         model = GPT(c)
-        prefill = jax.jit(lambda cache: model.apply({"params": params}, prompt, cache,
+        p = convert_layers(params, c)
+        prefill = jax.jit(lambda cache: model.apply({"params": p}, prompt, cache,
                                                     token_lengths=prompt_lengths))
         logits, cache = prefill(KVCache.create(c, 3, 10))
         outs, caches = [logits], [cache]
-        step = jax.jit(lambda cache, tok: model.apply({"params": params}, tok, cache))
+        step = jax.jit(lambda cache, tok: model.apply({"params": p}, tok, cache))
         for i in range(3):
             logits, cache = step(cache, tokens[:, 7 + i:8 + i])
             outs.append(logits)
@@ -90,9 +100,11 @@ def test_scan_prefill_and_decode_equal_unrolled(reference, remat):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0, err_msg=f"call {i}")
     for i, (a, b) in enumerate(zip(got_caches, want_caches)):
         np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
-        np.testing.assert_allclose(np.asarray(a.k), np.asarray(b.k), atol=1e-5, rtol=0, err_msg=f"k after {i}")
-        np.testing.assert_allclose(np.asarray(a.v), np.asarray(b.v), atol=1e-5, rtol=0, err_msg=f"v after {i}")
-    assert float(jnp.abs(got_caches[-1].k[1]).max()) > 0  # the last layer was written too
+        for layer in range(cfg.n_layer):
+            for x, y, name in zip(a.layer(layer), b.layer(layer), "kv"):
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=0,
+                                           err_msg=f"{name} of layer {layer} after {i}")
+    assert float(jnp.abs(got_caches[-1].layer(1)[0]).max()) > 0  # the last layer was written too
 
 
 def test_scan_greedy_generate_equals_unrolled(reference):
@@ -100,7 +112,8 @@ def test_scan_greedy_generate_equals_unrolled(reference):
     prompts = np.array([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0]])
     kw = dict(prompt_lengths=np.array([5, 3]), temperature=0.0)
     want = generate(params, cfg, prompts, 7, jax.random.key(0), **kw)
-    got = generate(params, cfg.replace(scan_layers=True, remat="dots"), prompts, 7, jax.random.key(0), **kw)
+    scan = cfg.replace(scan_layers=True, remat="dots")
+    got = generate(convert_layers(params, scan), scan, prompts, 7, jax.random.key(0), **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(want.lengths))
 
@@ -111,8 +124,11 @@ def test_dropout_with_remat_uses_the_same_masks_as_without(reference, scan):
     # different masks from the unrolled model, by design, so each path is compared with itself.)
     params, x, no_dropout = reference[1], reference[2], reference[5]
 
+    cfg = tiny(dropout=0.5, scan_layers=scan)
+    params = convert_layers(params, cfg)
+
     def forward(remat):
-        model = GPT(tiny(dropout=0.5, scan_layers=scan, remat=remat))
+        model = GPT(cfg.replace(remat=remat))
 
         def f(p, key):
             return model.apply({"params": p}, x, deterministic=False, rngs={"dropout": key})
@@ -176,12 +192,12 @@ def test_train_step_with_scan_and_remat_equals_default():
 
     def run(c):
         step = jax.jit(make_train_step(c, optimizer))
-        state = create_train_state(params, optimizer, jax.random.key(1))
+        state = create_train_state(convert_layers(params, c), optimizer, jax.random.key(1))
         losses = []
         for _ in range(2):
             state, metrics = step(state, x, y)
             losses.append(float(metrics["loss"]))
-        return state.params, losses
+        return convert_layers(state.params, cfg), losses
 
     want, want_losses = run(cfg)
     got, got_losses = run(cfg.replace(scan_layers=True, remat="block"))
@@ -210,3 +226,31 @@ def test_training_config_keys_reach_gpt_config():
     c.model.remat = "everything"
     with pytest.raises(ValueError, match="remat"):
         validate_config(c)
+
+
+def test_a_checkpoint_resumes_in_the_other_layout_and_back(tmp_path):
+    import json
+    import os
+
+    from jaxgpt.checkpoint import load_model
+    from jaxgpt.training import train
+    from tests.helpers import tiny_config
+
+    def losses(out_dir):
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+    kw = dict(decay_steps=12, warmup_steps=2, log_interval=1, checkpoint_interval=4, eval_interval=4)
+    full = tiny_config(tmp_path / "a", max_steps=12, **kw)
+    train(full)
+    part = tiny_config(tmp_path / "b", max_steps=4, **kw)
+    train(part)  # unrolled, steps 1-4
+    part.init_from, part.model.scan_layers, part.train.max_steps = "resume", True, 8
+    assert train(part)["start_step"] == 4  # stacked, steps 5-8
+    config, params, _, _ = load_model(part.out_dir)  # what jaxgpt-sample reads: the layout it was saved in
+    assert config.scan_layers and "h" in params and "h_0" not in params
+    part.model.scan_layers, part.train.max_steps = False, 12
+    assert train(part)["start_step"] == 8  # unrolled again, steps 9-12
+    a, b = losses(full.out_dir), losses(part.out_dir)
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    np.testing.assert_allclose([b[k] for k in sorted(b)], [a[k] for k in sorted(a)], rtol=0, atol=1e-5)

@@ -6,12 +6,16 @@ import pytest
 import jaxgpt
 from jaxgpt import GPT, GPTConfig, generate, sample_logits, top_k_filter, top_p_filter
 from jaxgpt import sampling
+from tests.helpers import varied_params
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = GPTConfig(vocab_size=40, block_size=32, n_layer=2, n_head=4, n_embd=32, n_kv_head=2)
-    return cfg, jaxgpt.init_params(cfg, jax.random.key(0))
+@pytest.fixture(scope="module", params=["portable", "cpu"])
+def tiny(request):
+    # weights whose greedy continuations vary: at init scale greedy decoding repeats one token, and a
+    # cache bug (a key written at the wrong position, the newest key invisible) would go unseen
+    cfg = GPTConfig(vocab_size=40, block_size=32, n_layer=2, n_head=4, n_embd=32, n_kv_head=2,
+                    kernels=request.param)
+    return cfg, varied_params(cfg)
 
 
 def _kept(filtered):
@@ -81,12 +85,14 @@ def _naive_greedy(cfg, params, prompt, n):
     return seq
 
 
-def test_greedy_generate_equals_naive_full_forward(tiny):
+@pytest.mark.parametrize("prompt", [[3, 1, 4, 1, 5], [7], [2, 9, 11, 30, 8, 0, 19]])
+def test_greedy_generate_equals_naive_full_forward(tiny, prompt):
     cfg, params = tiny
-    prompt = [3, 1, 4, 1, 5]
-    out = generate(params, cfg, np.array([prompt]), 8, jax.random.key(0), temperature=0.0)
-    assert out.tokens.shape == (1, 13) and int(out.lengths[0]) == 13
-    assert np.asarray(out.tokens[0]).tolist() == _naive_greedy(cfg, params, prompt, 8)
+    out = generate(params, cfg, np.array([prompt]), 12, jax.random.key(0), temperature=0.0)
+    assert out.tokens.shape == (1, len(prompt) + 12) and int(out.lengths[0]) == len(prompt) + 12
+    new = np.asarray(out.tokens[0]).tolist()
+    assert new == _naive_greedy(cfg, params, prompt, 12)
+    assert len(set(new[len(prompt):])) >= 4, new  # the continuation varies: a cache bug would show
 
 
 def test_top_k1_and_tiny_top_p_equal_greedy(tiny):
@@ -153,11 +159,52 @@ def test_same_rng_same_output_and_no_retrace(tiny):
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=0), "top_k"),
+    (dict(top_k=2.5), "top_k"),
     (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(prompt_lengths=[2.7]), "prompt_lengths must be integers"),
+    (dict(pad_id=40), "pad_id"),
+    (dict(pad_id=-1), "pad_id"),
+    (dict(eos_id=40), "eos_id"),
+    (dict(rng=0), "rng must be a PRNG key"),
+    (dict(rng=np.zeros(3, np.uint32)), "rng must be a PRNG key"),
 ])
 def test_bad_input(tiny, kw, match):
     cfg, params = tiny
-    args = dict(prompts=np.array([[1, 2, 3]]), max_new_tokens=4, prompt_lengths=None)
+    args = dict(prompts=np.array([[1, 2, 3]]), max_new_tokens=4, prompt_lengths=None, rng=jax.random.key(0))
     args.update(kw)
     with pytest.raises(ValueError, match=match):
-        generate(params, cfg, args.pop("prompts"), args.pop("max_new_tokens"), jax.random.key(0), **args)
+        generate(params, cfg, args.pop("prompts"), args.pop("max_new_tokens"), args.pop("rng"), **args)
+
+
+def test_a_legacy_uint32_key_works_too(tiny):
+    cfg, params = tiny
+    a = generate(params, cfg, np.array([[1, 2]]), 3, jax.random.PRNGKey(0), temperature=0.0)
+    b = generate(params, cfg, np.array([[1, 2]]), 3, jax.random.key(0), temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 32])
+def test_stream_yields_what_generate_returns_chunk_by_chunk(tiny, chunk):
+    cfg, params = tiny
+    prompts, lengths = np.array([[5, 6, 7, 8], [1, 2, 0, 0]]), np.array([4, 2])
+    kw = dict(prompt_lengths=lengths, temperature=0.9, top_k=10)
+    want = generate(params, cfg, prompts, 10, jax.random.key(3), **kw)
+    chunks = list(sampling.generate_stream(params, cfg, prompts, 10, jax.random.key(3), chunk_size=chunk, **kw))
+    assert [c.shape[1] for c in chunks] == [min(chunk, 10 - i) for i in range(0, 10, chunk)]
+    got = np.concatenate(chunks, axis=1)
+    for r in range(2):
+        np.testing.assert_array_equal(got[r], np.asarray(want.tokens)[r, lengths[r]:lengths[r] + 10])
+
+
+def test_stream_stops_when_every_row_has_ended(tiny):
+    cfg, params = tiny
+    free = generate(params, cfg, np.array([[1, 2, 3]]), 12, jax.random.key(0), temperature=0.0)
+    eos = int(free.tokens[0, 4])  # the second generated token
+    chunks = list(sampling.generate_stream(params, cfg, np.array([[1, 2, 3]]), 12, jax.random.key(0),
+                                           chunk_size=3, temperature=0.0, eos_id=eos))
+    assert len(chunks) == 1 and eos in chunks[0][0].tolist()
+    with pytest.raises(ValueError, match="chunk_size"):
+        next(sampling.generate_stream(params, cfg, np.array([[1]]), 2, jax.random.key(0), chunk_size=0))

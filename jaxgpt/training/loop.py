@@ -18,7 +18,7 @@ from tqdm import tqdm
 from jaxgpt import checkpoint as ckpt_lib
 from jaxgpt.config import model_config_from, validate_config
 from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset
-from jaxgpt.model import init_params
+from jaxgpt.model import convert_layers, init_params
 from jaxgpt.training.metrics import MetricsLog, peak_flops
 from jaxgpt.training.parallel import make_runner
 from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
@@ -152,12 +152,18 @@ def train(config) -> dict:
     start_step, best_val = 0, math.inf
     try:
         if resume:
-            _check_resume_meta(checkpointer.restore_meta(), gcfg)  # a clear message before orbax's
-            # restored straight into the runner's layout (sharded with fsdp), on any device count
-            state, meta = checkpointer.restore(runner.abstract_state(make_state, *args))
+            saved_meta = checkpointer.restore_meta()
+            _check_resume_meta(saved_meta, gcfg)  # a clear message before orbax's
+            # restored in the layer layout it was saved in (straight into the runner's sharding, on any
+            # device count), then converted to this config's layout
+            saved = gcfg.replace(scan_layers=bool(saved_meta.get("model", {}).get("scan_layers", False)))
+            state, meta = checkpointer.restore(runner.abstract_state(
+                lambda *a: convert_layers(make_state(*a), saved), *args))
             sampler.load_state_dict(meta["sampler"])
             start_step = int(state.step)  # replicated: readable on every process
             best_val = meta.get("best_val_loss", math.inf)
+            if saved.scan_layers != gcfg.scan_layers:
+                state = jax.jit(lambda s: convert_layers(s, gcfg))(state)
             state = runner.put_state(state)
         else:
             state = runner.init_state(make_state, *args)
@@ -302,7 +308,7 @@ def _check_resume_meta(meta: dict, gcfg) -> None:
     saved = meta.get("model", {})
     now = gcfg.to_dict()
     diff = {k: (saved.get(k), now[k]) for k in now if k in saved and saved[k] != now[k]
-            and k not in ("dropout", "attention", "dtype", "scan_layers", "remat")}  # same params either way
+            and k not in ("dropout", "attention", "kernels", "dtype", "scan_layers", "remat")}  # same params either way
     if diff:
         raise ckpt_lib.CheckpointError(
             "the checkpoint's model differs from the config: " +
@@ -314,9 +320,9 @@ def _load_pretrained(config, tokenizer):
 
     m = config.model
     # crops the position table when block_size is smaller, as nanoGPT's fine-tuning does
-    gcfg, params = from_pretrained(config.init_from, dtype=m.dtype, attention=m.attention, dropout=m.dropout,
+    gcfg, params = from_pretrained(config.init_from, dtype=m.dtype, attention=m.attention, kernels=m.kernels,
+                                   dropout=m.dropout, scan_layers=m.scan_layers, remat=m.remat,
                                    block_size=m.block_size)
-    gcfg = gcfg.replace(scan_layers=m.scan_layers, remat=m.remat)  # how to compute, not what
     if tokenizer.vocab_size > gcfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but {config.init_from} has a "
                          f"vocabulary of {gcfg.vocab_size}; use data.tokenizer='gpt2' with GPT-2 weights")

@@ -33,8 +33,13 @@ def lr_schedule(lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -
 
 
 def decay_mask(params) -> Any:
-    """Weight decay only on parameters with two or more dimensions (matmul kernels, embeddings)."""
-    return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+    """Weight decay only on parameters with two or more dimensions per layer (matmul kernels,
+    embeddings); the stacked blocks `h` of a scan_layers model carry one extra leading axis."""
+    def decays(path, p):
+        stacked = getattr(path[0], "key", None) == "h"
+        return p.ndim - stacked >= 2
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_schedule(train_cfg) -> optax.Schedule:

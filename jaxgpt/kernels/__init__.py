@@ -1,0 +1,39 @@
+"""Backend kernels behind one switch, `GPTConfig.kernels`.
+
+`"portable"` is the core as written in attention.py, ops.py, cache.py and model.py: JAX's standard
+primitives, right on GPU, TPU and CPU. `"cpu"` swaps in kernels/cpu.py, implementations of the same
+functions that XLA's CPU backend runs faster. `"auto"` (the default) picks `"cpu"` when JAX's default
+backend is the CPU and `"portable"` everywhere else; the environment variable JAXGPT_KERNELS=portable
+(or cpu) makes "auto" pick that set instead, e.g. to run the whole test suite on the portable core.
+Both give the same results (tests compare them).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+KERNEL_SETS = ("auto", "portable", "cpu")
+# The registered attention implementations the CPU kernels compute too (the same function, faster on
+# XLA:CPU); any other attention keeps its own code on every backend.
+CPU_ATTENTION = ("dot_product",)
+
+
+def resolve(kernels: str) -> str:
+    """The kernel set `kernels` stands for on this process's default backend: "portable" or "cpu"."""
+    if kernels not in KERNEL_SETS:
+        raise ValueError(f"kernels must be one of {KERNEL_SETS}, got {kernels!r}")
+    if kernels != "auto":
+        return kernels
+    forced = os.environ.get("JAXGPT_KERNELS", "")
+    if forced:
+        if forced not in KERNEL_SETS[1:]:
+            raise ValueError(f"JAXGPT_KERNELS must be one of {KERNEL_SETS[1:]}, got {forced!r}")
+        return forced
+    return "cpu" if jax.default_backend() == "cpu" else "portable"
+
+
+def cpu_attention(config) -> bool:
+    """Whether a GPTConfig runs the CPU kernels' attention (kernels/cpu.py) rather than the registry's."""
+    return resolve(config.kernels) == "cpu" and config.attention in CPU_ATTENTION

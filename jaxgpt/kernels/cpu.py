@@ -1,0 +1,134 @@
+"""Kernels for XLA's CPU backend: the same functions as the portable core, in the forms XLA:CPU runs fastest.
+
+Selected by `GPTConfig(kernels="cpu")`, or `"auto"` on a CPU. Each one equals its portable counterpart to
+float rounding (tests/test_kernels.py). Why each exists, with the measurements, is in bench/README.md:
+
+- `linear`: dense layers on 2-D operands ([B*T, C]; XLA:CPU's weight gradient over a 3-D activation is
+  slower), and for 2..16 rows against [out, in] kernels a fused multiply-and-sum instead of a matmul
+  (decode at small batch: XLA:CPU's matmul reads the weights several times over).
+- `decode_params`: the [out, in] kernels for that path, made once per `generate` call.
+- `causal_attention`: self-attention in blocks of 64 queries, each attending only to the keys up to its
+  end, so the masked half of the score matrix is never computed. A Python loop whose length grows with T:
+  right for XLA:CPU, wrong for accelerators.
+- The KV cache's buffers stored [B*K, S, H], written with one `dynamic_update_slice` per row, and
+  `cached_attention` with the query heads of a group stacked into one matrix per (row, kv head).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.attention import MASK_VALUE, causal_mask, check_shapes
+from jaxgpt.ops import matmul
+
+SMALL_ROWS = 16  # up to this many rows, [out, in] kernels are multiplied by `_few_rows`
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dense layers
+
+def _few_rows(x: jax.Array, w: jax.Array, compute_dtype) -> jax.Array:
+    """x [b, in] times w [out, in].T as one multiply-and-sum over `in`, products and sums in float32:
+    each weight row is read once and used for every row of x while it is in cache."""
+    xc = x.astype(compute_dtype).astype(jnp.float32)
+    wc = w.astype(compute_dtype).astype(jnp.float32)
+    return jnp.sum(wc[None, :, :] * xc[:, None, :], axis=-1)
+
+
+def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, w_out_in: bool = False,
+           out_dtype=None) -> jax.Array:
+    """`ops.linear` on a 2-D view of x; 2..16 rows against an [out, in] kernel take `_few_rows`."""
+    compute_dtype = jnp.dtype(compute_dtype)
+    features = w.shape[0] if w_out_in else w.shape[1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if w_out_in and 1 < x2.shape[0] <= SMALL_ROWS:
+        y = _few_rows(x2, w, compute_dtype)
+    else:
+        y = matmul(x2, w, compute_dtype, w_out_in)
+    return y.astype(out_dtype or compute_dtype).reshape(*x.shape[:-1], features)
+
+
+def decode_params(params: dict, batch_size: int) -> tuple[dict, bool]:
+    """(params, kernels stored [out, in]?) for decoding `batch_size` rows: for 2..16 rows every dense
+    kernel transposed once (stacked [L, in, out] kernels too), so `linear` takes `_few_rows`."""
+    if not 1 < batch_size <= SMALL_ROWS:
+        return params, False
+
+    def convert(path, leaf):
+        return leaf.swapaxes(-1, -2) if getattr(path[-1], "key", None) == "kernel" else leaf
+
+    return jax.tree_util.tree_map_with_path(convert, params), True
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention
+
+def _grouped_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """Scaled q [B,T,N,H] -> [B,K,G,T,H]: the G query heads that share each of the K key/value heads."""
+    b, t, n, h = q.shape
+    scale = 1.0 / jnp.sqrt(jnp.asarray(h, jnp.float32))
+    return (q * scale.astype(q.dtype)).reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """Scaled queries [..., M, H] over head-major keys/values [..., S, H]; `visible` broadcasts to
+    [..., M, S]. One batched GEMM per matmul with no transposes; float32 scores, softmax and output."""
+    scores = jnp.einsum("...mh,...sh->...ms", q, k, preferred_element_type=jnp.float32)
+    weights = jax.nn.softmax(jnp.where(visible, scores, MASK_VALUE), axis=-1).astype(v.dtype)
+    return jnp.einsum("...ms,...sh->...mh", weights, v, preferred_element_type=jnp.float32)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 64) -> jax.Array:
+    """Causal self-attention (positions 0..T-1) of q [B,T,N,H] over k/v [B,T,K,H], in query blocks:
+    block i attends to keys [0, (i+1)*block) only, about (n+1)/(2n) of the full work for n blocks."""
+    check_shapes(q, k, v)
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    q_bkgth = _grouped_queries(q, kh)
+    k_bksh, v_bksh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    outs = []
+    for lo in range(0, t, block):
+        hi = min(lo + block, t)
+        q_pos = jnp.tile(jnp.arange(lo, hi, dtype=jnp.int32), g)  # row m is query lo + m % (hi - lo)
+        visible = jnp.arange(hi, dtype=jnp.int32)[None, :] <= q_pos[:, None]
+        out = _attend(q_bkgth[:, :, :, lo:hi].reshape(b, kh, g * (hi - lo), h), k_bksh[:, :, :hi],
+                      v_bksh[:, :, :hi], visible)
+        outs.append(out.reshape(b, kh, g, hi - lo, h))
+    out = jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The KV cache: each layer's buffer stored [B*K, S, H] (`KVCache.merged`), [L, B*K, S, H] when stacked.
+# With the portable [B, K, S, H] buffers XLA:CPU copies every layer around its in-place update at batch 1
+# (a unit dimension), and the scatter write is slower than a row loop (bench/README.md).
+
+def write_rows(buf: jax.Array, new: jax.Array, lengths: jax.Array, layer=None) -> jax.Array:
+    """new [B,T,K,H] written at positions lengths[b].. of each row b of buf [B*K, S, H] (or of layer
+    `layer` of a stacked [L, B*K, S, H] buf): one dynamic_update_slice per row, done in place."""
+    b, t, kh, h = new.shape
+    new = new.swapaxes(1, 2).reshape(b * kh, t, h).astype(buf.dtype)
+    zero = jnp.zeros((), jnp.int32)
+    for r in range(b):
+        rows = new[r * kh:(r + 1) * kh]
+        start = (jnp.int32(r * kh), lengths[r], zero)
+        if layer is not None:
+            rows, start = rows[None], (jnp.asarray(layer, jnp.int32),) + start
+        buf = jax.lax.dynamic_update_slice(buf, rows, start)
+    return buf
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+                     kv_lengths: jax.Array) -> jax.Array:
+    """Attention of q [B,T,N,H] at `q_positions` over one layer's cache k/v [B, K, S, H] -> [B,T,N,H]: the
+    G query heads of each kv head stacked into one taller matrix, one batched GEMM per (row, kv head)."""
+    b, t, n, h = q.shape
+    kh, s = k.shape[1], k.shape[2]
+    g = n // kh
+    mask = jnp.tile(causal_mask(q_positions, kv_lengths, s), (1, 1, g, 1))  # [B, 1, G*T, S]: row m is m % T
+    mask = jnp.broadcast_to(mask, (b, kh, g * t, s)).reshape(b * kh, g * t, s)
+    out = _attend(_grouped_queries(q, kh).reshape(b * kh, g * t, h), k.reshape(b * kh, s, h),
+                  v.reshape(b * kh, s, h), mask)
+    return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)

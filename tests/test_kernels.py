@@ -1,0 +1,207 @@
+"""The kernel switch: the CPU kernels equal the portable core (values, gradients, cache decode, generate),
+and the portable core has the structure accelerators need, checked on the lowered program."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt import GPT, GPTConfig, KVCache, generate, init_params, kernels, sampling
+from jaxgpt.attention import einsum_attention
+from jaxgpt.kernels import cpu
+from jaxgpt.model import convert_layers
+from jaxgpt.ops import linear
+from jaxgpt.training.step import cross_entropy
+from tests.helpers import varied_params
+
+
+def test_auto_picks_the_cpu_kernels_on_a_cpu_and_the_environment_can_override(monkeypatch):
+    monkeypatch.delenv("JAXGPT_KERNELS", raising=False)
+    assert jax.default_backend() == "cpu"
+    assert kernels.resolve("auto") == "cpu" and kernels.resolve("portable") == "portable"
+    monkeypatch.setenv("JAXGPT_KERNELS", "portable")
+    assert kernels.resolve("auto") == "portable" and kernels.resolve("cpu") == "cpu"
+    monkeypatch.setenv("JAXGPT_KERNELS", "tpu")
+    with pytest.raises(ValueError, match="JAXGPT_KERNELS"):
+        kernels.resolve("auto")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Each CPU kernel against its portable counterpart
+
+@pytest.mark.parametrize("rows", [1, 2, 8, cpu.SMALL_ROWS, cpu.SMALL_ROWS + 1])
+@pytest.mark.parametrize("w_out_in", [False, True])
+def test_cpu_linear_equals_portable_values_and_grads(rows, w_out_in):
+    kx, kw, kd = jax.random.split(jax.random.key(rows), 3)
+    x = jax.random.normal(kx, (rows, 1, 48))
+    w = jax.random.normal(kw, (40, 48) if w_out_in else (48, 40)) * 0.1
+    d = jax.random.normal(kd, (rows, 1, 40))
+
+    def loss(fn):
+        return lambda x, w: jnp.sum(jnp.tanh(fn(x, w, jnp.float32, w_out_in=w_out_in)) * d)
+
+    np.testing.assert_allclose(cpu.linear(x, w, w_out_in=w_out_in), linear(x, w, w_out_in=w_out_in),
+                               rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.grad(loss(cpu.linear), (0, 1))(x, w), jax.grad(loss(linear), (0, 1))(x, w)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    jaxpr = jax.make_jaxpr(lambda x, w: cpu.linear(x, w, w_out_in=w_out_in))(x, w).jaxpr
+    prims = {e.primitive.name for e in _primitives(jaxpr)}
+    few = w_out_in and 1 < rows <= cpu.SMALL_ROWS
+    assert ("dot_general" in prims) != few, prims  # 2..16 rows against [out, in]: multiply-and-sum
+
+
+def test_cpu_few_rows_rounds_operands_to_the_compute_dtype_and_sums_in_float32():
+    kx, kw = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (4, 64))
+    w = jax.random.normal(kw, (32, 64))
+    got = cpu.linear(x, w, jnp.bfloat16, w_out_in=True, out_dtype=jnp.float32)
+    xb, wb = x.astype(jnp.bfloat16).astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32)
+    np.testing.assert_allclose(got, jnp.dot(xb, wb.T, precision="highest"), rtol=1e-5, atol=1e-4)
+    assert float(jnp.abs(got - x @ w.T).max()) > 1e-3  # the bf16 rounding did happen
+
+
+@pytest.mark.parametrize("t,block,kv_heads", [(6, 64, 4), (7, 3, 2), (16, 4, 1)])
+def test_cpu_block_attention_equals_the_reference_values_and_grads(t, block, kv_heads):
+    kq, kk, kv, kd = jax.random.split(jax.random.key(t), 4)
+    q = jax.random.normal(kq, (2, t, 4, 8))
+    k, v = jax.random.normal(kk, (2, t, kv_heads, 8)), jax.random.normal(kv, (2, t, kv_heads, 8))
+    d = jax.random.normal(kd, q.shape)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * d)
+
+    blocked = loss(lambda q, k, v: cpu.causal_attention(q, k, v, block))
+    reference = loss(lambda q, k, v: einsum_attention(q, k, v))
+    np.testing.assert_allclose(cpu.causal_attention(q, k, v, block), einsum_attention(q, k, v), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.grad(blocked, (0, 1, 2))(q, k, v), jax.grad(reference, (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_attention_keeps_scores_in_float32_for_bf16():
+    from tests.test_attention import float32_softmax_case
+
+    q, k, v, weights = float32_softmax_case()
+    qb, kb, vb = (a.astype(jnp.bfloat16) for a in (q, k, v))
+    out = cpu.cached_attention(qb, kb.swapaxes(1, 2), vb.swapaxes(1, 2), jnp.array([[3]]), jnp.array([4]))
+    np.testing.assert_allclose(np.asarray(out[0, 0, 0, :4], np.float32), weights, atol=1e-2)
+    qb4 = jnp.concatenate([jnp.zeros((1, 3, 1, 64), jnp.bfloat16), qb], axis=1)  # the query at position 3
+    out = cpu.causal_attention(qb4, kb, vb)
+    np.testing.assert_allclose(np.asarray(out[0, 3, 0, :4], np.float32), weights, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The whole model: both kernel sets give the same results
+
+def _configs(**kw):
+    base = dict(vocab_size=40, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    base.update(kw)
+    return GPTConfig(kernels="portable", **base), GPTConfig(kernels="cpu", **base)
+
+
+@pytest.mark.parametrize("tie,bias,scan", [(True, True, False), (False, False, False), (True, True, True)])
+def test_logits_and_gradients_equal_between_kernel_sets(tie, bias, scan):
+    portable, on_cpu = _configs(tie_embeddings=tie, bias=bias, scan_layers=scan)
+    params = init_params(portable, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 20), 0, 40)
+
+    def loss_and_logits(cfg):
+        def f(p):
+            logits = GPT(cfg).apply({"params": p}, tokens[:, :-1])
+            return cross_entropy(logits, tokens[:, 1:]), logits
+        return jax.value_and_grad(f, has_aux=True)(params)
+
+    (loss_a, logits_a), grads_a = loss_and_logits(portable)
+    (loss_b, logits_b), grads_b = loss_and_logits(on_cpu)
+    np.testing.assert_allclose(logits_b, logits_a, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 17])  # one row, the few-row [out, in] path, past it
+@pytest.mark.parametrize("scan", [False, True])
+def test_generate_gives_the_same_tokens_with_both_kernel_sets(batch, scan):
+    portable, on_cpu = _configs(scan_layers=scan)
+    params = varied_params(portable)
+    prompts = np.asarray(jax.random.randint(jax.random.key(2), (batch, 5), 0, 40))
+    lengths = 5 - np.arange(batch) % 5
+    for kw in (dict(temperature=0.0), dict(temperature=1.0, top_k=10)):
+        a = generate(params, portable, prompts, 9, jax.random.key(0), prompt_lengths=lengths, **kw)
+        b = generate(params, on_cpu, prompts, 9, jax.random.key(0), prompt_lengths=lengths, **kw)
+        np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens), err_msg=str(kw))
+        np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
+    new = [np.asarray(a.tokens)[r, n:n + 9].tolist() for r, n in enumerate(lengths)]
+    assert len(set(sum(new, []))) > 3, new  # tokens that vary, so that a mismatch would show
+
+
+# ---------------------------------------------------------------------------------------------------
+# Structure of the portable program: what makes it fit accelerators
+
+def _count_eqns(jaxpr) -> int:
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _count_eqns(inner)
+    return n
+
+
+def _primitives(jaxpr) -> list:
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _primitives(inner)
+    return out
+
+
+def _decode_step_ops(cfg, batch):
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    cache = jax.eval_shape(lambda: KVCache.create(cfg, batch, 16))
+    tok = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    return _count_eqns(jax.make_jaxpr(lambda p, c, t: GPT(cfg).apply({"params": p}, t, c))(params, cache, tok).jaxpr)
+
+
+def test_decode_step_op_count_does_not_depend_on_the_batch():
+    portable, on_cpu = _configs()
+    assert _decode_step_ops(portable, 1) == _decode_step_ops(portable, 8)
+    assert _decode_step_ops(on_cpu, 8) > _decode_step_ops(on_cpu, 1)  # the CPU kernels write row by row
+
+
+def _forward_ops(cfg, t):
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    x = jax.ShapeDtypeStruct((2, t), jnp.int32)
+    return _count_eqns(jax.make_jaxpr(lambda p, x: GPT(cfg).apply({"params": p}, x))(params, x).jaxpr)
+
+
+def test_training_forward_op_count_does_not_depend_on_the_sequence_length():
+    portable, on_cpu = _configs(block_size=512)
+    assert _forward_ops(portable, 128) == _forward_ops(portable, 512)
+    assert _forward_ops(on_cpu, 512) > _forward_ops(on_cpu, 128)  # the CPU kernels loop over query blocks
+
+
+def _generate_jaxpr(cfg, batch):
+    params = init_params(cfg, jax.random.key(0))
+    prompts, lengths = jnp.zeros((batch, 4), jnp.int32), jnp.full((batch,), 4, jnp.int32)
+    s = sampling._Sampler(1.0, 5, None, None, 0)
+    fn = lambda p, x, n, key: sampling._generate(p, x, n, key, config=cfg, max_new_tokens=6, sampler=s)  # noqa
+    return params, jax.make_jaxpr(fn)(params, prompts, lengths, jax.random.key(0)).jaxpr
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_generate_neither_transposes_nor_copies_the_parameters_per_call(scan):
+    portable, on_cpu = _configs(scan_layers=scan)
+    for cfg, batch in ((portable, 1), (portable, 4), (on_cpu, 4)):
+        params, jaxpr = _generate_jaxpr(cfg, batch)
+        weight_shapes = {tuple(x.shape) for x in jax.tree.leaves(params) if x.ndim >= 2}
+        moved = [e for e in _primitives(jaxpr) if e.primitive.name in ("transpose", "concatenate", "copy")
+                 and any(tuple(v.aval.shape) in weight_shapes for v in e.outvars)]
+        if cfg.kernels == "portable":
+            assert not moved, [str(e)[:120] for e in moved]
+        else:  # the CPU kernels' decode layout is one transpose per kernel per call, by design
+            assert moved
