@@ -56,6 +56,20 @@ def causal_mask(q_positions: jax.Array, kv_lengths: Optional[jax.Array], num_key
     return mask[:, None, :, :]
 
 
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """RoPE: x [B, T, N, H] with each token's vector turned by its absolute position `positions` [B, T].
+
+    Hugging Face Llama's rotate-half layout: the pair (i, i + H/2) turns by positions / theta^(2i/H).
+    Computed in float32, returned in x's dtype.
+    """
+    h = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
 def check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: Optional[jax.Array] = None) -> None:
     """ValueError unless q [B,T,N,H], k = v [B,S,K,H] with K dividing N (and S == T without positions)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:

@@ -13,13 +13,24 @@ from jaxgpt.kernels import KERNEL_SETS
 
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_MODES = ("none", "block", "dots")
-_INT_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head")
+POSITIONS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+_INT_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "mlp_hidden")
 _BOOL_FIELDS = ("bias", "tie_embeddings", "scan_layers")
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """A GPT-2 style decoder-only transformer's hyperparameters.
+
+    GPT-2 by default. Three independent switches give the pieces of Llama-style models: `position`
+    "learned" (GPT-2's wpe table) or "rope" (rotary embeddings of q and k at each token's absolute
+    position, base `rope_theta`); `norm` "layernorm" or "rmsnorm" (epsilon `layer_norm_epsilon` for either);
+    `mlp` "gelu" (c_fc, GELU, c_proj) or "swiglu" (c_proj(silu(c_gate(x)) * c_fc(x))). `mlp_hidden` is
+    the MLP's width: None means 4 * n_embd for gelu, and 8/3 * n_embd rounded up to a multiple of 64 for
+    swiglu (about the same parameter count). With `bias=False`, `tie_embeddings=False` and `n_kv_head`
+    these make the Llama architecture.
 
     `n_kv_head` < `n_head` gives grouped-query attention (1 = multi-query); `None` means `n_head`.
     `dtype` is the compute dtype; parameters are kept in `param_dtype` (float32 by default). float16 is
@@ -52,10 +63,23 @@ class GPTConfig:
     layer_norm_epsilon: float = 1e-5
     scan_layers: bool = False
     remat: str = "none"
+    position: str = "learned"
+    rope_theta: float = 10000.0
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    mlp_hidden: Optional[int] = None
 
     def __post_init__(self):
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
+        if self.mlp_hidden is None and self.mlp in MLPS and isinstance(self.n_embd, int):
+            width = 4 * self.n_embd if self.mlp == "gelu" else -(-8 * self.n_embd // 3 // 64) * 64
+            object.__setattr__(self, "mlp_hidden", width)
+        choices = {"dtype": DTYPES, "param_dtype": DTYPES, "attention": attention_names(), "kernels": KERNEL_SETS,
+                   "remat": REMAT_MODES, "position": POSITIONS, "norm": NORMS, "mlp": MLPS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in _INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -63,11 +87,6 @@ class GPTConfig:
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        choices = {"dtype": DTYPES, "param_dtype": DTYPES, "attention": attention_names(), "kernels": KERNEL_SETS,
-                   "remat": REMAT_MODES}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
@@ -79,6 +98,11 @@ class GPTConfig:
         if not _is_real(self.layer_norm_epsilon) or not 0 < self.layer_norm_epsilon < math.inf:
             raise ValueError(f"GPTConfig.layer_norm_epsilon must be a finite number > 0, got "
                              f"{self.layer_norm_epsilon!r}")
+        if not _is_real(self.rope_theta) or not 1 < self.rope_theta < math.inf:
+            raise ValueError(f"GPTConfig.rope_theta must be a finite number > 1, got {self.rope_theta!r}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"GPTConfig.position='rope' needs an even head dimension (n_embd / n_head), got "
+                             f"{self.head_dim}")
 
     @property
     def head_dim(self) -> int:
@@ -138,7 +162,8 @@ class GPTConfig:
 # anything is compiled.
 
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "dropout", "bias", "tie_embeddings",
-              "dtype", "attention", "kernels", "scan_layers", "remat")
+              "dtype", "attention", "kernels", "scan_layers", "remat", "position", "rope_theta", "norm", "mlp",
+              "mlp_hidden", "layer_norm_epsilon")
 PARALLEL_MODES = ("pmap", "mesh")
 
 
@@ -167,6 +192,12 @@ def default_config():
     c.model.kernels = "auto"  # "auto" (CPU kernels on a CPU), "portable" or "cpu": see jaxgpt/kernels/
     c.model.scan_layers = False  # blocks stored stacked, run as one lax.scan: compile time flat in depth
     c.model.remat = "none"       # "block" or "dots": recompute activations in the backward to save memory
+    c.model.position = "learned"  # "learned" (GPT-2's wpe) or "rope" (rotary, base rope_theta)
+    c.model.rope_theta = 10000.0
+    c.model.norm = "layernorm"    # or "rmsnorm"
+    c.model.mlp = "gelu"          # or "swiglu" (gate/up/down)
+    c.model.mlp_hidden = placeholder(int)  # None: 4 * n_embd (gelu) or ~8/3 * n_embd (swiglu)
+    c.model.layer_norm_epsilon = 1e-5
 
     c.data = config_dict.ConfigDict()
     c.data.corpus = "shakespeare"  # shakespeare | tinyshakespeare | file | hf

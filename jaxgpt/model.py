@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt import kernels
-from jaxgpt.attention import get_attention
+from jaxgpt.attention import get_attention, rotary_embedding
 from jaxgpt.cache import KVCache
 from jaxgpt.config import GPTConfig
 from jaxgpt.kernels import cpu
@@ -51,7 +51,11 @@ def _dense(cfg: GPTConfig, features: int, name: str, kernel_out_in: bool, residu
     return Dense(features, cfg.bias, cfg, nn.initializers.normal(stddev=std), kernel_out_in=kernel_out_in, name=name)
 
 
-def _layer_norm(cfg: GPTConfig, name: str) -> nn.LayerNorm:
+def _norm(cfg: GPTConfig, name: str) -> nn.Module:
+    """LayerNorm (GPT-2; a bias when cfg.bias) or RMSNorm (Llama); either has a `scale`."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
+                          name=name)
     return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, use_bias=cfg.bias, dtype=cfg.compute_dtype,
                         param_dtype=cfg.params_dtype, name=name)
 
@@ -72,6 +76,9 @@ class CausalSelfAttention(nn.Module):
         q_BxTxNxH = q.reshape(b, t, n, h)
         k_BxTxKxH = k.reshape(b, t, kh, h)
         v_BxTxKxH = v.reshape(b, t, kh, h)
+        if cfg.position == "rope":
+            q_BxTxNxH = rotary_embedding(q_BxTxNxH, positions_BxT, cfg.rope_theta)
+            k_BxTxKxH = rotary_embedding(k_BxTxKxH, positions_BxT, cfg.rope_theta)
         if cache is None:  # queries and keys at 0..t-1
             if kernels.cpu_attention(cfg):  # XLA:CPU: skip the masked blocks (kernels/cpu.py)
                 out = cpu.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
@@ -92,20 +99,25 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GPT-2's c_fc, GELU, c_proj; or SwiGLU's c_proj(silu(c_gate(x)) * c_fc(x)) (Llama's gate/up/down)."""
+
     config: GPTConfig
     kernel_out_in: bool = False
 
     @nn.compact
     def __call__(self, x, deterministic: bool):
         cfg = self.config
-        x = _dense(cfg, 4 * cfg.n_embd, "c_fc", self.kernel_out_in)(x)
-        x = nn.gelu(x, approximate=True)  # GPT-2's tanh approximation
+        up = _dense(cfg, cfg.mlp_hidden, "c_fc", self.kernel_out_in)(x)
+        if cfg.mlp == "swiglu":
+            x = nn.silu(_dense(cfg, cfg.mlp_hidden, "c_gate", self.kernel_out_in)(x)) * up
+        else:
+            x = nn.gelu(up, approximate=True)  # GPT-2's tanh approximation
         x = _dense(cfg, cfg.n_embd, "c_proj", self.kernel_out_in, residual_out=True)(x)
         return nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)) (Llama's too)."""
 
     config: GPTConfig
     kernel_out_in: bool = False
@@ -114,9 +126,9 @@ class Block(nn.Module):
     def __call__(self, x, positions, cache: Optional[KVCache], layer, deterministic: bool):
         cfg = self.config
         y, cache = CausalSelfAttention(cfg, self.kernel_out_in, name="attn")(
-            _layer_norm(cfg, "ln_1")(x), positions, cache, layer, deterministic)
+            _norm(cfg, "ln_1")(x), positions, cache, layer, deterministic)
         x = x + y
-        x = x + MLP(cfg, self.kernel_out_in, name="mlp")(_layer_norm(cfg, "ln_2")(x), deterministic)
+        x = x + MLP(cfg, self.kernel_out_in, name="mlp")(_norm(cfg, "ln_2")(x), deterministic)
         return x, cache
 
 
@@ -129,7 +141,8 @@ _REMAT_BLOCKS = {mode: nn.remat(Block, policy=policy, static_argnums=(4, 5))
 
 
 class GPT(nn.Module):
-    """GPT-2: token + position embeddings, n_layer blocks, final LayerNorm, (tied) output head.
+    """GPT-2: token + position embeddings, n_layer blocks, final LayerNorm, (tied) output head; with the
+    config's options, Llama-style (rotary positions and no wpe, RMSNorm, SwiGLU).
 
     `model.apply(variables, tokens)` gives float32 logits [B, T, V]. With `cache=`, the tokens continue
     each row at its cache length and the call returns `(logits, new_cache)`; a row whose tokens would not
@@ -163,9 +176,10 @@ class GPT(nn.Module):
 
         wte = nn.Embed(cfg.vocab_size, cfg.n_embd, embedding_init=_init, dtype=cfg.compute_dtype,
                        param_dtype=cfg.params_dtype, name="wte")
-        wpe = nn.Embed(cfg.block_size, cfg.n_embd, embedding_init=_init, dtype=cfg.compute_dtype,
-                       param_dtype=cfg.params_dtype, name="wpe")
-        x = wte(tokens_BxT) + wpe(positions)
+        x = wte(tokens_BxT)
+        if cfg.position == "learned":  # (rotary positions are applied to q and k inside attention)
+            x = x + nn.Embed(cfg.block_size, cfg.n_embd, embedding_init=_init, dtype=cfg.compute_dtype,
+                             param_dtype=cfg.params_dtype, name="wpe")(positions)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
         if cfg.scan_layers:
             x, cache = self._scan_blocks(x, positions, cache, deterministic)
@@ -176,7 +190,7 @@ class GPT(nn.Module):
                 x, cache = block(cfg, self.kernel_out_in, name=f"h_{i}")(x, positions, cache, i, deterministic)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index.astype(jnp.int32)[:, None, None], axis=1)
-        x = _layer_norm(cfg, "ln_f")(x)
+        x = _norm(cfg, "ln_f")(x)
         if cfg.tie_embeddings:  # x @ wte.T, contracting the table as it is stored
             matmul = cpu.linear if kernels.resolve(cfg.kernels) == "cpu" else linear  # XLA:CPU: kernels/cpu.py
             logits = matmul(x, wte.embedding, cfg.compute_dtype, w_out_in=True, out_dtype=jnp.float32)

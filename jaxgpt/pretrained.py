@@ -1,9 +1,11 @@
-"""GPT-2 weights: import from and export to Hugging Face folders (safetensors), and nanoGPT ckpt.pt import.
+"""Pretrained weights: Hugging Face GPT-2 and Llama folders (safetensors) in and out, nanoGPT ckpt.pt in.
 
-A Hugging Face GPT-2 folder holds `config.json` and `model.safetensors` (or shards listed in
+A Hugging Face folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). GPT-2 stores its Conv1D weights as [in, out], which is a Flax Dense
-kernel's layout, so the import is a renaming: `h.3.attn.c_attn.weight` <-> `h_3/attn/c_attn/kernel`.
-Only numpy and safetensors are needed; torch only for nanoGPT checkpoints, huggingface_hub only to download.
+kernel's layout, so its import is a renaming: `h.3.attn.c_attn.weight` <-> `h_3/attn/c_attn/kernel`.
+Llama's nn.Linear weights are [out, in] and its q/k/v projections separate; jaxgpt's c_attn is
+[q | k | v] in one kernel (see the Llama section). Only numpy and safetensors are needed; torch only for
+nanoGPT checkpoints, huggingface_hub only to download.
 """
 
 from __future__ import annotations
@@ -121,8 +123,8 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     """The GPTConfig of a Hugging Face GPT-2 `config.json` dict; `overrides` set other GPTConfig fields."""
     model_type = hf.get("model_type")
     if model_type != "gpt2":
-        raise ValueError(f"config.json describes model_type={model_type!r}, not 'gpt2'; jaxgpt imports "
-                         "GPT-2 checkpoints only")
+        raise ValueError(f"config.json describes model_type={model_type!r}; jaxgpt imports 'gpt2' and 'llama' "
+                         "checkpoints")
     for key in ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size"):
         if key not in hf:
             raise ValueError(f"config.json lacks the GPT-2 field {key!r}")
@@ -238,20 +240,31 @@ def _strip(name: str, prefixes: tuple) -> str:
 
 def from_pretrained(name_or_path: PathLike, *, block_size: Optional[int] = None,
                     cache_dir: Optional[PathLike] = None, **overrides) -> tuple[GPTConfig, dict]:
-    """(GPTConfig, params) of a Hugging Face GPT-2 folder, or of 'gpt2'...'gpt2-xl' from the Hub.
+    """(GPTConfig, params) of a Hugging Face GPT-2 or Llama folder, or of 'gpt2'...'gpt2-xl' from the Hub.
 
     `overrides` set GPTConfig fields that do not change the weights (dtype, attention, kernels,
     scan_layers, ...; see COMPUTE_FIELDS); a `block_size` below the checkpoint's n_positions keeps the
     first `block_size` position embeddings. The params come in the config's layer layout.
     """
-    from safetensors import safe_open
-
     folder = resolve(name_or_path, cache_dir)
     hf = _read_config(folder)
     files = _weight_files(folder)
+    if hf.get("model_type") == "llama":
+        return _from_llama(folder, hf, files, block_size, _overrides(overrides))
     config = config_from_hf(hf, **_overrides(overrides))
     crop = _crop(config, block_size)
     config = config.replace(block_size=crop[0]) if crop else config
+
+    with _tensors(folder, files, ("transformer.",)) as (shapes, read):
+        params = _params_from_tensors(shapes, read, config, linear_layout=False, source=str(folder),
+                                      crop_positions=crop[1] if crop else None)
+    return config, params
+
+
+@contextlib.contextmanager
+def _tensors(folder: Path, files: list, prefixes: tuple):
+    """({name: shape}, read(name) -> array) over a folder's safetensors files, names without `prefixes`."""
+    from safetensors import safe_open
 
     for file in files:
         if not file.is_file():
@@ -261,16 +274,13 @@ def from_pretrained(name_or_path: PathLike, *, block_size: Optional[int] = None,
         for file in files:
             f = stack.enter_context(safe_open(str(file), framework="np"))
             for key in f.keys():
-                name = _strip(key, ("transformer.",))
+                name = _strip(key, prefixes)
                 if name in shapes:
                     raise ValueError(f"{str(folder)!r} holds tensor {name!r} twice (with and without "
-                                     "the 'transformer.' prefix?)")
+                                     f"a prefix {prefixes}?)")
                 shapes[name] = tuple(f.get_slice(key).get_shape())
                 where[name] = (f, key)
-        params = _params_from_tensors(shapes, lambda name: where[name][0].get_tensor(where[name][1]),
-                                      config, linear_layout=False, source=str(folder),
-                                      crop_positions=crop[1] if crop else None)
-    return config, params
+        yield shapes, lambda name: where[name][0].get_tensor(where[name][1])
 
 
 def _crop(config: GPTConfig, block_size: Optional[int]):
@@ -328,6 +338,7 @@ def from_nanogpt(ckpt_path: PathLike, *, block_size: Optional[int] = None, **ove
 def _gpt2_tensors(params, config: GPTConfig) -> dict:
     """GPT-2 named numpy tensors of a jaxgpt params tree: biases filled with zeros where `bias=False`,
     grouped k/v heads repeated for every query head (the same function, in GPT-2's layout)."""
+    hf_architecture(config)  # a GPT-2-style config, or a ValueError
     if set(params) == {"params"}:
         params = params["params"]
     params = convert_layers(params, config.replace(scan_layers=False))  # GPT-2's h_i
@@ -362,20 +373,170 @@ def _gpt2_tensors(params, config: GPTConfig) -> dict:
     return out
 
 
-def save_pretrained(params, config: GPTConfig, out_dir: PathLike) -> Path:
-    """Write `config.json` and `model.safetensors` that transformers' GPT2LMHeadModel loads; returns the folder.
+def hf_architecture(config: GPTConfig) -> str:
+    """"gpt2" or "llama": the Hugging Face architecture that computes the same function as `config`."""
+    if (config.position, config.norm, config.mlp) == ("learned", "layernorm", "gelu") \
+            and config.mlp_hidden == 4 * config.n_embd:
+        return "gpt2"
+    if (config.position, config.norm, config.mlp) == ("rope", "rmsnorm", "swiglu"):
+        return "llama"
+    raise ValueError(f"no Hugging Face architecture computes position={config.position!r}, norm={config.norm!r}, "
+                     f"mlp={config.mlp!r} (GPT-2: learned/layernorm/gelu; Llama: rope/rmsnorm/swiglu); keep it "
+                     "as a jaxgpt checkpoint")
 
-    Any jaxgpt model exports: without biases they are written as zeros, and grouped-query attention as
-    multi-head attention with each key/value head repeated (both exactly the same function).
+
+def save_pretrained(params, config: GPTConfig, out_dir: PathLike) -> Path:
+    """Write `config.json` and `model.safetensors` that transformers loads (GPT2LMHeadModel or
+    LlamaForCausalLM, by `hf_architecture`); returns the folder.
+
+    A GPT-2 export takes any GPT-2-style config: biases that it lacks are written as zeros, and
+    grouped-query attention as multi-head attention with each key/value head repeated (both exactly the
+    same function).
     """
     from safetensors.numpy import save_file
 
-    tensors = _gpt2_tensors(params, config)
-    hf = config_to_hf(config)
+    if hf_architecture(config) == "llama":
+        named, hf = _llama_tensors(params, config), config_to_hf_llama(config)
+    else:
+        tensors = _gpt2_tensors(params, config)
+        hf = config_to_hf(config)
+        named = {("lm_head.weight" if k == "lm_head.weight" else f"transformer.{k}"): v
+                 for k, v in tensors.items()}
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    named = {("lm_head.weight" if k == "lm_head.weight" else f"transformer.{k}"): v
-             for k, v in tensors.items()}
     save_file(named, str(out / _WEIGHTS), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Llama: `model.layers.{i}.self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, `input_layernorm` and
+# `post_attention_layernorm` (RMSNorm weights), `model.embed_tokens`, `model.norm`, `lm_head`.
+# jaxgpt's names: h_i/attn/c_attn = [q | k | v] (each weight transposed to [in, out]), attn/c_proj = o,
+# mlp/c_gate = gate, mlp/c_fc = up, mlp/c_proj = down, ln_1, ln_2, ln_f, wte, lm_head.
+
+def _llama_rope_theta(hf: dict) -> float:
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    kind = rope.get("rope_type", (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
+    if kind != "default":
+        raise ValueError(f"config.json asks for rope_type={kind!r}; jaxgpt's rotary embedding is the default one")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def config_from_hf_llama(hf: dict, **overrides) -> GPTConfig:
+    """The GPTConfig of a Hugging Face Llama `config.json` dict; `overrides` set other GPTConfig fields."""
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+                "max_position_embeddings"):
+        if key not in hf:
+            raise ValueError(f"config.json lacks the Llama field {key!r}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json has hidden_act={hf['hidden_act']!r}; jaxgpt's SwiGLU uses silu")
+    heads = hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+        raise ValueError(f"config.json has head_dim={hf['head_dim']}; jaxgpt needs hidden_size / num_attention_heads "
+                         f"= {hf['hidden_size'] // heads}")
+    if bool(hf.get("attention_bias", False)) != bool(hf.get("mlp_bias", False)):
+        raise ValueError("config.json sets attention_bias and mlp_bias differently; jaxgpt has one `bias` switch")
+    fields = dict(vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
+                  n_layer=hf["num_hidden_layers"], n_head=heads, n_embd=hf["hidden_size"],
+                  n_kv_head=hf.get("num_key_value_heads") or heads, bias=bool(hf.get("attention_bias", False)),
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0,
+                  layer_norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), position="rope",
+                  rope_theta=_llama_rope_theta(hf), norm="rmsnorm", mlp="swiglu",
+                  mlp_hidden=hf["intermediate_size"])
+    fields.update(overrides)
+    try:
+        return GPTConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.json does not give a valid GPTConfig: {e}") from e
+
+
+def config_to_hf_llama(config: GPTConfig) -> dict:
+    """A Hugging Face LlamaConfig dict for a Llama-style `config`."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.n_embd, "intermediate_size": config.mlp_hidden,
+        "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": config.block_size, "rms_norm_eps": config.layer_norm_epsilon,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "attention_bias": config.bias, "mlp_bias": config.bias, "attention_dropout": config.dropout,
+        "tie_word_embeddings": config.tie_embeddings, "initializer_range": 0.02, "use_cache": True,
+        "bos_token_id": None, "eos_token_id": None, "torch_dtype": config.param_dtype,
+    }
+
+
+_LLAMA_DENSE = {("attn", "c_proj"): "self_attn.o_proj", ("mlp", "c_gate"): "mlp.gate_proj",
+                ("mlp", "c_fc"): "mlp.up_proj", ("mlp", "c_proj"): "mlp.down_proj"}
+
+
+def _llama_names(config: GPTConfig) -> dict:
+    """{jaxgpt path (GPT-2 layer names): Llama tensor name, or the three q/k/v names for c_attn}."""
+    names = {("wte", "embedding"): "model.embed_tokens.weight", ("ln_f", "scale"): "model.norm.weight"}
+    if not config.tie_embeddings:
+        names[("lm_head", "kernel")] = "lm_head.weight"
+    leaves = {"kernel": "weight", "bias": "bias"} if config.bias else {"kernel": "weight"}
+    for i in range(config.n_layer):
+        p = f"model.layers.{i}."
+        names[(f"h_{i}", "ln_1", "scale")] = p + "input_layernorm.weight"
+        names[(f"h_{i}", "ln_2", "scale")] = p + "post_attention_layernorm.weight"
+        for ours, theirs in leaves.items():
+            names[(f"h_{i}", "attn", "c_attn", ours)] = tuple(p + f"self_attn.{x}_proj.{theirs}" for x in "qkv")
+            for module, hf_module in _LLAMA_DENSE.items():
+                names[(f"h_{i}",) + module + (ours,)] = p + f"{hf_module}.{theirs}"
+    return names
+
+
+def _from_llama(folder: Path, hf: dict, files: list, block_size: Optional[int], overrides: dict):
+    config = config_from_hf_llama(hf, **overrides)
+    if block_size is not None:  # rotary positions have no table to crop: only the context limit changes
+        config = config.replace(block_size=block_size)
+    expected = _expected_shapes(config)
+    names = _llama_names(config)
+    with _tensors(folder, files, ()) as (shapes, read):
+        wanted = {n for v in names.values() for n in (v if isinstance(v, tuple) else (v,))}
+        missing = sorted(wanted - set(shapes))
+        if missing:
+            raise ValueError(f"{str(folder)} lacks {len(missing)} tensors that the config needs: {_short(missing)}")
+        ignorable = {n for n in shapes if n.endswith("rotary_emb.inv_freq")}
+        if config.tie_embeddings:
+            ignorable.add("lm_head.weight")
+        unexpected = sorted(set(shapes) - wanted - ignorable)
+        if unexpected:
+            raise ValueError(f"{str(folder)} has {len(unexpected)} tensors that a Llama with this config does not "
+                             f"use: {_short(unexpected)}")
+        flat = {}
+        for path, name in names.items():
+            parts = [np.asarray(read(n)) for n in (name if isinstance(name, tuple) else (name,))]
+            x = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+            if path[-1] == "kernel":
+                x = x.T  # nn.Linear's [out, in] -> [in, out]
+            if x.shape != expected[path]:
+                raise ValueError(f"{str(folder)}: {name} gives {'/'.join(path)} the shape {x.shape}, but the "
+                                 f"config implies {expected[path]}")
+            flat[path] = jnp.asarray(x.astype(config.params_dtype, copy=False))
+    return config, convert_layers(_nest(flat), config)
+
+
+def _llama_tensors(params, config: GPTConfig) -> dict:
+    """Llama-named numpy tensors of a jaxgpt params tree."""
+    if set(params) == {"params"}:
+        params = params["params"]
+    params = convert_layers(params, config.replace(scan_layers=False))
+    got = {_path_names(p): np.asarray(jax.device_get(x)) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    names = _llama_names(config)
+    if set(got) != set(names):
+        diff = sorted("/".join(p) for p in set(got) ^ set(names))
+        raise ValueError(f"params do not match the config: these differ between them: {_short(diff)}")
+    n, kh, h = config.n_head, config.n_kv_head, config.head_dim
+    out = {}
+    for path, name in names.items():
+        x = got[path]
+        if isinstance(name, tuple):  # c_attn = [q | k | v] along its output axis
+            x = np.split(x, [n * h, (n + kh) * h], axis=-1)
+        else:
+            x = [x]
+        for part, hf_name in zip(x, name if isinstance(name, tuple) else (name,)):
+            out[hf_name] = np.ascontiguousarray(part.T if path[-1] == "kernel" else part)
     return out

@@ -59,3 +59,9 @@ def varied_params(config, seed=0):
         return x * 3.0 if "kernel" in name else x * 5.0 if "wpe" in name else x
 
     return jax.tree_util.tree_map_with_path(scale, init_params(config, jax.random.key(seed)))
+
+
+# The model options that make a Llama-style block (each independent in GPTConfig); tests that check a
+# property of the model run it for GPT-2 (no options) and for this.
+LLAMA = dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
+STYLES = {"gpt2": {}, "llama": LLAMA}

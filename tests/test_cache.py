@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 
 from jaxgpt import GPT, GPTConfig, KVCache, cache_bytes
+from tests.helpers import STYLES
 
 KERNELS = ["portable", "cpu"]
 
 
-def _setup(attention="dot_product", n_kv_head=None, block_size=24, kernels="portable", scan_layers=False):
+def _setup(attention="dot_product", n_kv_head=None, block_size=24, kernels="portable", scan_layers=False,
+           style="gpt2"):
     cfg = GPTConfig(vocab_size=50, block_size=block_size, n_layer=2, n_head=4, n_embd=32, n_kv_head=n_kv_head,
-                    attention=attention, kernels=kernels, scan_layers=scan_layers)
+                    attention=attention, kernels=kernels, scan_layers=scan_layers, **STYLES[style])
     variables = GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     return cfg, GPT(cfg), variables
 
@@ -44,10 +46,11 @@ def _decode_all(model, variables, cfg, tokens, prompt_lengths):
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("attention,n_kv_head", [("dot_product", None), ("dot_product", 2), ("dot_product", 1),
-                                                 ("einsum", 2)])
-def test_ragged_prefill_then_decode_equals_full_forward(kernels, attention, n_kv_head):
-    cfg, model, variables = _setup(attention, n_kv_head, kernels=kernels)
+@pytest.mark.parametrize("attention,n_kv_head,style", [("dot_product", None, "gpt2"), ("dot_product", 2, "gpt2"),
+                                                       ("dot_product", 1, "gpt2"), ("einsum", 2, "gpt2"),
+                                                       ("dot_product", 2, "llama")])
+def test_ragged_prefill_then_decode_equals_full_forward(kernels, attention, n_kv_head, style):
+    cfg, model, variables = _setup(attention, n_kv_head, kernels=kernels, style=style)
     tokens = jax.random.randint(jax.random.key(1), (3, 12), 0, cfg.vocab_size)
     full = model.apply(variables, tokens)
     got = _decode_all(model, variables, cfg, tokens, [5, 1, 9])

@@ -5,10 +5,11 @@ import pytest
 
 import jaxgpt
 from jaxgpt import GPT, GPTConfig
+from tests.helpers import STYLES
 
 
-def tiny(**kw):
-    base = dict(vocab_size=65, block_size=32, n_layer=2, n_head=4, n_embd=32)
+def tiny(style="gpt2", **kw):
+    base = dict(vocab_size=65, block_size=32, n_layer=2, n_head=4, n_embd=32, **STYLES[style])
     base.update(kw)
     return GPTConfig(**base)
 
@@ -58,8 +59,11 @@ def test_logits_shape_and_dtype(model_and_vars):
     assert logits.shape == (2, 16, cfg.vocab_size) and logits.dtype == jnp.float32
 
 
-def test_causality_by_perturbation(model_and_vars):
-    cfg, variables, tokens = model_and_vars
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_causality_by_perturbation(style):
+    cfg = tiny(style)
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    variables = GPT(cfg).init(jax.random.key(0), tokens)
     t = 7
     changed = tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 5) % cfg.vocab_size)
     a = GPT(cfg).apply(variables, tokens)
@@ -68,10 +72,11 @@ def test_causality_by_perturbation(model_and_vars):
     assert np.abs(np.asarray(a[:, t + 1:] - b[:, t + 1:])).max() > 0
 
 
-def test_causality_by_gradient():
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_causality_by_gradient(style):
     # Untied head, so each row of the token table feeds exactly one input position; the table is then
     # the identity of the inputs and d logits[t] / d embedding[s] must vanish for every s > t.
-    cfg = tiny(vocab_size=16, tie_embeddings=False)
+    cfg = tiny(style, vocab_size=16, tie_embeddings=False)
     model = GPT(cfg)
     ids = jnp.arange(16)[None, :]
     params = model.init(jax.random.key(0), ids)["params"]

@@ -6,7 +6,7 @@ import pytest
 import jaxgpt
 from jaxgpt import GPT, GPTConfig, generate, sample_logits, top_k_filter, top_p_filter
 from jaxgpt import sampling
-from tests.helpers import varied_params
+from tests.helpers import LLAMA, varied_params
 
 
 @pytest.fixture(scope="module", params=["portable", "cpu"])
@@ -16,6 +16,15 @@ def tiny(request):
     cfg = GPTConfig(vocab_size=40, block_size=32, n_layer=2, n_head=4, n_embd=32, n_kv_head=2,
                     kernels=request.param)
     return cfg, varied_params(cfg)
+
+
+def test_llama_style_greedy_generate_equals_naive_full_forward():
+    cfg = GPTConfig(vocab_size=40, block_size=32, n_layer=2, n_head=4, n_embd=32, n_kv_head=2, **LLAMA)
+    params = varied_params(cfg)
+    prompts = np.array([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0]])
+    out = generate(params, cfg, prompts, 10, jax.random.key(0), prompt_lengths=np.array([5, 3]), temperature=0.0)
+    assert np.asarray(out.tokens[0]).tolist() == _naive_greedy(cfg, params, [3, 1, 4, 1, 5], 10)
+    assert np.asarray(out.tokens[1, :13]).tolist() == _naive_greedy(cfg, params, [9, 2, 6], 10)
 
 
 def _kept(filtered):
