@@ -228,6 +228,12 @@ def default_config():
     c.train.keep_checkpoints = 2
     c.train.peak_flops = placeholder(float)  # per device, for MFU; None: measured or known for the device
     c.train.progress = True      # tqdm bar (quiet when stderr is not a terminal)
+    # LoRA: train low-rank adapters on these dense layers of a model from init_from, the rest frozen
+    c.train.lora = config_dict.ConfigDict()
+    c.train.lora.rank = 0                    # 0: off (full training)
+    c.train.lora.alpha = 16.0                # the adapters' scale is alpha / rank
+    c.train.lora.targets = "c_attn,c_proj"   # comma-separated: c_attn, c_proj, c_fc, c_gate, lm_head,
+    #                                          attn.c_proj / mlp.c_proj, or Llama's q, k, v, o, gate, up, down
 
     # several processes (hosts) through jax.distributed; see jaxgpt/distributed.py
     c.distributed = config_dict.ConfigDict()

@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxgpt import kernels
+from jaxgpt import kernels, lora
 from jaxgpt.attention import get_attention, rotary_embedding
 from jaxgpt.cache import KVCache
 from jaxgpt.config import GPTConfig
@@ -22,7 +22,8 @@ _init = nn.initializers.normal(stddev=0.02)
 
 class Dense(nn.Module):
     """`nn.Dense`'s parameters (kernel [in, out], bias [out]) computed by `ops.linear`: compute-dtype
-    operands and float32 sums in the forward and in both gradient matmuls."""
+    operands and float32 sums in the forward and in both gradient matmuls. A LoRA adapter in the "lora"
+    variable collection adds its low-rank term (jaxgpt/lora.py)."""
 
     features: int
     use_bias: bool
@@ -38,8 +39,9 @@ class Dense(nn.Module):
         kernel = self.param("kernel", self.kernel_init, shape, cfg.params_dtype)
         out_dtype = self.out_dtype or cfg.compute_dtype
         matmul = cpu.linear if kernels.resolve(cfg.kernels) == "cpu" else linear  # XLA:CPU: kernels/cpu.py
-        y = matmul(x, kernel, cfg.compute_dtype, w_out_in=self.kernel_out_in,
-                   out_dtype=jnp.float32 if self.use_bias else out_dtype)
+        y = matmul(x, kernel, cfg.compute_dtype, w_out_in=self.kernel_out_in, out_dtype=jnp.float32)
+        if self.has_variable("lora", "a"):
+            y = y + lora.delta(x, self.variables["lora"])
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), cfg.params_dtype)
         return y.astype(out_dtype)
@@ -213,18 +215,23 @@ class GPT(nn.Module):
             return jax.vmap(one)(jax.random.split(rng, cfg.n_layer))
 
         stacked = self.param("h", init_stacked, x, positions)
+        adapters = self.variables.get("lora", {}).get("h")  # LoRA adapters, stacked like the layers
         dropout_rng = None if deterministic or cfg.dropout == 0.0 else self.make_rng("dropout")
 
         def layer(carry, xs):
             x, cache = carry
-            layer_params, i = xs
+            layer_params, layer_adapters, i = xs
             rngs = {} if dropout_rng is None else {"dropout": jax.random.fold_in(dropout_rng, i)}
-            x, cache = block.apply({"params": layer_params}, x, positions, cache, i, deterministic, rngs=rngs)
+            variables = {"params": layer_params}
+            if layer_adapters is not None:
+                variables["lora"] = layer_adapters
+            x, cache = block.apply(variables, x, positions, cache, i, deterministic, rngs=rngs)
             return (x, cache), None
 
         if cfg.remat != "none" and cache is None:
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        (x, cache), _ = jax.lax.scan(layer, (x, cache), (stacked, jnp.arange(cfg.n_layer, dtype=jnp.int32)))
+        xs = (stacked, adapters, jnp.arange(cfg.n_layer, dtype=jnp.int32))
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), xs)
         return x, cache
 
 

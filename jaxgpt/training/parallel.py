@@ -181,7 +181,7 @@ class PmapRunner:
         return self._step(state, self.put_batch(x), self.put_batch(y))
 
     def eval(self, state, x, y):
-        return self._eval(state.params, self.put_batch(x), self.put_batch(y))
+        return self._eval(state.params, self.put_batch(x), self.put_batch(y), state.frozen)
 
     def to_host(self, tree):
         """Metrics (identical on every device after pmean) as host values, read from a local device."""
@@ -249,9 +249,9 @@ class MeshRunner:
         if self._eval is None:
             self._eval = jax.jit(self._eval_step,
                                  in_shardings=(self.state_shardings(state.params), self.batch_sharding,
-                                               self.batch_sharding),
+                                               self.batch_sharding, self.state_shardings(state.frozen)),
                                  out_shardings=self.replicated)
-        return self._eval(state.params, self.put_batch(x), self.put_batch(y))
+        return self._eval(state.params, self.put_batch(x), self.put_batch(y), state.frozen)
 
     def to_host(self, tree):
         """Replicated outputs (metrics) as host values, read from a local device."""

@@ -10,17 +10,20 @@ import optax
 from flax import struct
 
 from jaxgpt.config import GPTConfig
+from jaxgpt.lora import trainable_labels
 from jaxgpt.model import GPT
 
 
 @struct.dataclass
 class TrainState:
-    """Everything the step changes: step counter, params, optimizer state and the dropout RNG."""
+    """Everything the step changes: step counter, params, optimizer state and the dropout RNG; and, when
+    the params are LoRA adapters, the frozen base parameters they adapt (`frozen`, never updated)."""
 
     step: jax.Array
     params: Any
     opt_state: Any
     rng: jax.Array
+    frozen: Any = None
 
 
 def lr_schedule(lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -> optax.Schedule:
@@ -49,19 +52,30 @@ def make_schedule(train_cfg) -> optax.Schedule:
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
-    """AdamW with clipping by global norm, the warmup-cosine schedule and the decay mask."""
+    """AdamW with clipping by global norm, the warmup-cosine schedule and the decay mask. With LoRA
+    (train.lora.rank > 0) the params are adapters: AdamW trains their a and b, and their constants (the
+    column masks and scales) take no update and hold no optimizer state."""
     schedule = make_schedule(train_cfg)
     parts = []
     if train_cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(train_cfg.grad_clip))
     parts.append(optax.adamw(schedule, b1=train_cfg.beta1, b2=train_cfg.beta2,
                              weight_decay=train_cfg.weight_decay, mask=decay_mask))
-    return optax.chain(*parts)
+    optimizer = optax.chain(*parts)
+    if "lora" in train_cfg and train_cfg.lora.rank > 0:
+        optimizer = optax.multi_transform({"train": optimizer, "freeze": optax.set_to_zero()}, trainable_labels)
+    return optimizer
 
 
-def create_train_state(params, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+def create_train_state(params, optimizer: optax.GradientTransformation, rng: jax.Array, frozen=None) -> TrainState:
+    """A step-0 state: `params` are what trains (LoRA adapters, with the base model as `frozen`)."""
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=jax.jit(optimizer.init)(params),
-                      rng=rng)
+                      rng=rng, frozen=frozen)
+
+
+def model_variables(params, frozen=None) -> dict:
+    """The variables the model applies: the params, or the frozen base plus LoRA adapters."""
+    return {"params": params} if frozen is None else {"params": frozen, "lora": params}
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -80,8 +94,8 @@ def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, 
     model = GPT(config)
     deterministic = config.dropout == 0.0
 
-    def loss_fn(params, x, y, rng):
-        logits = model.apply({"params": params}, x, deterministic=deterministic, rngs={"dropout": rng})
+    def loss_fn(params, frozen, x, y, rng):
+        logits = model.apply(model_variables(params, frozen), x, deterministic=deterministic, rngs={"dropout": rng})
         return cross_entropy(logits, y)
 
     grad_fn = jax.value_and_grad(loss_fn)
@@ -100,11 +114,11 @@ def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, 
         def micro(carry, inputs):
             loss_sum, grad_sum = carry
             i, xi, yi = inputs
-            loss, grads = grad_fn(state.params, xi, yi, jax.random.fold_in(rng, i))
+            loss, grads = grad_fn(state.params, state.frozen, xi, yi, jax.random.fold_in(rng, i))
             return (loss_sum + loss, jax.tree_util.tree_map(jnp.add, grad_sum, grads)), None
 
         if grad_accum == 1:
-            loss, grads = grad_fn(state.params, x, y, rng)
+            loss, grads = grad_fn(state.params, state.frozen, x, y, rng)
         else:
             zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
             (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros),
@@ -126,11 +140,11 @@ def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, 
 
 
 def make_eval_step(config: GPTConfig, axis_name: Optional[str] = None):
-    """Build `eval_step(params, x, y) -> mean loss` (deterministic, float32)."""
+    """Build `eval_step(params, x, y, frozen=None) -> mean loss` (deterministic, float32)."""
     model = GPT(config)
 
-    def eval_step(params, x, y):
-        loss = cross_entropy(model.apply({"params": params}, x), y)
+    def eval_step(params, x, y, frozen=None):
+        loss = cross_entropy(model.apply(model_variables(params, frozen), x), y)
         return jax.lax.pmean(loss, axis_name) if axis_name is not None else loss
 
     return eval_step

@@ -1,0 +1,116 @@
+"""LoRA: adapters change nothing at init, merging equals applying, a step moves only the adapters."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt import GPT, GPTConfig, init_params
+from jaxgpt.config import default_config
+from jaxgpt.lora import LoraSpec, init_adapters, merge
+from jaxgpt.model import convert_layers
+from jaxgpt.training.step import create_train_state, make_optimizer, make_train_step, model_variables
+from tests.helpers import STYLES
+
+
+def _cfg(style="gpt2", **kw):
+    return GPTConfig(**{**dict(vocab_size=48, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32),
+                        **STYLES[style], **kw})
+
+
+def _tokens(seed=1):
+    return jax.random.randint(jax.random.key(seed), (3, 12), 0, 48)
+
+
+def _random_b(adapters, seed=5):
+    """Adapters as after some training: b no longer zero."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.random.normal(jax.random.key(seed), x.shape) * 0.3 if p[-1].key == "b" else x, adapters)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_fresh_adapters_give_the_base_logits_exactly(style, scan):
+    cfg = _cfg(style, scan_layers=scan)
+    base = init_params(cfg, jax.random.key(0))
+    adapters = init_adapters(base, cfg, LoraSpec(4, 8.0, ("c_attn", "c_proj", "c_fc")), jax.random.key(1))
+    want = GPT(cfg).apply({"params": base}, _tokens())
+    got = GPT(cfg).apply({"params": base, "lora": adapters}, _tokens())
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("style,targets", [("gpt2", ("c_attn", "mlp.c_proj", "lm_head")),
+                                           ("llama", ("q", "v", "gate", "down"))])
+def test_merged_equals_applied_and_changes_the_output(style, targets, scan):
+    cfg = _cfg(style, scan_layers=scan, tie_embeddings=False)
+    base = init_params(cfg, jax.random.key(0))
+    adapters = _random_b(init_adapters(base, cfg, LoraSpec(4, 8.0, targets), jax.random.key(1)))
+    applied = GPT(cfg).apply({"params": base, "lora": adapters}, _tokens())
+    merged = GPT(cfg).apply({"params": merge(base, adapters)}, _tokens())
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(applied), atol=1e-5, rtol=0)
+    plain = GPT(cfg).apply({"params": base}, _tokens())
+    assert float(jnp.abs(applied - plain).max()) > 1e-2
+
+
+def test_llama_q_and_v_adapt_only_their_columns_of_c_attn():
+    cfg = _cfg("llama")
+    base = init_params(cfg, jax.random.key(0))
+    adapters = _random_b(init_adapters(base, cfg, LoraSpec(2, 2.0, ("q", "v")), jax.random.key(1)))
+    assert set(adapters["h_0"]) == {"attn"} and set(adapters["h_0"]["attn"]) == {"c_attn"}
+    change = merge(base, adapters)["h_0"]["attn"]["c_attn"]["kernel"] - base["h_0"]["attn"]["c_attn"]["kernel"]
+    changed = np.abs(np.asarray(change)).max(axis=0) > 0
+    q, k = 32, 16  # 4 query heads and 2 kv heads of 8
+    assert changed[:q].all() and not changed[q:q + k].any() and changed[q + k:].all()
+
+
+def test_unknown_target_names_the_layers():
+    cfg = _cfg()
+    with pytest.raises(ValueError, match=r"\['c_gate'\].*c_attn"):
+        init_adapters(init_params(cfg, jax.random.key(0)), cfg, LoraSpec(2, 2.0, ("c_gate",)), jax.random.key(1))
+    with pytest.raises(ValueError, match="rank"):
+        LoraSpec(0, 2.0, ("c_attn",))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_lora_step_moves_only_the_adapters(scan):
+    cfg = _cfg(scan_layers=scan)
+    tc = default_config().train
+    tc.warmup_steps, tc.lora.rank, tc.lora.targets = 0, 4, "c_attn,c_fc"
+    opt = make_optimizer(tc)
+    base = init_params(cfg, jax.random.key(0))
+    adapters = init_adapters(base, cfg, LoraSpec.from_config(tc.lora), jax.random.key(1))
+    state = create_train_state(adapters, opt, jax.random.key(2), frozen=base)
+    step = jax.jit(make_train_step(cfg, opt))
+    tokens = _tokens()
+    losses = []
+    for _ in range(5):
+        state, metrics = step(state, tokens[:, :-1], tokens[:, 1:])
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    for a, b in zip(jax.tree.leaves(state.frozen), jax.tree.leaves(base)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the base is bit-identical
+    for path, new in jax.tree_util.tree_leaves_with_path(state.params):
+        old = adapters
+        for k in path:
+            old = old[k.key]
+        moved = not np.array_equal(np.asarray(new), np.asarray(old))
+        assert moved == (path[-1].key in ("a", "b")), jax.tree_util.keystr(path)
+    # AdamW's two moments for a and b only: at most twice the adapters' size
+    opt_bytes = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
+    ab_bytes = sum(x.nbytes for p, x in jax.tree_util.tree_leaves_with_path(state.params) if p[-1].key in "ab")
+    assert opt_bytes == 2 * ab_bytes <= 2 * adapter_bytes
+    variables = model_variables(state.params, state.frozen)
+    assert set(variables) == {"params", "lora"}
+
+
+def test_adapters_follow_the_layer_layout():
+    cfg = _cfg()
+    scan = cfg.replace(scan_layers=True)
+    base = init_params(cfg, jax.random.key(0))
+    spec = LoraSpec(3, 3.0, ("c_attn",))
+    unrolled = init_adapters(base, cfg, spec, jax.random.key(1))
+    stacked = init_adapters(convert_layers(base, scan), scan, spec, jax.random.key(1))
+    assert stacked["h"]["attn"]["c_attn"]["a"].shape == (2, 32, 3)
+    assert set(unrolled) == {"h_0", "h_1"} and unrolled["h_1"]["attn"]["c_attn"]["a"].shape == (32, 3)
