@@ -179,7 +179,8 @@ def train(config) -> dict:
     tokens_per_step = cfg_t.batch_size * gcfg.block_size
     flops_per_token = gcfg.flops_per_token(gcfg.block_size)
     peak, peak_source = peak_flops(gcfg.dtype, cfg_t.peak_flops)
-    peak *= process_count  # peak_flops counts this process's devices; tokens/s counts the global batch
+    if peak is not None:
+        peak *= process_count  # peak_flops counts this process's devices; tokens/s counts the global batch
 
     def say(msg):
         if is_main:
@@ -189,9 +190,10 @@ def train(config) -> dict:
         print(f"jaxgpt: {gcfg.num_params(non_embedding=False) / 1e6:.2f}M parameters, "
               f"{n_devices} device(s) via {runner.name}"
               f"{f' on {process_count} processes' if multiprocess else ''}, tokens/step {tokens_per_step}, "
-              f"vocab {gcfg.vocab_size} ({config.data.tokenizer}), dtype {gcfg.dtype}; MFU against "
-              f"{peak / 1e9:.0f} GFLOP/s ({peak_source}), {flops_per_token / 1e6:.2f} MFLOP/token "
-              f"(6N + 12*L*T*D, attention not halved)", flush=True)
+              f"vocab {gcfg.vocab_size} ({config.data.tokenizer}), dtype {gcfg.dtype}; "
+              + (f"MFU against {peak / 1e9:.0f} GFLOP/s ({peak_source})" if peak is not None
+                 else f"MFU unknown: {peak_source}")
+              + f", {flops_per_token / 1e6:.2f} MFLOP/token (6N + 12*L*T*D, attention not halved)", flush=True)
         if resume:
             print(f"jaxgpt: resumed from step {start_step} in {checkpointer.directory}", flush=True)
 
@@ -237,12 +239,12 @@ def train(config) -> dict:
             now = time.time()
             dt = max(now - last_log_time, 1e-9)
             tok_s = tokens_per_step * (s - last_log_step) / dt
-            mfu = flops_per_token * tok_s / peak
+            mfu = None if peak is None else flops_per_token * tok_s / peak
             last_log_time, last_log_step = now, s
             rec = {"step": s, **m, "tokens_per_s": tok_s, "mfu": mfu, "elapsed_s": now - t0}
             log.write(rec)
             say(f"step {s:6d} | loss {m['loss']:.4f} | lr {m.get('lr', 0):.2e} | grad norm {m['grad_norm']:.3f} | "
-                f"{tok_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | {now - t0:.1f}s")
+                f"{tok_s:,.0f} tok/s | MFU {'unknown' if mfu is None else f'{100 * mfu:.1f}%'} | {now - t0:.1f}s")
 
     try:
         with _Preemption(multiprocess) as preempt:
