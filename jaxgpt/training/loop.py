@@ -17,8 +17,9 @@ from tqdm import tqdm
 
 from jaxgpt import checkpoint as ckpt_lib
 from jaxgpt.config import model_config_from, validate_config
-from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset
+from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset, tokenizer_difference, tokenizer_fingerprint
 from jaxgpt.model import init_params
+from jaxgpt.report import warn
 from jaxgpt.training.metrics import MetricsLog, peak_flops
 from jaxgpt.training.parallel import make_runner
 from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
@@ -152,13 +153,37 @@ def train(config) -> dict:
     start_step, best_val = 0, math.inf
     try:
         if resume:
-            _check_resume_meta(checkpointer.restore_meta(), gcfg)  # a clear message before orbax's
             # restored straight into the runner's layout (sharded with fsdp), on any device count
-            state, meta = checkpointer.restore(runner.abstract_state(make_state, *args))
+            abstract = runner.abstract_state(make_state, *args)
+
+            def attempt(step):
+                _check_resume_meta(checkpointer.restore_meta(step), gcfg, tokenizer)  # clear words before orbax's
+                return checkpointer.restore(abstract, step)
+
+            # the newest checkpoint that restores; damaged newer ones are moved aside, never deleted
+            start_step, (state, meta), skipped = checkpointer.restore_newest(attempt)
+            if skipped:
+                if multiprocess:
+                    distributed.barrier("jaxgpt-restored")
+                for e in skipped:
+                    if is_main:
+                        warn(f"{e}; moved it to {checkpointer.move_aside(e.step, out_dir)} and resuming from "
+                             f"checkpoint {start_step}")
+                if multiprocess:
+                    distributed.barrier("jaxgpt-moved-aside")
+                checkpointer.reload()
             sampler.load_state_dict(meta["sampler"])
             start_step = int(state.step)  # replicated: readable on every process
             best_val = meta.get("best_val_loss", math.inf)
             state = runner.put_state(state)
+            if start_step >= cfg_t.max_steps:
+                if is_main:
+                    print(f"jaxgpt: the checkpoint is at step {start_step} and train.max_steps is "
+                          f"{cfg_t.max_steps}: nothing to train; raise --config.train.max_steps to continue", flush=True)
+                checkpointer.close()
+                return {"start_step": start_step, "out_dir": out_dir, "steps": start_step, "nothing_to_do": True,
+                        "best_val_loss": best_val, "saved_step": start_step, "wall_time_s": time.time() - t0,
+                        "state": runner.get_state(state)}
         else:
             state = runner.init_state(make_state, *args)
     except BaseException:
@@ -215,6 +240,7 @@ def train(config) -> dict:
 
     def meta_for(step, best):
         return {"step": step, "config": config.to_dict(), "model": gcfg.to_dict(), "tokenizer": tokenizer.to_dict(),
+                "tokenizer_sha256": tokenizer_fingerprint(tokenizer.to_dict()),
                 "sampler": {**sampler.state_dict(), "step": step}, "best_val_loss": best,
                 "dataset": {k: ds.meta[k] for k in ds.meta if k != "tokenizer"}}
 
@@ -300,7 +326,16 @@ def train(config) -> dict:
     return summary
 
 
-def _check_resume_meta(meta: dict, gcfg) -> None:
+def _check_resume_meta(meta: dict, gcfg, tokenizer) -> None:
+    """Refuse, in one line, a checkpoint whose tokenizer or model shape differs from the config's."""
+    saved_tok, now_tok = meta.get("tokenizer"), tokenizer.to_dict()
+    same = meta.get("tokenizer_sha256") == tokenizer_fingerprint(now_tok)  # older checkpoints: compare the dicts
+    diff = None if same or not isinstance(saved_tok, dict) else tokenizer_difference(saved_tok, now_tok)
+    if diff:
+        raise ckpt_lib.CheckpointError(
+            f"the data's tokenizer is not the checkpoint's: {diff}. Resuming would feed the model ids that "
+            "mean other text; resume with the data settings the run was trained on (config.data), or start "
+            "a new run")
     saved = meta.get("model", {})
     now = gcfg.to_dict()
     diff = {k: (saved.get(k), now[k]) for k in now if k in saved and saved[k] != now[k]
