@@ -224,6 +224,8 @@ def _check_keys(config, schema, prefix=""):
 def validate_config(config, device_count: int = 1) -> None:
     """Raise ValueError naming the key for unknown keys or values that cannot work."""
     _check_keys(config, default_config())
+    if not isinstance(config.out_dir, str) or not config.out_dir.strip():
+        raise ValueError(f"config.out_dir must name a folder, got {config.out_dir!r}; e.g. --config.out_dir=out")
     model_config_from(config, vocab_size=256)  # GPTConfig's own checks (vocab is known only later)
     t, d = config.train, config.data
 

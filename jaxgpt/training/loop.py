@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import signal
 import sys
 import threading
@@ -20,6 +18,7 @@ from jaxgpt.config import model_config_from, validate_config
 from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset, tokenizer_difference, tokenizer_fingerprint
 from jaxgpt.model import init_params
 from jaxgpt.report import warn
+from jaxgpt.training import run_dir
 from jaxgpt.training.metrics import MetricsLog, peak_flops
 from jaxgpt.training.parallel import make_runner
 from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
@@ -27,21 +26,6 @@ from jaxgpt.training.step import create_train_state, make_optimizer, make_schedu
 
 class TrainingDiverged(FloatingPointError):
     """The loss became NaN or infinite."""
-
-
-def _prepare_out_dir(out_dir: str) -> str:
-    out_dir = os.path.abspath(out_dir)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        # one probe per process: several processes may share the folder (one host, or a shared filesystem)
-        probe = os.path.join(out_dir, f".write_test-{jax.process_index()}-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"out_dir {out_dir!r} is not writable ({e.strerror}); choose another "
-                         "--config.out_dir") from e
-    return out_dir
 
 
 def _load_data(config, process_index: int, process_count: int):
@@ -104,19 +88,44 @@ def train(config) -> dict:
     On several processes every process calls this with the same config: it connects them first through
     `jaxgpt.distributed.initialize` (unless that already ran), each process then feeds its own rows of
     every global batch, only process 0 prints and writes metrics, and checkpoints are saved by all.
+    One run at a time uses an out_dir: process 0 locks it, and a second run stops with OutDirInUse.
     """
     t0 = time.time()
     cfg_t = config.train
     validate_config(config)  # the device-independent checks, before the first JAX call
     from jaxgpt import distributed
     distributed.initialize(config)  # jax.distributed as config.distributed says (a no-op if it already ran)
+    n_devices = jax.device_count() if cfg_t.parallel == "mesh" else jax.local_device_count() * jax.process_count()
+    validate_config(config, n_devices)
+    is_main = jax.process_index() == 0
+    out_dir = run_dir.resolve_out_dir(config.out_dir)
+    with run_dir.RunLock(out_dir, enabled=is_main):  # before anything in out_dir is read or written
+        try:
+            return _train(config, out_dir, n_devices, t0)
+        finally:
+            # old checkpoints set aside by overwrite=True: deleted if this run wrote one, else put back
+            settled = run_dir.settle_overwrite(out_dir) if is_main else None
+            if settled:
+                print(f"jaxgpt: {settled}", file=sys.stderr, flush=True)
+
+
+def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
+    cfg_t = config.train
+    from jaxgpt import distributed
     process_index, process_count = jax.process_index(), jax.process_count()
     is_main = process_index == 0
     multiprocess = process_count > 1
-    n_devices = jax.device_count() if cfg_t.parallel == "mesh" else jax.local_device_count() * process_count
-    validate_config(config, n_devices)
-    out_dir = _prepare_out_dir(config.out_dir)
 
+    def note(msg):  # process 0's lines before the progress bar exists
+        if is_main:
+            print(f"jaxgpt: {msg}", flush=True)
+
+    if is_main:
+        settled = run_dir.settle_overwrite(out_dir)  # left by an overwrite=True start that was killed
+        if settled:
+            note(settled)
+    if multiprocess:
+        distributed.barrier("jaxgpt-out-dir-settled")
     resume = config.init_from == "resume"
     existing = ckpt_lib.existing_steps(out_dir)
     if resume and not existing:
@@ -125,9 +134,12 @@ def train(config) -> dict:
     if not resume and existing and not config.overwrite:
         raise ValueError(f"{ckpt_lib.checkpoint_dir(out_dir)} already holds checkpoints (steps {existing}); "
                          "use --config.init_from=resume to continue, or --config.overwrite=True to start over")
-    if not resume and existing and config.overwrite and is_main:
-        shutil.rmtree(ckpt_lib.checkpoint_dir(out_dir))
-    if multiprocess:  # nobody opens the checkpoint folder while process 0 may still be clearing it
+    # the old checkpoints survive until this run has written its first one (jaxgpt/training/run_dir.py)
+    awaiting_first = not resume and bool(config.overwrite)  # a config fact: the same on every process
+    if awaiting_first and existing and is_main:
+        note(f"overwrite=True: the previous checkpoints wait in {run_dir.set_aside(out_dir)} until this run "
+             "writes its first checkpoint")
+    if multiprocess:  # nobody opens the checkpoint folder while process 0 may still be moving it
         distributed.barrier("jaxgpt-out-dir")
 
     ds, sampler = _load_data(config, process_index, process_count)
@@ -177,9 +189,8 @@ def train(config) -> dict:
             best_val = meta.get("best_val_loss", math.inf)
             state = runner.put_state(state)
             if start_step >= cfg_t.max_steps:
-                if is_main:
-                    print(f"jaxgpt: the checkpoint is at step {start_step} and train.max_steps is "
-                          f"{cfg_t.max_steps}: nothing to train; raise --config.train.max_steps to continue", flush=True)
+                note(f"the checkpoint is at step {start_step} and train.max_steps is {cfg_t.max_steps}: nothing "
+                     "to train; raise --config.train.max_steps to continue")
                 checkpointer.close()
                 return {"start_step": start_step, "out_dir": out_dir, "steps": start_step, "nothing_to_do": True,
                         "best_val_loss": best_val, "saved_step": start_step, "wall_time_s": time.time() - t0,
@@ -286,7 +297,8 @@ def train(config) -> dict:
                 last = step == cfg_t.max_steps
                 stop = preempt.stop(step)
                 do_eval = step % cfg_t.eval_interval == 0 or last
-                do_save = step % cfg_t.checkpoint_interval == 0 or last or stop
+                # a stop before an overwrite=True run's first checkpoint saves nothing: the old ones come back
+                do_save = step % cfg_t.checkpoint_interval == 0 or last or (stop and not awaiting_first)
                 if do_eval or do_save:
                     read(pending)
                     pending = None
@@ -303,9 +315,18 @@ def train(config) -> dict:
                     checkpointer.save(step, runner.get_state(state), meta_for(step, best_val),
                                       val_loss=last_val if do_eval else None)
                     saved_step = step
+                    if awaiting_first:  # the previous run's checkpoints go once this one is on disk
+                        checkpointer.wait()
+                        awaiting_first = False
+                        settled = run_dir.settle_overwrite(out_dir) if is_main else None
+                        if settled:
+                            say(f"jaxgpt: {settled}")
                 if stop:
-                    say(f"jaxgpt: signal {preempt.signal} received; checkpoint written at step {step}, exiting")
-                    summary["preempted"] = True
+                    name = signal.Signals(preempt.signal).name
+                    summary.update(preempted=True, stopped_by=name, signal=int(preempt.signal))
+                    say(f"jaxgpt: stopped by {name} at step {step}, " +
+                        ("checkpoint saved; resume with --config.init_from=resume" if do_save else
+                         "before this overwrite=True run's first checkpoint: nothing saved"))
                     break
             if pending is not None:
                 read(pending)

@@ -12,6 +12,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.report import warn
+
 # Dense (no sparsity) bf16 peak FLOP/s of one JAX device, keyed by the exact `device_kind` JAX reports.
 # NVIDIA: the product datasheets (their tables quote "with sparsity", twice these). TPU: Cloud TPU's
 # per-chip figures; v2 and v3 show each of a chip's two TensorCores as a device (half a chip each), v4
@@ -75,6 +77,29 @@ def peak_flops(dtype: str = "float32", override: Optional[float] = None,
                   "to its per-device peak FLOP/s")
 
 
+def read_records(path: str) -> list[dict]:
+    """The JSON records of a metrics.jsonl, skipping (with a warning naming the line) any line that is not
+    one, such as the half-written last line of a run that crashed mid-write."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            if not isinstance(r, dict) or not isinstance(r.get("step"), int):
+                raise ValueError("not a record with a step")
+        except ValueError:
+            torn = " (cut off, as by a crash mid-write)" if n == len(lines) else ""
+            warn(f"{path} line {n} is not a JSON metrics record{torn}; skipped it")
+            continue
+        records.append(r)
+    return records
+
+
 class MetricsLog:
     """Appends JSON lines to out_dir/metrics.jsonl (and TensorBoard events when tensorboardX is there)."""
 
@@ -86,10 +111,11 @@ class MetricsLog:
             return
         if truncate_after_step is not None and os.path.exists(self.path):
             # on resume, forget what happened after the checkpoint so the file tells one history
-            with open(self.path) as f:
-                keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= truncate_after_step]
-            with open(self.path, "w") as f:
-                f.writelines(keep)
+            keep = [r for r in read_records(self.path) if r.get("step", 0) <= truncate_after_step]
+            tmp = f"{self.path}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in keep)
+            os.replace(tmp, self.path)  # a crash leaves the old file or the new one, never half of one
         elif truncate_after_step is None and os.path.exists(self.path):
             os.remove(self.path)
         try:
