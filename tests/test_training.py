@@ -103,7 +103,7 @@ def test_schedule_values():
 
 @pytest.mark.parametrize("section,key,value,match", [
     ("train", "batch_size", 10, "divisible by the device count"),
-    ("train", "warmup_steps", 5000, "warmup"),
+    ("train", "warmup_steps", -1, "warmup"),
     ("train", "parallel", "tpu", "parallel"),
     ("train", "lr", -1.0, "lr"),
     ("model", "n_head", 5, "n_embd"),
@@ -114,6 +114,16 @@ def test_config_validation(section, key, value, match):
     c[section][key] = value
     with pytest.raises(ValueError, match=match):
         validate_config(c, device_count=4)
+
+
+def test_warmup_longer_than_training_is_allowed():
+    c = default_config()  # a 5-step smoke run of a config with 100 warmup steps, as nanoGPT allows
+    c.train.max_steps, c.train.warmup_steps = 5, 100
+    validate_config(c)
+    assert float(make_schedule(c.train)(4)) < 0.1 * c.train.lr
+    c.train.decay_steps = 50  # an explicit decay that ends before the warmup does is still a mistake
+    with pytest.raises(ValueError, match="decay_steps"):
+        validate_config(c)
 
 
 def test_unknown_config_key_rejected():

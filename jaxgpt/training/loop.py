@@ -28,6 +28,14 @@ class TrainingDiverged(FloatingPointError):
     """The loss became NaN or infinite."""
 
 
+class StopNow(KeyboardInterrupt):
+    """A second SIGTERM/SIGINT during training: stop at once, without the checkpoint the first asked for."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _load_data(config, process_index: int, process_count: int):
     d = config.data
     # every process prepares (or finds) the bins itself: the cache is built under a temporary name and
@@ -70,7 +78,7 @@ class _Preemption:
 
     def _handle(self, signum, frame):
         if self.signal is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
+            raise StopNow(signum)
         self.signal = signum
 
     def __exit__(self, *exc):
@@ -124,6 +132,10 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
         settled = run_dir.settle_overwrite(out_dir)  # left by an overwrite=True start that was killed
         if settled:
             note(settled)
+        if cfg_t.warmup_steps > cfg_t.max_steps:
+            end = float(make_schedule(cfg_t)(cfg_t.max_steps - 1))
+            warn(f"train.warmup_steps ({cfg_t.warmup_steps}) > train.max_steps ({cfg_t.max_steps}): the "
+                 f"learning rate never reaches its peak train.lr={cfg_t.lr:g} (it ends at {end:.3g})")
     if multiprocess:
         distributed.barrier("jaxgpt-out-dir-settled")
     resume = config.init_from == "resume"
