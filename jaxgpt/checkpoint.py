@@ -3,21 +3,36 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+import sys
+import time
+from typing import Any, Callable, Optional, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import AnyPreservationPolicy, BestN, LatestN
 
+from jaxgpt.report import one_line, warn
+
 CHECKPOINT_SUBDIR = "checkpoints"
+DAMAGED_SUBDIR = "damaged-checkpoints"
+T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or does not fit the current model."""
 
 
+class UnreadableCheckpoint(CheckpointError):
+    """A checkpoint folder that orbax cannot read back (damaged, truncated or half-written)."""
+
+    def __init__(self, step: int, directory: str, error: BaseException):
+        self.step = step
+        self.reason = one_line(error, limit=160)
+        super().__init__(f"checkpoint {step} in {directory} does not restore ({self.reason})")
+
+
 def checkpoint_dir(out_dir: str) -> str:
-    return os.path.abspath(os.path.join(out_dir, CHECKPOINT_SUBDIR))
+    return os.path.abspath(os.path.join(os.path.expanduser(out_dir), CHECKPOINT_SUBDIR))
 
 
 def existing_steps(out_dir: str) -> list[int]:
@@ -62,8 +77,7 @@ class Checkpointer:
         try:
             return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax raises many kinds for a damaged folder
-            raise CheckpointError(f"checkpoint {step} in {self.directory} is unreadable ({type(e).__name__}: "
-                                  f"{e}); delete that step's folder to fall back to an earlier one") from e
+            raise self._unreadable(step, e) from e
 
     def restore(self, abstract_state: Any, step: Optional[int] = None) -> tuple[Any, dict]:
         """Restore checkpoint `step` (default: latest) into the shapes and shardings of `abstract_state`."""
@@ -71,11 +85,8 @@ class Checkpointer:
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-        except Exception as e:
-            raise CheckpointError(
-                f"could not restore checkpoint {step} from {self.directory}: {type(e).__name__}: {e}. "
-                "Either the folder is damaged (delete it to fall back to an earlier step) or its model "
-                "shape differs from the current config") from e
+        except Exception as e:  # a damaged folder, or (past the meta checks) a model of another shape
+            raise self._unreadable(step, e) from e
         return out["state"], out["meta"]
 
     def restore_params(self, abstract_params: Any, step: Optional[int] = None) -> Any:
@@ -86,9 +97,43 @@ class Checkpointer:
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
                 target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
         except Exception as e:
-            raise CheckpointError(f"could not restore the parameters of checkpoint {step} from "
-                                  f"{self.directory}: {type(e).__name__}: {e}") from e
+            raise self._unreadable(step, e) from e
         return out["state"]["params"]
+
+    def restore_newest(self, attempt: Callable[[int], T]) -> tuple[int, T, list]:
+        """(step, attempt(step), skipped) for the newest step whose `attempt` does not hit an unreadable
+        checkpoint; `skipped` lists the UnreadableCheckpoint of each newer step passed over.
+
+        Other errors from `attempt` (a model that does not fit, say) stop the search: an older step
+        would not fit either. Nothing is deleted; CheckpointError when no step restores.
+        """
+        skipped = []
+        self.manager.reload()
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                return step, attempt(step), skipped
+            except UnreadableCheckpoint as e:
+                skipped.append(e)
+        if not skipped:
+            raise CheckpointError(f"no checkpoint found in {self.directory}")
+        raise CheckpointError(f"no checkpoint in {self.directory} restores: " +
+                              "; ".join(f"step {e.step}: {e.reason}" for e in skipped) +
+                              ". The folders are left as they are; start again with --config.overwrite=True")
+
+    def move_aside(self, step: int, out_dir: str) -> str:
+        """Move an unreadable step's folder to out_dir/damaged-checkpoints/ (kept for inspection), so that
+        training can write that step again; returns where it went. Call reload() afterwards."""
+        dest_dir = os.path.join(os.path.expanduser(out_dir), DAMAGED_SUBDIR)
+        os.makedirs(dest_dir, exist_ok=True)
+        dest = os.path.join(dest_dir, str(step))
+        if os.path.exists(dest):
+            dest += time.strftime("-%Y%m%d-%H%M%S")
+        os.rename(os.path.join(self.directory, str(step)), dest)
+        return dest
+
+    def reload(self) -> None:
+        """Read the list of steps from disk again (after folders were moved)."""
+        self.manager.reload()
 
     def _step(self, step: Optional[int]) -> int:
         if step is None:
@@ -96,6 +141,10 @@ class Checkpointer:
             if step is None:
                 raise CheckpointError(f"no checkpoint found in {self.directory}")
         return step
+
+    def _unreadable(self, step: int, error: BaseException) -> UnreadableCheckpoint:
+        _hide_closed_loop_callbacks()
+        return UnreadableCheckpoint(step, self.directory, error)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -117,6 +166,24 @@ def _check_global(state: Any) -> None:
             "are process-local; save runner.get_state(state)")
 
 
+def _hide_closed_loop_callbacks() -> None:
+    """After a failed restore, TensorStore completes the reads still in flight and hands each result to
+    the asyncio loop that orbax already closed; every one prints a "RuntimeError: Event loop is closed"
+    traceback through sys.unraisablehook. Drop exactly those (once installed, other reports pass)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxgpt_filter", False):
+        return
+
+    def hook(report):
+        e = report.exc_value
+        if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+            return
+        previous(report)
+
+    hook._jaxgpt_filter = True
+    sys.unraisablehook = hook
+
+
 def abstract_like(tree: Any, sharding=None) -> Any:
     """ShapeDtypeStructs of `tree` placed with `sharding` (default: the first local device)."""
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -129,16 +196,28 @@ def load_model(out_dir: str, step: Optional[int] = None):
     from jaxgpt.data import tokenizer_from_dict
     from jaxgpt.model import init_params
 
-    if not existing_steps(out_dir):
+    steps = existing_steps(out_dir)
+    if not steps:
         raise CheckpointError(f"no checkpoint in {checkpoint_dir(out_dir)}; train first (jaxgpt-train) or "
                               "point --out_dir at a training run's folder")
-    ckpt = Checkpointer(out_dir, read_only=True)
-    try:
-        step = ckpt._step(step)
-        meta = ckpt.restore_meta(step)
+    if step is not None and step not in steps:
+        raise CheckpointError(f"there is no checkpoint {step} in {checkpoint_dir(out_dir)}; its steps are "
+                              f"{steps}: choose one of them (or leave the step out for the latest)")
+
+    def read(s):
+        meta = ckpt.restore_meta(s)
         config = GPTConfig.from_dict(meta["model"])
         abstract = abstract_like(jax.eval_shape(lambda: init_params(config, jax.random.key(0))))
-        params = ckpt.restore_params(abstract, step)
+        return config, ckpt.restore_params(abstract, s), meta
+
+    ckpt = Checkpointer(out_dir, read_only=True)
+    try:
+        if step is not None:
+            config, params, meta = read(step)
+        else:
+            step, (config, params, meta), skipped = ckpt.restore_newest(read)
+            for e in skipped:
+                warn(f"{e}; using checkpoint {step} instead")
     finally:
         ckpt.close()
     return config, params, tokenizer_from_dict(meta["tokenizer"]), meta

@@ -272,7 +272,11 @@ def _tensors(folder: Path, files: list, prefixes: tuple):
     with contextlib.ExitStack() as stack:
         shapes, where = {}, {}
         for file in files:
-            f = stack.enter_context(safe_open(str(file), framework="np"))
+            try:
+                f = stack.enter_context(safe_open(str(file), framework="np"))
+            except Exception as e:  # safetensors' own error type: a cut or damaged file
+                raise ValueError(f"{str(file)!r} is not a readable safetensors file ({e}); it may be "
+                                 "truncated or damaged: download or export it again") from None
             for key in f.keys():
                 name = _strip(key, prefixes)
                 if name in shapes:
@@ -403,7 +407,14 @@ def save_pretrained(params, config: GPTConfig, out_dir: PathLike) -> Path:
         named = {("lm_head.weight" if k == "lm_head.weight" else f"transformer.{k}"): v
                  for k, v in tensors.items()}
     out = Path(out_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{str(out)!r} is a file; save_pretrained writes a folder (config.json and "
+                         f"{_WEIGHTS}): pass a folder path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the folder {str(out)!r} ({e.strerror}); pass a folder path "
+                         "that can be written") from None
     save_file(named, str(out / _WEIGHTS), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out

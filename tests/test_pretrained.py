@@ -224,3 +224,17 @@ def test_gpt2_name_offline_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(ImportError, match=r"jaxgpt\[hf\]"):
         from_pretrained("gpt2-xl", cache_dir=tmp_path)
+
+
+def test_truncated_weights_and_a_file_as_the_export_folder_are_clear_errors(tmp_path, tensors):
+    folder = write(tmp_path / "cut", tensors)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # a download that stopped early
+    with pytest.raises(ValueError, match=r"model\.safetensors' is not a readable safetensors file .*truncated"):
+        from_pretrained(folder)
+    cfg = GPTConfig(vocab_size=V, block_size=P, n_layer=L, n_head=N, n_embd=D)
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="is a file; save_pretrained writes a folder"):
+        save_pretrained(random_params(cfg), cfg, tmp_path / "a_file")
+    with pytest.raises(ValueError, match="cannot create the folder"):
+        save_pretrained(random_params(cfg), cfg, tmp_path / "a_file" / "inside")

@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 
 def read_metrics(out_dir: str) -> tuple[list, list]:
-    """(train [(step, loss)], val [(step, val_loss)]) from out_dir/metrics.jsonl."""
+    """(train [(step, loss)], val [(step, val_loss)]) from out_dir/metrics.jsonl; lines that are not
+    records (a crash mid-write) are skipped with a warning naming them."""
+    from jaxgpt.training.metrics import read_records
+
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no metrics.jsonl in {out_dir}; is it a training run's out_dir?")
     train, val = [], []
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            if "loss" in r:
-                train.append((r["step"], r["loss"]))
-            if "val_loss" in r:
-                val.append((r["step"], r["val_loss"]))
+    for r in read_records(path):
+        if isinstance(r.get("loss"), (int, float)):
+            train.append((r["step"], r["loss"]))
+        if isinstance(r.get("val_loss"), (int, float)):
+            val.append((r["step"], r["val_loss"]))
     return train, val
 
 

@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             text_field=args.text_field,
             force=args.force,
         )
-    except (ValueError, FileNotFoundError) as e:
-        print(f"jaxgpt-prepare: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        from jaxgpt.report import one_line
+
+        print(f"jaxgpt-prepare: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - t0
     if args.json:

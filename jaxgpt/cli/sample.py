@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -76,19 +77,47 @@ def _generate_long(params, config, tok, ids, args, top_k) -> list:
     return new
 
 
+def _read_prompt(path: str) -> str:
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at "
+                         f"position {e.start}); pass a text file") from None
+    except OSError as e:
+        raise ValueError(f"cannot read prompt file {path}: {e.strerror}") from None
+
+
+def _check_writable(path: str) -> None:
+    """Fail before generating, not after, when --save_settings could not be written."""
+    path = os.path.abspath(os.path.expanduser(path))
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise ValueError(f"--save_settings={path} is a folder; give a file path such as {path}/samples.json")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--save_settings: folder {folder} does not exist; create it first or choose another "
+                         "path")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--save_settings: folder {folder} is not writable; choose another path")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from jaxgpt.checkpoint import CheckpointError
+    from jaxgpt.report import one_line
 
-    prompt = args.prompt
-    if args.prompt_file or prompt.startswith("FILE:"):
-        path = args.prompt_file or prompt[len("FILE:"):]
-        with open(path, encoding="utf-8") as f:
-            prompt = f.read()
-    if args.num_samples < 1:
-        print("jaxgpt-sample: --num_samples must be >= 1", file=sys.stderr)
+    def fail(e) -> int:
+        print(f"jaxgpt-sample: {one_line(str(e))}", file=sys.stderr)
         return 2
+
+    if args.num_samples < 1:
+        return fail("--num_samples must be >= 1")
     try:
+        prompt = args.prompt
+        if args.prompt_file or prompt.startswith("FILE:"):
+            prompt = _read_prompt(args.prompt_file or prompt[len("FILE:"):])
+        if args.save_settings:
+            _check_writable(args.save_settings)
         config, params, tok, source = _load(args)
         ids = tok.encode(prompt)
         if not ids:
@@ -97,9 +126,8 @@ def main(argv=None) -> int:
         t0 = time.time()
         new_tokens = _generate_long(params, config, tok, ids, args, top_k)
         dt = time.time() - t0
-    except (ValueError, CheckpointError, FileNotFoundError) as e:
-        print(f"jaxgpt-sample: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, CheckpointError, OSError, ImportError) as e:  # OSError: a download that failed
+        return fail(e)
 
     settings = {**source, "prompt": prompt, "tokenizer": tok.to_dict().get("type", type(tok).__name__),
                 "temperature": args.temperature, "top_k": top_k, "top_p": args.top_p, "seed": args.seed,

@@ -13,6 +13,8 @@ from jaxgpt.data.tokenizer import (
     get_tokenizer,
     load_tokenizer,
     save_tokenizer,
+    tokenizer_difference,
+    tokenizer_fingerprint,
     tokenizer_from_dict,
 )
 
@@ -34,5 +36,7 @@ __all__ = [
     "load_tokenizer",
     "prepare_dataset",
     "save_tokenizer",
+    "tokenizer_difference",
+    "tokenizer_fingerprint",
     "tokenizer_from_dict",
 ]

@@ -3,8 +3,11 @@
 Layout of a prepared dataset (a folder under <cache>/datasets/):
   train.bin, val.bin   raw token ids, native-endian uint16 if the vocabulary fits, else uint32
   tokenizer.json       Tokenizer.to_dict()
-  meta.json            tokenizer spec, counts, source and its hash, timings (written last)
+  meta.json            tokenizer spec, counts, source and its hash, each bin's size and SHA-256, timings
+                       (written last)
 The folder is built under a temporary name and renamed into place, so a cache folder is always whole.
+Opening checks each bin against its size and SHA-256 (about 5 ms per 10 MB), so a bin changed since it
+was prepared is never trained on: a cached one is prepared again, a folder given by the user refused.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ from jaxgpt.data.tokenizer import (
     load_tokenizer,
     save_tokenizer,
 )
+from jaxgpt.report import warn
 
-FORMAT = 1  # bump when the bin layout or the metadata changes incompatibly
+FORMAT = 2  # bump when the bin layout or the metadata changes incompatibly (2: bin checksums)
 SPLITS = ("train", "val")
 _BATCH_CHARS = 1 << 22  # text encoded per encode_batch call
+_HASH_BLOCK = 1 << 24  # bytes of a bin hashed at a time
 
 
 @dataclass
@@ -169,8 +174,12 @@ def prepare_dataset(
     return ds
 
 
-def load_prepared(path: str | os.PathLike) -> Dataset:
-    """Open a prepared dataset folder (the `path` of a Dataset) without re-reading its source."""
+def load_prepared(path: str | os.PathLike, verify: bool = True) -> Dataset:
+    """Open a prepared dataset folder (the `path` of a Dataset) without re-reading its source.
+
+    With `verify`, each bin must still have the size and SHA-256 recorded when it was prepared
+    (ValueError otherwise): a bin changed on disk would train on ids it was never given.
+    """
     path = Path(path).expanduser()
     meta_file = path / "meta.json"
     if not meta_file.is_file():
@@ -182,6 +191,9 @@ def load_prepared(path: str | os.PathLike) -> Dataset:
         )
     tok = load_tokenizer(path / "tokenizer.json")
     dtype = np.dtype(meta["dtype"])
+    if verify:
+        for s in SPLITS:
+            _check_bin(path / meta[s]["file"], meta[s])
     arrays = [np.memmap(path / meta[s]["file"], dtype=dtype, mode="r") for s in SPLITS]
     for s, a in zip(SPLITS, arrays):
         if a.shape[0] != meta[s]["tokens"]:
@@ -191,15 +203,48 @@ def load_prepared(path: str | os.PathLike) -> Dataset:
     return Dataset(path=path, train=arrays[0], val=arrays[1], tokenizer=tok, meta=meta)
 
 
-def _open_if_current(target: Path, source_hash: str) -> Dataset | None:
+def sha256_bin(path: Path) -> str:
+    """Hex SHA-256 of a bin, read in blocks (about 1.8 GB/s here: big bins cost seconds, not memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_HASH_BLOCK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class BinChanged(ValueError):
+    """A token bin whose size or SHA-256 is not what meta.json recorded when it was prepared."""
+
+    def __init__(self, what: str):
+        self.what = what
+        super().__init__(f"{what}; prepare the dataset again (jaxgpt-prepare --force)")
+
+
+def _check_bin(file: Path, split_meta: dict) -> None:
+    want_size, want_hash = split_meta["file_bytes"], split_meta["sha256"]
+    size = file.stat().st_size if file.is_file() else None
+    if size != want_size:
+        got = "is missing" if size is None else f"has {size} bytes"
+        raise BinChanged(f"token bin {file} {got}, but meta.json records {want_size}: it changed after it "
+                         "was prepared")
+    if sha256_bin(file) != want_hash:
+        raise BinChanged(f"token bin {file} does not match the SHA-256 in meta.json: it changed after it was "
+                         "prepared")
+
+
+def _open_if_current(target: Path, source_hash: str, warn_damaged: bool = True) -> Dataset | None:
     meta_file = target / "meta.json"
     if not meta_file.is_file():
         return None
     try:
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
         if meta.get("format") != FORMAT or meta.get("source_hash") != source_hash:
-            return None  # the source changed: prepare again
+            return None  # the source or the format changed: prepare again
         ds = load_prepared(target)
+    except BinChanged as e:
+        if warn_damaged:
+            warn(f"{e.what}; preparing the cached dataset again")
+        return None
     except (OSError, ValueError, KeyError):
         return None  # unreadable cache: prepare again
     ds.reused = True
@@ -243,6 +288,17 @@ def _build(
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
     counts = {s: {"file": f"{s}.bin", "tokens": 0, "chars": 0, "bytes": 0} for s in SPLITS}
     files = {s: open(out / f"{s}.bin", "wb") for s in SPLITS}
+    hashes = {s: hashlib.sha256() for s in SPLITS}
+    id_range = [None, None]  # smallest and largest id written: equal means a single distinct token
+
+    def put(split: str, ids: np.ndarray) -> None:
+        data = ids.astype(dtype).tobytes()
+        files[split].write(data)
+        hashes[split].update(data)
+        lo, hi = int(ids.min()), int(ids.max())
+        id_range[0] = lo if id_range[0] is None else min(id_range[0], lo)
+        id_range[1] = hi if id_range[1] is None else max(id_range[1], hi)
+
     try:
         eos = None if tok.eos_id is None else np.array([tok.eos_id], dtype=dtype)
         batch: list[Piece] = []
@@ -255,7 +311,7 @@ def _build(
             for (split, text, end), ids in zip(batch, tok.encode_batch(texts)):
                 c = counts[split]
                 if ids.size:
-                    files[split].write(ids.astype(dtype).tobytes())
+                    put(split, ids)
                     in_document = True
                 c["tokens"] += int(ids.size)
                 c["chars"] += len(text)
@@ -263,7 +319,7 @@ def _build(
                 if end and in_document:
                     in_document = False
                     if eos is not None:
-                        files[split].write(eos.tobytes())
+                        put(split, eos)
                         c["tokens"] += 1
             batch.clear()
 
@@ -287,8 +343,16 @@ def _build(
                 f"the {split} split is empty: the corpus ({chars} characters) is too small to split with "
                 f"val_fraction={val_fraction} at a line break; {fix} or use a larger corpus"
             )
-    for c in counts.values():
+    if id_range[0] == id_range[1]:
+        only = tok.decode([id_range[0]])
+        raise ValueError(
+            f"corpus {src.describe()} has a single distinct token ({only!r}, id {id_range[0]}): there is "
+            f"nothing to learn from it; check the corpus (all NUL bytes? a wrong file?)"
+        )
+    for s, c in counts.items():
         c["bytes_per_token"] = c["bytes"] / max(c["tokens"], 1)
+        c["file_bytes"] = c["tokens"] * dtype.itemsize
+        c["sha256"] = hashes[s].hexdigest()
     save_tokenizer(tok, out / "tokenizer.json")
     seconds = time.perf_counter() - t0
     n_tokens = sum(c["tokens"] for c in counts.values())
@@ -331,7 +395,7 @@ def _move_into_place(tmp: Path, target: Path, source_hash: str, replace: bool) -
         except OSError:
             if not target.exists():
                 raise
-        if not replace and _open_if_current(target, source_hash) is not None:
+        if not replace and _open_if_current(target, source_hash, warn_damaged=False) is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # another process prepared the same data first
             return
         trash = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"

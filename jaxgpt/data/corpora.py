@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from jaxgpt.report import one_line
+
 CORPORA = ("shakespeare", "tinyshakespeare", "file", "hf")
 
 TINYSHAKESPEARE_URL = (
@@ -363,7 +365,14 @@ class HFCorpus(Corpus):
                     "corpus 'hf' needs the Hugging Face 'datasets' package: pip install 'jaxgpt[hf]'"
                 ) from None
             s = self.spec
-            self._ds = datasets.load_dataset(s["path"], s["config"], split=s["split"], **self.load_kwargs)
+            try:
+                self._ds = datasets.load_dataset(s["path"], s["config"], split=s["split"], **self.load_kwargs)
+            except Exception as e:  # offline, unknown name, bad config: the Hub's errors are many and long
+                raise ValueError(
+                    f"could not load the Hugging Face dataset {s['path']!r} (config {s['config']!r}, split "
+                    f"{s['split']!r}): {one_line(e, limit=300)}. Check the name and the network; offline, "
+                    "use a local copy with corpus='file'"
+                ) from None
         return self._ds
 
     def fingerprint(self) -> str:

@@ -399,6 +399,57 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
     raise ValueError(f"unknown tokenizer type {kind!r}; choose one of {', '.join(TOKENIZERS)}")
 
 
+def _identity(d: dict) -> dict:
+    """The part of a to_dict() that decides the ids: gpt2's folder does not (its files are pinned by hash)."""
+    return {k: v for k, v in d.items() if not (d.get("type") == "gpt2" and k == "bpe_dir")}
+
+
+def tokenizer_fingerprint(d: dict) -> str:
+    """SHA-256 of a Tokenizer.to_dict() as canonical JSON: equal fingerprints, equal token ids."""
+    text = json.dumps(_identity(d), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _chars(cs) -> str:
+    cs = sorted(cs)
+    return ", ".join(map(repr, cs[:5])) + (f" and {len(cs) - 5} more" if len(cs) > 5 else "")
+
+
+def tokenizer_difference(old: dict, new: dict) -> str | None:
+    """What differs between two Tokenizer.to_dict()s in a few words, or None for the same tokenizer."""
+    if tokenizer_fingerprint(old) == tokenizer_fingerprint(new):
+        return None
+    if old.get("type") != new.get("type"):
+        return f"a {old.get('type')} tokenizer before, a {new.get('type')} tokenizer now"
+    kind = old.get("type")
+    if kind == "char":
+        a, b = old.get("chars", ""), new.get("chars", "")
+        gone, added = set(a) - set(b), set(b) - set(a)
+        parts = [f"{_chars(cs)} only {when}" for cs, when in ((gone, "before"), (added, "now")) if cs]
+        if len(a) == len(b):
+            return (f"char vocabularies differ: the same vocab size ({len(a)}) but other characters "
+                    f"({'; '.join(parts)}), so ids name other characters")
+        return f"char vocabularies differ: {len(a)} characters before, {len(b)} now ({'; '.join(parts)})"
+    if kind == "bpe":
+        try:
+            ma = json.loads(old["tokenizer_json"]).get("model") or {}
+            mb = json.loads(new["tokenizer_json"]).get("model") or {}
+        except (KeyError, TypeError, ValueError):
+            return "bpe tokenizers differ"
+        va, vb = ma.get("vocab") or {}, mb.get("vocab") or {}
+        if len(va) != len(vb):
+            return f"bpe vocabularies of {len(va)} tokens before and {len(vb)} now"
+        moved = sorted(t for t in va if vb.get(t) != va[t])
+        if moved:
+            t = moved[0]
+            return (f"the same bpe vocab size ({len(va)}) but {len(moved)} tokens have other ids (e.g. {t!r}: "
+                    f"{va[t]} before, {vb.get(t)} now)")
+        if ma.get("merges") != mb.get("merges"):
+            return f"the same bpe vocabulary ({len(va)} tokens) but other merge rules"
+        return "bpe tokenizers with other settings (normalizer, pre-tokenizer or special tokens)"
+    return f"{kind} tokenizers with other settings"
+
+
 def save_tokenizer(tok: Tokenizer, path: str | os.PathLike) -> None:
     """Write tok.to_dict() as JSON."""
     Path(path).write_text(json.dumps(tok.to_dict(), ensure_ascii=False), encoding="utf-8")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import signal
 import sys
 import threading
@@ -17,8 +15,10 @@ from tqdm import tqdm
 
 from jaxgpt import checkpoint as ckpt_lib
 from jaxgpt.config import model_config_from, validate_config
-from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset
+from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset, tokenizer_difference, tokenizer_fingerprint
 from jaxgpt.model import convert_layers, init_params
+from jaxgpt.report import warn
+from jaxgpt.training import run_dir
 from jaxgpt.training.metrics import MetricsLog, peak_flops
 from jaxgpt.training.parallel import make_runner
 from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
@@ -28,19 +28,12 @@ class TrainingDiverged(FloatingPointError):
     """The loss became NaN or infinite."""
 
 
-def _prepare_out_dir(out_dir: str) -> str:
-    out_dir = os.path.abspath(out_dir)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        # one probe per process: several processes may share the folder (one host, or a shared filesystem)
-        probe = os.path.join(out_dir, f".write_test-{jax.process_index()}-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"out_dir {out_dir!r} is not writable ({e.strerror}); choose another "
-                         "--config.out_dir") from e
-    return out_dir
+class StopNow(KeyboardInterrupt):
+    """A second SIGTERM/SIGINT during training: stop at once, without the checkpoint the first asked for."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _load_data(config, process_index: int, process_count: int):
@@ -85,7 +78,7 @@ class _Preemption:
 
     def _handle(self, signum, frame):
         if self.signal is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
+            raise StopNow(signum)
         self.signal = signum
 
     def __exit__(self, *exc):
@@ -103,19 +96,48 @@ def train(config) -> dict:
     On several processes every process calls this with the same config: it connects them first through
     `jaxgpt.distributed.initialize` (unless that already ran), each process then feeds its own rows of
     every global batch, only process 0 prints and writes metrics, and checkpoints are saved by all.
+    One run at a time uses an out_dir: process 0 locks it, and a second run stops with OutDirInUse.
     """
     t0 = time.time()
     cfg_t = config.train
     validate_config(config)  # the device-independent checks, before the first JAX call
     from jaxgpt import distributed
     distributed.initialize(config)  # jax.distributed as config.distributed says (a no-op if it already ran)
+    n_devices = jax.device_count() if cfg_t.parallel == "mesh" else jax.local_device_count() * jax.process_count()
+    validate_config(config, n_devices)
+    is_main = jax.process_index() == 0
+    out_dir = run_dir.resolve_out_dir(config.out_dir)
+    with run_dir.RunLock(out_dir, enabled=is_main):  # before anything in out_dir is read or written
+        try:
+            return _train(config, out_dir, n_devices, t0)
+        finally:
+            # old checkpoints set aside by overwrite=True: deleted if this run wrote one, else put back
+            settled = run_dir.settle_overwrite(out_dir) if is_main else None
+            if settled:
+                print(f"jaxgpt: {settled}", file=sys.stderr, flush=True)
+
+
+def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
+    cfg_t = config.train
+    from jaxgpt import distributed
     process_index, process_count = jax.process_index(), jax.process_count()
     is_main = process_index == 0
     multiprocess = process_count > 1
-    n_devices = jax.device_count() if cfg_t.parallel == "mesh" else jax.local_device_count() * process_count
-    validate_config(config, n_devices)
-    out_dir = _prepare_out_dir(config.out_dir)
 
+    def note(msg):  # process 0's lines before the progress bar exists
+        if is_main:
+            print(f"jaxgpt: {msg}", flush=True)
+
+    if is_main:
+        settled = run_dir.settle_overwrite(out_dir)  # left by an overwrite=True start that was killed
+        if settled:
+            note(settled)
+        if cfg_t.warmup_steps > cfg_t.max_steps:
+            end = float(make_schedule(cfg_t)(cfg_t.max_steps - 1))
+            warn(f"train.warmup_steps ({cfg_t.warmup_steps}) > train.max_steps ({cfg_t.max_steps}): the "
+                 f"learning rate never reaches its peak train.lr={cfg_t.lr:g} (it ends at {end:.3g})")
+    if multiprocess:
+        distributed.barrier("jaxgpt-out-dir-settled")
     resume = config.init_from == "resume"
     existing = ckpt_lib.existing_steps(out_dir)
     if resume and not existing:
@@ -124,9 +146,12 @@ def train(config) -> dict:
     if not resume and existing and not config.overwrite:
         raise ValueError(f"{ckpt_lib.checkpoint_dir(out_dir)} already holds checkpoints (steps {existing}); "
                          "use --config.init_from=resume to continue, or --config.overwrite=True to start over")
-    if not resume and existing and config.overwrite and is_main:
-        shutil.rmtree(ckpt_lib.checkpoint_dir(out_dir))
-    if multiprocess:  # nobody opens the checkpoint folder while process 0 may still be clearing it
+    # the old checkpoints survive until this run has written its first one (jaxgpt/training/run_dir.py)
+    awaiting_first = not resume and bool(config.overwrite)  # a config fact: the same on every process
+    if awaiting_first and existing and is_main:
+        note(f"overwrite=True: the previous checkpoints wait in {run_dir.set_aside(out_dir)} until this run "
+             "writes its first checkpoint")
+    if multiprocess:  # nobody opens the checkpoint folder while process 0 may still be moving it
         distributed.barrier("jaxgpt-out-dir")
 
     ds, sampler = _load_data(config, process_index, process_count)
@@ -152,19 +177,43 @@ def train(config) -> dict:
     start_step, best_val = 0, math.inf
     try:
         if resume:
-            saved_meta = checkpointer.restore_meta()
-            _check_resume_meta(saved_meta, gcfg)  # a clear message before orbax's
-            # restored in the layer layout it was saved in (straight into the runner's sharding, on any
-            # device count), then converted to this config's layout
-            saved = gcfg.replace(scan_layers=bool(saved_meta.get("model", {}).get("scan_layers", False)))
-            state, meta = checkpointer.restore(runner.abstract_state(
-                lambda *a: convert_layers(make_state(*a), saved), *args))
+            saved_layers = {}  # step -> whether that checkpoint stores the blocks stacked (scan_layers)
+
+            def attempt(step):
+                meta = checkpointer.restore_meta(step)
+                _check_resume_meta(meta, gcfg, tokenizer)  # clear words before orbax's
+                # restored in the layer layout it was saved in, straight into the runner's sharding (on any
+                # device count), then converted to this config's layout below
+                saved = gcfg.replace(scan_layers=bool(meta.get("model", {}).get("scan_layers", False)))
+                saved_layers[step] = saved.scan_layers
+                return checkpointer.restore(runner.abstract_state(
+                    lambda *a: convert_layers(make_state(*a), saved), *args), step)
+
+            # the newest checkpoint that restores; damaged newer ones are moved aside, never deleted
+            start_step, (state, meta), skipped = checkpointer.restore_newest(attempt)
+            if skipped:
+                if multiprocess:
+                    distributed.barrier("jaxgpt-restored")
+                for e in skipped:
+                    if is_main:
+                        warn(f"{e}; moved it to {checkpointer.move_aside(e.step, out_dir)} and resuming from "
+                             f"checkpoint {start_step}")
+                if multiprocess:
+                    distributed.barrier("jaxgpt-moved-aside")
+                checkpointer.reload()
             sampler.load_state_dict(meta["sampler"])
             start_step = int(state.step)  # replicated: readable on every process
             best_val = meta.get("best_val_loss", math.inf)
-            if saved.scan_layers != gcfg.scan_layers:
+            if saved_layers[start_step] != gcfg.scan_layers:
                 state = jax.jit(lambda s: convert_layers(s, gcfg))(state)
             state = runner.put_state(state)
+            if start_step >= cfg_t.max_steps:
+                note(f"the checkpoint is at step {start_step} and train.max_steps is {cfg_t.max_steps}: nothing "
+                     "to train; raise --config.train.max_steps to continue")
+                checkpointer.close()
+                return {"start_step": start_step, "out_dir": out_dir, "steps": start_step, "nothing_to_do": True,
+                        "best_val_loss": best_val, "saved_step": start_step, "wall_time_s": time.time() - t0,
+                        "state": runner.get_state(state)}
         else:
             state = runner.init_state(make_state, *args)
     except BaseException:
@@ -185,7 +234,8 @@ def train(config) -> dict:
     tokens_per_step = cfg_t.batch_size * gcfg.block_size
     flops_per_token = gcfg.flops_per_token(gcfg.block_size)
     peak, peak_source = peak_flops(gcfg.dtype, cfg_t.peak_flops)
-    peak *= process_count  # peak_flops counts this process's devices; tokens/s counts the global batch
+    if peak is not None:
+        peak *= process_count  # peak_flops counts this process's devices; tokens/s counts the global batch
 
     def say(msg):
         if is_main:
@@ -195,9 +245,10 @@ def train(config) -> dict:
         print(f"jaxgpt: {gcfg.num_params(non_embedding=False) / 1e6:.2f}M parameters, "
               f"{n_devices} device(s) via {runner.name}"
               f"{f' on {process_count} processes' if multiprocess else ''}, tokens/step {tokens_per_step}, "
-              f"vocab {gcfg.vocab_size} ({config.data.tokenizer}), dtype {gcfg.dtype}; MFU against "
-              f"{peak / 1e9:.0f} GFLOP/s ({peak_source}), {flops_per_token / 1e6:.2f} MFLOP/token "
-              f"(6N + 12*L*T*D, attention not halved)", flush=True)
+              f"vocab {gcfg.vocab_size} ({config.data.tokenizer}), dtype {gcfg.dtype}; "
+              + (f"MFU against {peak / 1e9:.0f} GFLOP/s ({peak_source})" if peak is not None
+                 else f"MFU unknown: {peak_source}")
+              + f", {flops_per_token / 1e6:.2f} MFLOP/token (6N + 12*L*T*D, attention not halved)", flush=True)
         if resume:
             print(f"jaxgpt: resumed from step {start_step} in {checkpointer.directory}", flush=True)
 
@@ -219,6 +270,7 @@ def train(config) -> dict:
 
     def meta_for(step, best):
         return {"step": step, "config": config.to_dict(), "model": gcfg.to_dict(), "tokenizer": tokenizer.to_dict(),
+                "tokenizer_sha256": tokenizer_fingerprint(tokenizer.to_dict()),
                 "sampler": {**sampler.state_dict(), "step": step}, "best_val_loss": best,
                 "dataset": {k: ds.meta[k] for k in ds.meta if k != "tokenizer"}}
 
@@ -243,12 +295,12 @@ def train(config) -> dict:
             now = time.time()
             dt = max(now - last_log_time, 1e-9)
             tok_s = tokens_per_step * (s - last_log_step) / dt
-            mfu = flops_per_token * tok_s / peak
+            mfu = None if peak is None else flops_per_token * tok_s / peak
             last_log_time, last_log_step = now, s
             rec = {"step": s, **m, "tokens_per_s": tok_s, "mfu": mfu, "elapsed_s": now - t0}
             log.write(rec)
             say(f"step {s:6d} | loss {m['loss']:.4f} | lr {m.get('lr', 0):.2e} | grad norm {m['grad_norm']:.3f} | "
-                f"{tok_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | {now - t0:.1f}s")
+                f"{tok_s:,.0f} tok/s | MFU {'unknown' if mfu is None else f'{100 * mfu:.1f}%'} | {now - t0:.1f}s")
 
     try:
         with _Preemption(multiprocess) as preempt:
@@ -264,7 +316,8 @@ def train(config) -> dict:
                 last = step == cfg_t.max_steps
                 stop = preempt.stop(step)
                 do_eval = step % cfg_t.eval_interval == 0 or last
-                do_save = step % cfg_t.checkpoint_interval == 0 or last or stop
+                # a stop before an overwrite=True run's first checkpoint saves nothing: the old ones come back
+                do_save = step % cfg_t.checkpoint_interval == 0 or last or (stop and not awaiting_first)
                 if do_eval or do_save:
                     read(pending)
                     pending = None
@@ -281,9 +334,18 @@ def train(config) -> dict:
                     checkpointer.save(step, runner.get_state(state), meta_for(step, best_val),
                                       val_loss=last_val if do_eval else None)
                     saved_step = step
+                    if awaiting_first:  # the previous run's checkpoints go once this one is on disk
+                        checkpointer.wait()
+                        awaiting_first = False
+                        settled = run_dir.settle_overwrite(out_dir) if is_main else None
+                        if settled:
+                            say(f"jaxgpt: {settled}")
                 if stop:
-                    say(f"jaxgpt: signal {preempt.signal} received; checkpoint written at step {step}, exiting")
-                    summary["preempted"] = True
+                    name = signal.Signals(preempt.signal).name
+                    summary.update(preempted=True, stopped_by=name, signal=int(preempt.signal))
+                    say(f"jaxgpt: stopped by {name} at step {step}, " +
+                        ("checkpoint saved; resume with --config.init_from=resume" if do_save else
+                         "before this overwrite=True run's first checkpoint: nothing saved"))
                     break
             if pending is not None:
                 read(pending)
@@ -304,7 +366,16 @@ def train(config) -> dict:
     return summary
 
 
-def _check_resume_meta(meta: dict, gcfg) -> None:
+def _check_resume_meta(meta: dict, gcfg, tokenizer) -> None:
+    """Refuse, in one line, a checkpoint whose tokenizer or model shape differs from the config's."""
+    saved_tok, now_tok = meta.get("tokenizer"), tokenizer.to_dict()
+    same = meta.get("tokenizer_sha256") == tokenizer_fingerprint(now_tok)  # older checkpoints: compare the dicts
+    diff = None if same or not isinstance(saved_tok, dict) else tokenizer_difference(saved_tok, now_tok)
+    if diff:
+        raise ckpt_lib.CheckpointError(
+            f"the data's tokenizer is not the checkpoint's: {diff}. Resuming would feed the model ids that "
+            "mean other text; resume with the data settings the run was trained on (config.data), or start "
+            "a new run")
     saved = meta.get("model", {})
     now = gcfg.to_dict()
     diff = {k: (saved.get(k), now[k]) for k in now if k in saved and saved[k] != now[k]

@@ -12,10 +12,38 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-# Dense bf16 peak FLOP/s per chip for accelerators we know (vendor datasheets).
+from jaxgpt.report import warn
+
+# Dense (no sparsity) bf16 peak FLOP/s of one JAX device, keyed by the exact `device_kind` JAX reports.
+# NVIDIA: the product datasheets (their tables quote "with sparsity", twice these). TPU: Cloud TPU's
+# per-chip figures; v2 and v3 show each of a chip's two TensorCores as a device (half a chip each), v4
+# and v5p one device per chip; device kinds as jax/_src/pallas/mosaic/tpu_info.py names them. Left out
+# on purpose: the A10G (no public datasheet), H100 NVL and GH200 (figures and names we could not pin
+# down), TPU7x. Anything not here reports "MFU unknown" unless train.peak_flops is set. "NVIDIA H200"
+# is also what an H200 NVL (835e12) reports; there the MFU shown is too low.
 KNOWN_PEAKS = {
-    "h200": 989e12, "h100": 989e12, "a100": 312e12, "l4": 121e12, "a10": 125e12,
-    "tpu v4": 275e12, "tpu v5 lite": 197e12, "tpu v5e": 197e12, "tpu v5p": 459e12, "tpu v6": 918e12,
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H200": 989e12,  # H200 SXM
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100-PCIE-80GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A10": 125e12,
+    "NVIDIA A40": 149.7e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA L40": 181e12,
+    "NVIDIA L40S": 362e12,
+    "TPU v2": 22.5e12,
+    "TPU v3": 61.5e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5": 459e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
 }
 
 
@@ -33,18 +61,43 @@ def measured_matmul_flops(dtype: str = "float32", n: int = 1024, reps: int = 5) 
     return 2 * n**3 / best
 
 
-def peak_flops(dtype: str = "float32", override: Optional[float] = None) -> tuple[float, str]:
-    """Peak FLOP/s of all local devices together for MFU, and where the figure came from."""
-    devices = jax.local_devices()
+def peak_flops(dtype: str = "float32", override: Optional[float] = None,
+               devices: Optional[list] = None) -> tuple[Optional[float], str]:
+    """Peak FLOP/s of all local devices together for MFU (None when unknown), and where it came from."""
+    devices = jax.local_devices() if devices is None else devices
     if override:
         return override * len(devices), "train.peak_flops"
-    kind = devices[0].device_kind.lower()
-    for name, flops in KNOWN_PEAKS.items():
-        if name in kind:
-            scale = 1.0 if dtype in ("bfloat16", "float16") else 0.5  # TF32-class rate for float32
-            return flops * scale * len(devices), f"datasheet ({kind})"
-    # CPU (fake CPU devices share the same cores): measure the machine's matmul rate once.
-    return measured_matmul_flops(dtype), f"measured {dtype} matmul on {kind}"
+    kind = devices[0].device_kind
+    if kind in KNOWN_PEAKS:
+        scale = 1.0 if dtype in ("bfloat16", "float16") else 0.5  # TF32-class rate for float32
+        return KNOWN_PEAKS[kind] * scale * len(devices), f"datasheet ({kind})"
+    if devices[0].platform == "cpu":  # fake CPU devices share the same cores: measure the machine once
+        return measured_matmul_flops(dtype), f"measured {dtype} matmul on {kind}"
+    return None, (f"device kind {kind!r} is not in jaxgpt's table of peaks; set --config.train.peak_flops "
+                  "to its per-device peak FLOP/s")
+
+
+def read_records(path: str) -> list[dict]:
+    """The JSON records of a metrics.jsonl, skipping (with a warning naming the line) any line that is not
+    one, such as the half-written last line of a run that crashed mid-write."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            if not isinstance(r, dict) or not isinstance(r.get("step"), int):
+                raise ValueError("not a record with a step")
+        except ValueError:
+            torn = " (cut off, as by a crash mid-write)" if n == len(lines) else ""
+            warn(f"{path} line {n} is not a JSON metrics record{torn}; skipped it")
+            continue
+        records.append(r)
+    return records
 
 
 class MetricsLog:
@@ -58,10 +111,11 @@ class MetricsLog:
             return
         if truncate_after_step is not None and os.path.exists(self.path):
             # on resume, forget what happened after the checkpoint so the file tells one history
-            with open(self.path) as f:
-                keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= truncate_after_step]
-            with open(self.path, "w") as f:
-                f.writelines(keep)
+            keep = [r for r in read_records(self.path) if r.get("step", 0) <= truncate_after_step]
+            tmp = f"{self.path}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in keep)
+            os.replace(tmp, self.path)  # a crash leaves the old file or the new one, never half of one
         elif truncate_after_step is None and os.path.exists(self.path):
             os.remove(self.path)
         try:

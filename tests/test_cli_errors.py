@@ -1,0 +1,115 @@
+"""The commands a user runs: mistakes end in one line (no traceback), stops exit with a documented status,
+libraries' INFO logs stay off unless asked for, and a 5-step run of a shipped config just works."""
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INFO_LINE = re.compile(r"^I\d{4} ", re.M)  # absl's INFO prefix (orbax and JAX log through absl)
+
+
+def _run_all(cases, **kw):
+    """Start every command at once (they are mostly imports), then collect (returncode, output) of each."""
+    procs = [subprocess.Popen(c, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+             for c in cases]
+    return [(p.wait(timeout=180), p.stdout.read()) for p in procs]
+
+
+def test_train_config_mistakes_are_one_line(tmp_path):
+    (tmp_path / "broken.py").write_text("def get_config(:\n")
+    (tmp_path / "none.py").write_text("def get_config():\n    pass\n")
+    train = [sys.executable, "train.py"]
+    cases = {
+        "unknown config key 'model.nonexistent'": ["--config=configs/shakespeare_char_cpu.py",
+                                                   "--config.model.nonexistent=1"],
+        "config file configs/nope.py does not exist": ["--config=configs/nope.py"],
+        "has a syntax error at line 1": [f"--config={tmp_path / 'broken.py'}"],
+        "get_config() returned NoneType, not an ml_collections ConfigDict": [f"--config={tmp_path / 'none.py'}"],
+    }
+    for (rc, out), expected in zip(_run_all([train + args for args in cases.values()]), cases):
+        assert rc == 2 and out.count("\n") == 1 and out.startswith("jaxgpt-train: error: "), out
+        assert expected in out, out
+
+
+def _cli_run(monkeypatch, outcome):
+    """jaxgpt-train's body with train() replaced by `outcome` (a summary, or an exception to raise)."""
+    import jaxgpt.training
+    from jaxgpt.cli import train as cli
+
+    def fake_train(config):
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(jaxgpt.training, "train", fake_train)
+    with pytest.raises(SystemExit) as e:
+        cli._run(["jaxgpt-train"])
+        raise SystemExit(0)
+    return e.value.code
+
+
+def test_train_exits_quietly_with_a_documented_status(monkeypatch, capsys):
+    from jaxgpt.training.loop import StopNow
+    assert _cli_run(monkeypatch, StopNow(signal.SIGTERM)) == 143  # a second SIGTERM: no KeyboardInterrupt dump
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stopped at once by SIGTERM" in err and "Traceback" not in err
+    assert _cli_run(monkeypatch, KeyboardInterrupt()) == 130
+    capsys.readouterr()
+    done = {"steps": 7, "out_dir": "/r", "wall_time_s": 1.0, "best_val_loss": math.inf}
+    assert _cli_run(monkeypatch, dict(done, signal=signal.SIGTERM, stopped_by="SIGTERM")) == 143
+    assert "done" not in capsys.readouterr().out  # the loop said where it stopped
+    assert _cli_run(monkeypatch, done) == 0
+    out = capsys.readouterr().out
+    assert "done at step 7; no evaluation ran" in out and "inf" not in out
+    assert _cli_run(monkeypatch, dict(done, nothing_to_do=True)) == 0
+    assert capsys.readouterr().out == ""  # the loop said why there was nothing to do
+    assert _cli_run(monkeypatch, OSError("could not download 'gpt2': Got: ConnectError\nAn error happened\n")) == 2
+    assert capsys.readouterr().err == ("jaxgpt-train: error: could not download 'gpt2': Got: ConnectError An "
+                                       "error happened\n")
+
+
+def test_sample_mistakes_are_one_line_and_found_before_generating(tmp_path, monkeypatch, capsys):
+    from jaxgpt.cli.sample import main
+    (tmp_path / "binary").write_bytes(b"\x7fELF\x02\x01\x01\0\xd0\xff")
+    missing_run = f"--out_dir={tmp_path / 'no-run'}"
+    cases = {
+        f"cannot read prompt file {tmp_path / 'nope.txt'}: No such file or directory": [
+            f"--prompt_file={tmp_path / 'nope.txt'}"],
+        "is not UTF-8 text (byte b'\\xd0' at position 8)": [f"--prompt_file={tmp_path / 'binary'}"],
+        f"--save_settings: folder {tmp_path / 'nodir'} does not exist": [
+            f"--save_settings={tmp_path / 'nodir' / 's.json'}"],  # before looking for the (missing) run
+    }
+    for expected, args in cases.items():
+        assert main([missing_run, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err, err
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert main(["--init_from=gpt2", "--max_new_tokens=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "could not download 'gpt2'" in err
+
+
+@pytest.mark.slow
+def test_a_5_step_run_of_the_cpu_config_just_works_and_is_quiet(tmp_path):
+    env = dict(os.environ, JAXGPT_CACHE=str(tmp_path / "cache"))
+    run = [sys.executable, "train.py", "--config=configs/shakespeare_char_cpu.py",
+           f"--config.out_dir={tmp_path / 'out'}", "--config.train.max_steps=5"]
+    r = subprocess.run(run, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "warmup_steps (100) > train.max_steps (5): the learning rate never reaches its peak" in r.stderr
+    assert "jaxgpt-train: done at step 5; best val loss" in r.stdout
+    assert not INFO_LINE.search(r.stdout + r.stderr)  # orbax's and JAX's INFO logs are off by default
+    assert len((r.stdout + r.stderr).splitlines()) <= 6
+    resume = run + ["--config.init_from=resume"]  # at max_steps already: restores, says so, exits
+    quiet, verbose = (_run_all([cmd], env=env)[0] for cmd in (resume, resume + ["--verbosity=0"]))  # (one lock)
+    assert quiet[0] == verbose[0] == 0
+    assert "nothing to train" in quiet[1] and not INFO_LINE.search(quiet[1])
+    assert INFO_LINE.search(verbose[1])  # --verbosity=0 shows them
