@@ -1,28 +1,31 @@
-"""nanoGPT's CPU baby run, whole run against the clock: jaxgpt's train.py against a PyTorch peer.
+"""nanoGPT's CPU baby run, whole processes against the clock: jaxgpt's train.py against nanoGPT's own train.py.
 
-python bench/baby_run.py --corpus-path PATH/tinyshakespeare.txt [--steps 2000] [--no-peer]
+python bench/baby_run.py --corpus-path PATH/tinyshakespeare.txt [--nanogpt ../shared/peers/nanogpt]
+                         [--steps 2000] [--runs 1] [--no-peer] [--jaxgpt-args ...]
 
-Both sides train 4 layers / 4 heads / 128 wide, context 64, batch 12, on character-level Tiny Shakespeare
-with nanoGPT's baby-run schedule (lr 1e-3 -> 1e-4 cosine after 100 warmup steps, AdamW betas (0.9, 0.99),
-weight decay 0.1 on matrices, gradient clip 1.0, no dropout) and evaluate 20 batches of each split every
-250 steps. Each side runs in a fresh process timed from its start, so imports, data loading, compilation,
-evaluation and checkpoints all count:
+Both sides train 4 layers / 4 heads / 128 wide, context 64, batch 12, no dropout, on character-level Tiny
+Shakespeare with nanoGPT's schedule (lr 1e-3 -> 1e-4 cosine after 100 warmup steps, AdamW betas (0.9, 0.99),
+weight decay 0.1, gradient clip 1.0) and evaluate 20 batches of each split every 250 steps:
 
-- jaxgpt: `python train.py --config=configs/shakespeare_char_cpu.py` on the same corpus;
-- peer: transformers' `GPT2LMHeadModel` (PyTorch, eager) in a nanoGPT-style loop written here (random
-  windows of the train split, the same schedule and evaluation), not nanoGPT's own code. Needs the `bench`
-  extra.
+- jaxgpt: `python train.py --config=configs/shakespeare_char_cpu.py` on the same text file;
+- peer: nanoGPT's unmodified train.py, run on a copy of its folder exactly as its README's CPU command
+  (`--device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12
+  --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0`) after its
+  own data/shakespeare_char/prepare.py. Needs torch (the `bench` extra) and requests.
 
-The target (PERFORMANCE.md): val loss at most 1.88 in at most half the peer's wall-clock time.
-The corpus is tokenized once (jaxgpt's data cache) before either side is timed.
+Each side is a fresh process timed from its start to its exit, so imports, data loading, compilation,
+evaluation and checkpoints all count; each side's data preparation runs before its clock starts. With
+--runs N the sides alternate N times and the medians are reported. Target (issue 16): jaxgpt's wall-clock
+at most 0.6x nanoGPT's, best val loss at most nanoGPT's + 0.01.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,69 +34,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-B, T, L, H, D = 12, 64, 4, 4, 128
-LR, MIN_LR, WARMUP, BETA2, WD, CLIP = 1e-3, 1e-4, 100, 0.99, 0.1, 1.0
-EVAL_INTERVAL, EVAL_BATCHES = 250, 20
-
-
-def lr_at(step: int, steps: int) -> float:
-    if step < WARMUP:
-        return LR * (step + 1) / (WARMUP + 1)
-    frac = min(1.0, (step - WARMUP) / max(1, steps - WARMUP))
-    return MIN_LR + 0.5 * (1.0 + math.cos(math.pi * frac)) * (LR - MIN_LR)
-
-
-def peer_worker(corpus_path: str, steps: int) -> None:
-    """The PyTorch side; run in its own process by main(). Prints 'best_val X' and 'final_step N'."""
-    import numpy as np
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from jaxgpt.data import prepare_dataset
-
-    ds = prepare_dataset(corpus="tinyshakespeare", path=corpus_path, tokenizer="char", progress=False)
-    splits = {s: torch.from_numpy(np.asarray(ds.tokens(s), dtype=np.int64)) for s in ("train", "val")}
-    vocab = int(ds.meta["vocab_size"])
-    torch.manual_seed(1337)
-    gen = torch.Generator().manual_seed(1337)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=T, n_embd=D, n_layer=L, n_head=H,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, BETA2))
-
-    def batch(split):
-        data = splits[split]
-        starts = torch.randint(len(data) - T - 1, (B,), generator=gen)
-        x = torch.stack([data[i:i + T] for i in starts.tolist()])
-        y = torch.stack([data[i + 1:i + 1 + T] for i in starts.tolist()])
-        return x, y
-
-    def loss_of(x, y):
-        logits = model(input_ids=x).logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
-
-    best = float("inf")
-    for step in range(steps + 1):
-        if step % EVAL_INTERVAL == 0 or step == steps:
-            model.eval()
-            with torch.no_grad():
-                losses = {s: float(np.mean([loss_of(*batch(s)).item() for _ in range(EVAL_BATCHES)]))
-                          for s in ("train", "val")}
-            model.train()
-            best = min(best, losses["val"])
-            print(f"peer step {step}: train {losses['train']:.4f} val {losses['val']:.4f}", flush=True)
-        if step == steps:
-            break
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps)
-        loss = loss_of(*batch("train"))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-    print(f"best_val {best:.4f}", flush=True)
+NANOGPT_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
+                "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
+                "--n_embd=128", "--dropout=0.0"]
 
 
 def timed(cmd: list[str], cwd: str) -> tuple[float, str]:
@@ -106,41 +49,73 @@ def timed(cmd: list[str], cwd: str) -> tuple[float, str]:
     return seconds, proc.stdout
 
 
+def prepare_nanogpt(nanogpt: str, corpus_path: str, work: str) -> str:
+    """A copy of nanoGPT's folder with the corpus prepared by its own prepare.py; returns the copy."""
+    copy = os.path.join(work, "nanogpt")
+    shutil.copytree(nanogpt, copy, ignore=shutil.ignore_patterns("out*", "*.bin", "*.pkl"))
+    data = os.path.join(copy, "data", "shakespeare_char")
+    shutil.copy(corpus_path, os.path.join(data, "input.txt"))
+    subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, stdout=subprocess.DEVNULL)
+    return copy
+
+
+def run_nanogpt(copy: str, steps: int) -> dict:
+    out = os.path.join(copy, f"out-{time.time_ns()}")
+    seconds, log = timed([sys.executable, "train.py", *NANOGPT_ARGS, f"--max_iters={steps}",
+                          f"--lr_decay_iters={steps}", f"--out_dir={out}"], copy)
+    vals = [float(v) for v in re.findall(r"val loss (\d+\.\d+)", log)]
+    return {"seconds": seconds, "best_val_loss": min(vals) if vals else None, "evals": len(vals)}
+
+
+def run_jaxgpt(corpus_path: str, steps: int, work: str, extra: list[str]) -> dict:
+    out = os.path.join(work, f"jaxgpt-{time.time_ns()}")
+    cmd = [sys.executable, "train.py", "--config=configs/shakespeare_char_cpu.py", f"--config.out_dir={out}",
+           "--config.data.corpus=tinyshakespeare", f"--config.data.path={os.path.abspath(corpus_path)}",
+           f"--config.train.max_steps={steps}", f"--config.train.decay_steps={steps}", *extra]
+    seconds, log = timed(cmd, ROOT)
+    vals = [float(v) for v in re.findall(r"\| val (\d+\.\d+)", log)]
+    return {"seconds": seconds, "best_val_loss": min(vals) if vals else None, "evals": len(vals)}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus-path", required=True, help="nanoGPT's tinyshakespeare input.txt")
+    p.add_argument("--nanogpt", default=os.path.join(ROOT, "..", "shared", "peers", "nanogpt"),
+                   help="nanoGPT's folder (copied, never modified)")
     p.add_argument("--steps", type=int, default=2000, help="training steps on each side (nanoGPT: 2000)")
+    p.add_argument("--runs", type=int, default=1, help="alternate the two sides this many times")
     p.add_argument("--no-peer", action="store_true", help="time jaxgpt only")
-    p.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--jaxgpt-args", nargs=argparse.REMAINDER, default=[],
+                   help="extra --config.KEY=VALUE flags for jaxgpt's train.py (last on the command line)")
     args = p.parse_args()
-    if args.peer_worker:
-        return peer_worker(args.corpus_path, args.steps)
 
     from bench.common import ceilings, machine, write_results
     from jaxgpt.data import prepare_dataset
 
     prepare_dataset(corpus="tinyshakespeare", path=args.corpus_path, tokenizer="char", progress=False)
-    ceil = ceilings()
-    results = {"machine": machine(), "ceilings": ceil, "settings": vars(args)}
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "train.py", "--config=configs/shakespeare_char_cpu.py",
-               f"--config.out_dir={out}/run", "--config.data.corpus=tinyshakespeare",
-               f"--config.data.path={os.path.abspath(args.corpus_path)}", f"--config.train.max_steps={args.steps}",
-               f"--config.train.decay_steps={args.steps}"]
-        seconds, log = timed(cmd, ROOT)
-    best = [float(v) for v in re.findall(r"best val (\d+\.\d+)", log)]
-    results["jaxgpt"] = {"seconds": seconds, "best_val_loss": min(best) if best else None}
-    print(f"jaxgpt: best val loss {results['jaxgpt']['best_val_loss']} in {seconds:.1f} s", flush=True)
-    if not args.no_peer:
-        cmd = [sys.executable, os.path.abspath(__file__), "--peer-worker", f"--corpus-path={args.corpus_path}",
-               f"--steps={args.steps}"]
-        seconds, log = timed(cmd, ROOT)
-        best = re.findall(r"best_val (\d+\.\d+)", log)
-        results["peer"] = {"seconds": seconds, "best_val_loss": float(best[-1]) if best else None}
-        results["time_ratio_jaxgpt_over_peer"] = results["jaxgpt"]["seconds"] / seconds
-        print(f"peer (HF GPT2LMHeadModel, eager): best val loss {results['peer']['best_val_loss']} in "
-              f"{seconds:.1f} s; jaxgpt takes {results['time_ratio_jaxgpt_over_peer']:.2f}x the peer's time "
-              "(target: at most 0.5x)", flush=True)
+    results = {"machine": machine(), "ceilings": ceilings(), "settings": vars(args), "jaxgpt_runs": [],
+               "nanogpt_runs": []}
+    with tempfile.TemporaryDirectory() as work:
+        copy = None if args.no_peer else prepare_nanogpt(args.nanogpt, args.corpus_path, work)
+        for i in range(args.runs):
+            r = run_jaxgpt(args.corpus_path, args.steps, work, args.jaxgpt_args)
+            results["jaxgpt_runs"].append(r)
+            print(f"run {i + 1}: jaxgpt {r['seconds']:.1f} s, best val {r['best_val_loss']}", flush=True)
+            if copy:
+                r = run_nanogpt(copy, args.steps)
+                results["nanogpt_runs"].append(r)
+                print(f"run {i + 1}: nanoGPT {r['seconds']:.1f} s, best val {r['best_val_loss']}", flush=True)
+    for side in ("jaxgpt", "nanogpt"):
+        runs = results[f"{side}_runs"]
+        if runs:
+            results[side] = {"seconds": statistics.median(r["seconds"] for r in runs),
+                             "best_val_loss": statistics.median(r["best_val_loss"] for r in runs)}
+    if "nanogpt" in results:
+        ratio = results["jaxgpt"]["seconds"] / results["nanogpt"]["seconds"]
+        results["time_ratio_jaxgpt_over_nanogpt"] = ratio
+        print(f"median of {args.runs}: jaxgpt {results['jaxgpt']['seconds']:.1f} s (best val "
+              f"{results['jaxgpt']['best_val_loss']:.4f}), nanoGPT {results['nanogpt']['seconds']:.1f} s (best val "
+              f"{results['nanogpt']['best_val_loss']:.4f}): jaxgpt takes {ratio:.2f}x nanoGPT's time (target <= 0.6x)")
     print(f"results: {write_results('baby_run', results)}")
 
 

@@ -195,7 +195,7 @@ def test_bad_folders_raise_clear_errors(tmp_path, tensors):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(model_type="llama"), "model_type='llama', not 'gpt2'"),
+    (dict(model_type="bert"), "model_type='bert'; jaxgpt imports 'gpt2' and 'llama'"),
     (dict(activation_function="relu"), "activation_function='relu'"),
     (dict(n_inner=3 * D), "n_inner=48"),
     (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
