@@ -190,12 +190,36 @@ def abstract_like(tree: Any, sharding=None) -> Any:
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
+def is_run_folder(path) -> bool:
+    """Whether `path` is a jaxgpt training run's folder (it holds checkpoints/)."""
+    return isinstance(path, str) and os.path.isdir(checkpoint_dir(os.path.expanduser(path)))
+
+
+def load_base(ref: dict, config=None):
+    """(GPTConfig, params) of the model a LoRA run adapts, from its reference in the checkpoint's meta:
+    {"init_from": a jaxgpt run folder and its "step"} or {"init_from": a Hugging Face folder or GPT-2 name}.
+    With `config`, the weights come cropped and laid out for it."""
+    from jaxgpt.model import convert_layers
+
+    source = ref["init_from"]
+    if ref.get("step") is not None:
+        base_config, params, _, _ = load_model(source, ref["step"])
+    else:
+        from jaxgpt.pretrained import from_pretrained
+        base_config, params = from_pretrained(source, block_size=None if config is None else config.block_size)
+    if config is None:
+        return base_config, params
+    return config, convert_layers(params, config)
+
+
 def load_model(out_dir: str, step: Optional[int] = None):
-    """(GPTConfig, params, tokenizer, meta) of a training run's checkpoint, on one device."""
+    """(GPTConfig, params, tokenizer, meta) of a training run's checkpoint, on one device. For a LoRA run
+    the params are the base model's with the adapters merged in."""
     from jaxgpt.config import GPTConfig
     from jaxgpt.data import tokenizer_from_dict
     from jaxgpt.model import init_params
 
+    out_dir = os.path.expanduser(out_dir)
     steps = existing_steps(out_dir)
     if not steps:
         raise CheckpointError(f"no checkpoint in {checkpoint_dir(out_dir)}; train first (jaxgpt-train) or "
@@ -207,8 +231,14 @@ def load_model(out_dir: str, step: Optional[int] = None):
     def read(s):
         meta = ckpt.restore_meta(s)
         config = GPTConfig.from_dict(meta["model"])
-        abstract = abstract_like(jax.eval_shape(lambda: init_params(config, jax.random.key(0))))
-        return config, ckpt.restore_params(abstract, s), meta
+        if "lora" not in meta:
+            abstract = abstract_like(jax.eval_shape(lambda: init_params(config, jax.random.key(0))))
+            return config, ckpt.restore_params(abstract, s), meta
+        from jaxgpt.lora import LoraSpec, init_adapters, merge
+        _, base = load_base(meta["lora"]["base"], config)
+        spec = LoraSpec.from_config(meta["lora"])
+        abstract = abstract_like(jax.eval_shape(lambda: init_adapters(base, config, spec, jax.random.key(0))))
+        return config, merge(base, ckpt.restore_params(abstract, s)), meta
 
     ckpt = Checkpointer(out_dir, read_only=True)
     try:

@@ -175,7 +175,7 @@ def default_config():
     c = config_dict.ConfigDict()
     c.out_dir = "out"
     c.seed = 1337
-    c.init_from = "scratch"  # "scratch", "resume", a GPT-2 name ("gpt2", "gpt2-medium", ...) or a folder
+    c.init_from = "scratch"  # "scratch", "resume", a GPT-2 name ("gpt2", ...), a jaxgpt run folder or an HF folder
     c.overwrite = False      # allow a fresh start in an out_dir that already holds checkpoints
 
     c.model = config_dict.ConfigDict()
@@ -311,6 +311,15 @@ def validate_config(config, device_count: int = 1) -> None:
          "the bpe tokenizer needs data.vocab_size > 256")
     need(isinstance(config.init_from, str) and config.init_from != "", "init_from",
          "must be 'scratch', 'resume', a GPT-2 name or a folder")
+    lora = t.lora
+    need(isinstance(lora.rank, int) and not isinstance(lora.rank, bool) and lora.rank >= 0, "train.lora.rank",
+         f"must be an integer >= 0 (0 = off), got {lora.rank!r}")
+    if lora.rank:
+        from jaxgpt.lora import LoraSpec
+        LoraSpec.from_config(lora)  # alpha and targets
+        need(config.init_from != "scratch", "init_from",
+             "LoRA adapts a trained model: set init_from to a jaxgpt run folder, a Hugging Face folder or a "
+             "GPT-2 name (or 'resume' to continue a LoRA run)")
 
 
 def _is_real(x) -> bool:

@@ -44,15 +44,18 @@ class LoraSpec:
         if not self.targets:
             raise ValueError("train.lora.targets names no layer; e.g. 'c_attn,c_proj' or 'q,v'")
 
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+
     @classmethod
     def from_config(cls, lora_cfg) -> Optional["LoraSpec"]:
         """The spec of a training config's `train.lora` section; None when rank is 0 (LoRA off)."""
-        if lora_cfg.rank == 0:
+        if lora_cfg["rank"] == 0:
             return None
-        targets = lora_cfg.targets
+        targets = lora_cfg["targets"]
         if isinstance(targets, str):
             targets = [t.strip() for t in targets.split(",") if t.strip()]
-        return cls(rank=lora_cfg.rank, alpha=lora_cfg.alpha, targets=tuple(targets))
+        return cls(rank=lora_cfg["rank"], alpha=lora_cfg["alpha"], targets=tuple(targets))
 
 
 def _matches(path: tuple, target: str) -> tuple[bool, Optional[str]]:

@@ -267,7 +267,8 @@ def count_params(params, non_embedding: bool = False) -> int:
 
 
 def _is_params(node) -> bool:
-    return isinstance(node, dict) and "wte" in node
+    """A dict laid out like the parameters at their top: the params, an optimizer moment, LoRA adapters."""
+    return isinstance(node, dict) and ("h" in node or any(k.startswith("h_") and k[2:].isdigit() for k in node))
 
 
 def stack_layers(params: dict, n_layer: int) -> dict:

@@ -114,3 +114,83 @@ def test_adapters_follow_the_layer_layout():
     stacked = init_adapters(convert_layers(base, scan), scan, spec, jax.random.key(1))
     assert stacked["h"]["attn"]["c_attn"]["a"].shape == (2, 32, 3)
     assert set(unrolled) == {"h_0", "h_1"} and unrolled["h_1"]["attn"]["c_attn"]["a"].shape == (32, 3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# LoRA runs through train(): base from a jaxgpt run folder, resume, sampling
+
+def _losses(out_dir):
+    import json
+    import os
+
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    from jaxgpt.training import train
+    from tests.helpers import tiny_config
+
+    c = tiny_config(tmp_path_factory.mktemp("base"), max_steps=80, warmup_steps=2, checkpoint_interval=80,
+                    eval_interval=80, lr=1e-2, min_lr=1e-3)
+    c.data.tokenizer = "byte"  # a fixed vocabulary, so another corpus keeps the same ids
+    train(c)
+    return c
+
+
+def _lora_config(tmp_path, base, **train):
+    from tests.helpers import _WORDS, tiny_config
+
+    c = tiny_config(tmp_path, **train)
+    c.data.tokenizer = "byte"
+    other = tmp_path / "other.txt"  # a new corpus: the base's words, always in one order
+    other.write_text(("KING:\n" + " ".join(_WORDS[:12]) + "\n") * 200)
+    c.data.path = str(other)
+    c.init_from = base.out_dir
+    c.train.lora.rank, c.train.lora.alpha, c.train.lora.targets = 4, 16.0, "c_attn,c_fc,c_proj"
+    c.train.lr, c.train.min_lr, c.train.warmup_steps, c.train.log_interval = 1e-2, 1e-2, 0, 1
+    return c
+
+
+def test_a_lora_run_fine_tunes_resumes_exactly_and_samples(tmp_path, base_run):
+    from jaxgpt.checkpoint import load_model
+    from jaxgpt.training import train
+
+    full = _lora_config(tmp_path / "a", base_run, max_steps=30, checkpoint_interval=15, eval_interval=15)
+    summary = train(full)
+    losses = _losses(full.out_dir)
+    first, last = np.mean([losses[k] for k in range(1, 6)]), np.mean([losses[k] for k in range(26, 31)])
+    assert last < first - 0.1, losses  # the adapters learn the new corpus (0.27 lower when written)
+    base_params = load_model(base_run.out_dir)[1]
+    adapters = jax.device_get(summary["state"].params)
+    for a, b in zip(jax.tree.leaves(summary["state"].frozen), jax.tree.leaves(base_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the base did not move
+    config, merged, _, meta = load_model(full.out_dir)  # what jaxgpt-sample reads
+    assert meta["lora"]["base"] == {"init_from": base_run.out_dir, "step": 80}
+    tokens = _tokens()[:, :8] % config.vocab_size
+    applied = GPT(config).apply({"params": base_params, "lora": adapters}, tokens)
+    np.testing.assert_allclose(np.asarray(GPT(config).apply({"params": merged}, tokens)), np.asarray(applied),
+                               atol=1e-5)
+    half = _lora_config(tmp_path / "b", base_run, max_steps=15, decay_steps=30, checkpoint_interval=15,
+                        eval_interval=15)
+    train(half)
+    half.init_from, half.train.max_steps = "resume", 30
+    assert train(half)["start_step"] == 15
+    b = _losses(half.out_dir)
+    assert [b[k] for k in sorted(b)] == [losses[k] for k in sorted(losses)]  # resume is exact
+
+
+def test_lora_needs_a_base_and_init_from_checks_the_tokenizer(tmp_path, base_run):
+    from jaxgpt.checkpoint import CheckpointError
+    from jaxgpt.config import validate_config
+    from jaxgpt.training import train
+
+    c = _lora_config(tmp_path / "a", base_run, max_steps=2)
+    c.init_from = "scratch"
+    with pytest.raises(ValueError, match="LoRA adapts a trained model"):
+        validate_config(c)
+    c = _lora_config(tmp_path / "b", base_run, max_steps=2)
+    c.train.lora.rank, c.data.tokenizer = 0, "char"  # a full fine-tune from the run, with other ids
+    with pytest.raises(CheckpointError, match="tokenizer is not the data's"):
+        train(c)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
@@ -16,6 +17,7 @@ from tqdm import tqdm
 from jaxgpt import checkpoint as ckpt_lib
 from jaxgpt.config import model_config_from, validate_config
 from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset, tokenizer_difference, tokenizer_fingerprint
+from jaxgpt.lora import LoraSpec, init_adapters
 from jaxgpt.model import convert_layers, init_params
 from jaxgpt.report import warn
 from jaxgpt.training import run_dir
@@ -156,11 +158,15 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
 
     ds, sampler = _load_data(config, process_index, process_count)
     tokenizer = ds.tokenizer
-    params = None
+    lora_spec = LoraSpec.from_config(cfg_t.lora)  # None: every parameter trains
+    params, base_ref = None, None  # pretrained or base weights, and where they came from
     if config.init_from not in ("scratch", "resume"):
-        gcfg, params = _load_pretrained(config, tokenizer)
+        gcfg, params, base_ref = _load_init(config, tokenizer)
     else:
         gcfg = model_config_from(config, tokenizer.vocab_size)
+        if resume and lora_spec is not None:  # the base model a LoRA run adapts is not in its checkpoints
+            base_ref = _saved_lora_base(out_dir)
+            gcfg, params = ckpt_lib.load_base(base_ref, gcfg)
 
     optimizer, schedule = make_optimizer(cfg_t), make_schedule(cfg_t)
     runner = make_runner(cfg_t.parallel, gcfg, optimizer, cfg_t.grad_accum, schedule, fsdp=cfg_t.fsdp)
@@ -168,6 +174,9 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
 
     def make_state(*pretrained):
         p = pretrained[0] if pretrained else init_params(gcfg, jax.random.key(seed))
+        if lora_spec is not None:  # adapters train; the base rides along frozen
+            adapters = init_adapters(p, gcfg, lora_spec, jax.random.key(seed + 2))
+            return create_train_state(adapters, optimizer, jax.random.key(seed + 1), frozen=p)
         return create_train_state(p, optimizer, jax.random.key(seed + 1))
 
     args = () if params is None else (params,)
@@ -186,8 +195,8 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
                 # device count), then converted to this config's layout below
                 saved = gcfg.replace(scan_layers=bool(meta.get("model", {}).get("scan_layers", False)))
                 saved_layers[step] = saved.scan_layers
-                return checkpointer.restore(runner.abstract_state(
-                    lambda *a: convert_layers(make_state(*a), saved), *args), step)
+                abstract = runner.abstract_state(lambda *a: convert_layers(make_state(*a), saved), *args)
+                return checkpointer.restore(abstract.replace(frozen=None), step)  # (LoRA: no base in it)
 
             # the newest checkpoint that restores; damaged newer ones are moved aside, never deleted
             start_step, (state, meta), skipped = checkpointer.restore_newest(attempt)
@@ -206,6 +215,8 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
             best_val = meta.get("best_val_loss", math.inf)
             if saved_layers[start_step] != gcfg.scan_layers:
                 state = jax.jit(lambda s: convert_layers(s, gcfg))(state)
+            if lora_spec is not None:
+                state = state.replace(frozen=args[0])
             state = runner.put_state(state)
             if start_step >= cfg_t.max_steps:
                 note(f"the checkpoint is at step {start_step} and train.max_steps is {cfg_t.max_steps}: nothing "
@@ -269,10 +280,13 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
         return out
 
     def meta_for(step, best):
-        return {"step": step, "config": config.to_dict(), "model": gcfg.to_dict(), "tokenizer": tokenizer.to_dict(),
+        meta = {"step": step, "config": config.to_dict(), "model": gcfg.to_dict(), "tokenizer": tokenizer.to_dict(),
                 "tokenizer_sha256": tokenizer_fingerprint(tokenizer.to_dict()),
                 "sampler": {**sampler.state_dict(), "step": step}, "best_val_loss": best,
                 "dataset": {k: ds.meta[k] for k in ds.meta if k != "tokenizer"}}
+        if lora_spec is not None:  # the checkpoint holds the adapters; this says which base they adapt
+            meta["lora"] = {**lora_spec.to_dict(), "base": base_ref}
+        return meta
 
     prefetch = Prefetcher(sampler, size=2)
     summary = {"start_step": start_step, "out_dir": out_dir}
@@ -331,7 +345,7 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
                         f"val ppl {ev['val_ppl']:.2f} | val bits/byte {ev['val_bpb']:.3f} | best val {best_val:.4f}")
                     summary.update(ev)
                 if do_save:
-                    checkpointer.save(step, runner.get_state(state), meta_for(step, best_val),
+                    checkpointer.save(step, runner.get_state(state).replace(frozen=None), meta_for(step, best_val),
                                       val_loss=last_val if do_eval else None)
                     saved_step = step
                     if awaiting_first:  # the previous run's checkpoints go once this one is on disk
@@ -386,15 +400,53 @@ def _check_resume_meta(meta: dict, gcfg, tokenizer) -> None:
             ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items()))
 
 
-def _load_pretrained(config, tokenizer):
+def _load_init(config, tokenizer):
+    """(GPTConfig, params, reference) of the weights `init_from` names: a jaxgpt run folder (its latest
+    checkpoint), a Hugging Face folder or a GPT-2 name. The architecture comes from the weights, how to
+    compute it from config.model; a smaller model.block_size keeps the first position embeddings."""
+    m = config.model
+    compute = dict(dtype=m.dtype, attention=m.attention, kernels=m.kernels, dropout=m.dropout,
+                   scan_layers=m.scan_layers, remat=m.remat)
+    source = config.init_from
+    if ckpt_lib.is_run_folder(source):
+        folder = os.path.abspath(os.path.expanduser(source))
+        base_cfg, params, base_tokenizer, meta = ckpt_lib.load_model(folder)
+        saved, now = base_tokenizer.to_dict(), tokenizer.to_dict()
+        if tokenizer_fingerprint(saved) != tokenizer_fingerprint(now):
+            raise ckpt_lib.CheckpointError(
+                f"init_from={source}: that run's tokenizer is not the data's: "
+                f"{tokenizer_difference(saved, now) or 'they differ'}; use the data settings it was trained on")
+        if m.block_size > base_cfg.block_size:
+            raise ValueError(f"model.block_size={m.block_size} exceeds the block_size of {source} "
+                             f"({base_cfg.block_size})")
+        if "wpe" in params and m.block_size < base_cfg.block_size:  # keep the first position embeddings
+            params = {**params, "wpe": {"embedding": params["wpe"]["embedding"][:m.block_size]}}
+        gcfg = base_cfg.replace(block_size=m.block_size, **compute)
+        return gcfg, convert_layers(params, gcfg), {"init_from": folder, "step": int(meta["step"])}
     from jaxgpt.pretrained import from_pretrained
 
-    m = config.model
     # crops the position table when block_size is smaller, as nanoGPT's fine-tuning does
-    gcfg, params = from_pretrained(config.init_from, dtype=m.dtype, attention=m.attention, kernels=m.kernels,
-                                   dropout=m.dropout, scan_layers=m.scan_layers, remat=m.remat,
-                                   block_size=m.block_size)
+    gcfg, params = from_pretrained(source, block_size=m.block_size, **compute)
     if tokenizer.vocab_size > gcfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but {config.init_from} has a "
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but {source} has a "
                          f"vocabulary of {gcfg.vocab_size}; use data.tokenizer='gpt2' with GPT-2 weights")
-    return gcfg, params
+    folder = os.path.expanduser(source)
+    return gcfg, params, {"init_from": os.path.abspath(folder) if os.path.isdir(folder) else source}
+
+
+def _saved_lora_base(out_dir: str) -> dict:
+    """The base-model reference that a LoRA run's newest readable checkpoint records."""
+    ckpt = ckpt_lib.Checkpointer(out_dir, read_only=True)
+    try:
+        for step in sorted(ckpt_lib.existing_steps(out_dir), reverse=True):
+            try:
+                meta = ckpt.restore_meta(step)
+            except ckpt_lib.CheckpointError:
+                continue
+            if "lora" not in meta:
+                raise ckpt_lib.CheckpointError(f"checkpoint {step} in {out_dir} is not a LoRA run's; resume it "
+                                               "with train.lora.rank=0")
+            return meta["lora"]["base"]
+    finally:
+        ckpt.close()
+    raise ckpt_lib.CheckpointError(f"no readable checkpoint in {ckpt_lib.checkpoint_dir(out_dir)}")
