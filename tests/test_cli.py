@@ -32,3 +32,38 @@ def test_train_cli_rejects_unknown_override(tmp_path):
                         "--config.train.learning_rate=1"], capture_output=True, text=True, timeout=120,
                        cwd=__file__.rsplit("/tests/", 1)[0])
     assert r.returncode != 0 and "learning_rate" in r.stderr
+
+
+def test_sample_streams_before_generation_ends(tmp_path, monkeypatch, capsys):
+    """--max_new_tokens=10**9 would never finish: the first sample's text must show up chunk by chunk."""
+    import io
+    import sys
+
+    import jax
+
+    from jaxgpt import GPTConfig, init_params
+    from jaxgpt.cli import sample
+    from jaxgpt.data import CharTokenizer
+
+    cfg = GPTConfig(vocab_size=20, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    tok = CharTokenizer("abcdefghijklmnopqrs\n")
+    monkeypatch.setattr(sample, "_load", lambda args: (cfg, init_params(cfg, jax.random.key(0)), tok, {}))
+
+    class Enough(Exception):
+        pass
+
+    class Screen(io.StringIO):
+        def write(self, text):
+            super().write(text)
+            if len(self.getvalue()) > 200:  # past the settings line: generated text arrived
+                raise Enough
+
+    screen = Screen()
+    monkeypatch.setattr(sys, "stdout", screen)
+    with pytest.raises(Enough):  # (past block_size, it keeps going from the recent context)
+        sample.main(["--prompt=ab", "--max_new_tokens=1000000000", "--chunk_size=4", "--num_samples=2"])
+    body = screen.getvalue().split("\n", 1)[1]
+    assert body.startswith("ab") and len(body) > 20
+    monkeypatch.undo()
+    assert sample.main(["--prompt=ab", "--max_new_tokens=0"]) == 2
+    assert "--max_new_tokens must be >= 1" in capsys.readouterr().err

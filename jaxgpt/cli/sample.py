@@ -18,7 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="\n", help="prompt text; 'FILE:path' reads it from a file (default: newline)")
     p.add_argument("--prompt_file", default=None, help="read the prompt from this file")
     p.add_argument("--num_samples", type=int, default=3, help="how many samples, generated as one batch")
-    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per sample")
+    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per sample (>= 1)")
+    p.add_argument("--chunk_size", type=int, default=16,
+                   help="tokens decoded per compiled step; the first sample is printed chunk by chunk (default 16)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; higher = more random")
     p.add_argument("--top_k", type=int, default=200, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top_p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
@@ -41,40 +43,52 @@ def _load(args):
     return config, params, tok, {"source": args.out_dir, "step": meta.get("step")}
 
 
-def _generate_long(params, config, tok, ids, args, top_k) -> list:
-    """New token ids per sample. Past the model's block_size, continue in chunks from the most recent
-    context (nanoGPT crops the context the same way); at most a few distinct shapes, so few compiles."""
+def _stream(params, config, tok, ids, args, top_k):
+    """Yield (row, that sample's new ids so far) after each decoded chunk, until every sample has
+    max_new_tokens, its end token or a stop string. Past the model's block_size the samples go on from
+    their most recent block_size // 2 tokens (nanoGPT crops the context the same way): one prefill shape
+    after the first, one decode program per chunk size, so few compiles whatever max_new_tokens."""
     import jax
     import numpy as np
 
-    from jaxgpt.sampling import generate
+    from jaxgpt.sampling import generate_stream
 
-    seqs = [list(ids) for _ in range(args.num_samples)]
-    new = [[] for _ in range(args.num_samples)]
-    done = [False] * args.num_samples
-    chunk_cap = max(1, config.block_size // 2) if len(ids) + args.max_new_tokens > config.block_size else \
-        args.max_new_tokens
+    n = args.num_samples
+    seqs, new, done = [list(ids) for _ in range(n)], [[] for _ in range(n)], [False] * n
     rng, remaining = jax.random.key(args.seed), args.max_new_tokens
+    keep = max(1, config.block_size // 2)
     while remaining > 0 and not all(done):
-        n = min(remaining, chunk_cap)
-        ctx = [s[-(config.block_size - n):] for s in seqs]
+        ctx = [s if len(s) < config.block_size else s[-keep:] for s in seqs]
         plen = np.array([len(c) for c in ctx], np.int32)
-        prompts = np.zeros((len(ctx), plen.max()), np.int32)
+        prompts = np.zeros((n, plen.max()), np.int32)
         for r, c in enumerate(ctx):
             prompts[r, :len(c)] = c
+        count = min(remaining, config.block_size - prompts.shape[1])
         rng, key = jax.random.split(rng)
-        out = generate(params, config, prompts, n, key, prompt_lengths=plen, temperature=args.temperature,
-                       top_k=top_k, top_p=args.top_p, eos_id=tok.eos_id)
-        tokens, lengths = jax.device_get((out.tokens, out.lengths))
-        for r in range(len(seqs)):
-            if done[r]:
-                continue
-            got = [int(t) for t in tokens[r, plen[r]:lengths[r]]]
-            seqs[r] += got
-            new[r] += got
-            done[r] = tok.eos_id is not None and tok.eos_id in got
-        remaining -= n
-    return new
+        chunks = generate_stream(params, config, prompts, count, key, chunk_size=args.chunk_size,
+                                 prompt_lengths=plen, temperature=args.temperature, top_k=top_k, top_p=args.top_p,
+                                 eos_id=tok.eos_id)
+        for chunk in chunks:
+            for r in range(n):
+                if done[r]:
+                    continue
+                got = [int(t) for t in chunk[r]]
+                if tok.eos_id is not None and tok.eos_id in got:
+                    got, done[r] = got[:got.index(tok.eos_id)], True
+                seqs[r] += got
+                new[r] += got
+                text = tok.decode(new[r])
+                if any(stop and stop in text for stop in args.stop):
+                    done[r] = True
+                yield r, new[r]
+            if all(done):
+                return
+        remaining -= count
+
+
+def _cut(text: str, stops: list) -> str:
+    cuts = [text.find(s) for s in stops if s and s in text]
+    return text[:min(cuts)] if cuts else text
 
 
 def _read_prompt(path: str) -> str:
@@ -112,6 +126,10 @@ def main(argv=None) -> int:
 
     if args.num_samples < 1:
         return fail("--num_samples must be >= 1")
+    if args.max_new_tokens < 1:
+        return fail(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    if args.chunk_size < 1:
+        return fail(f"--chunk_size must be >= 1, got {args.chunk_size}")
     try:
         prompt = args.prompt
         if args.prompt_file or prompt.startswith("FILE:"):
@@ -123,32 +141,37 @@ def main(argv=None) -> int:
         if not ids:
             raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
         top_k = args.top_k if args.top_k else None
+        settings = {**source, "prompt": prompt, "tokenizer": tok.to_dict().get("type", type(tok).__name__),
+                    "temperature": args.temperature, "top_k": top_k, "top_p": args.top_p, "seed": args.seed,
+                    "max_new_tokens": args.max_new_tokens, "num_samples": args.num_samples, "stop": args.stop}
+        print("# settings: " + json.dumps(settings), flush=True)
         t0 = time.time()
-        new_tokens = _generate_long(params, config, tok, ids, args, top_k)
+        new = [[] for _ in range(args.num_samples)]
+        shown = ""  # what of the first sample is on the screen: it streams as it is decoded
+        sys.stdout.write(prompt)
+        for row, ids_so_far in _stream(params, config, tok, ids, args, top_k):
+            new[row] = ids_so_far
+            if row == 0:
+                text = _cut(tok.decode(ids_so_far), args.stop)
+                if text.startswith(shown):  # (a multi-byte character may decode differently once complete)
+                    sys.stdout.write(text[len(shown):])
+                    sys.stdout.flush()
+                    shown = text
         dt = time.time() - t0
     except (ValueError, CheckpointError, OSError, ImportError) as e:  # OSError: a download that failed
         return fail(e)
 
-    settings = {**source, "prompt": prompt, "tokenizer": tok.to_dict().get("type", type(tok).__name__),
-                "temperature": args.temperature, "top_k": top_k, "top_p": args.top_p, "seed": args.seed,
-                "max_new_tokens": args.max_new_tokens, "num_samples": args.num_samples, "stop": args.stop}
-    print("# settings: " + json.dumps(settings))
-    samples = []
-    for new_ids in new_tokens:
-        text = tok.decode([t for t in new_ids if t != tok.eos_id])
-        cuts = [text.find(s) for s in args.stop if s and s in text]
-        if cuts:
-            text = text[: min(cuts)]
-        samples.append(prompt + text)
-        print(prompt + text)
+    samples = [prompt + _cut(tok.decode(ids_), args.stop) for ids_ in new]
+    sys.stdout.write(samples[0][len(prompt) + len(shown):] + "\n---------------\n")
+    for sample in samples[1:]:
+        print(sample)
         print("---------------")
-    n_new = sum(len(t) for t in new_tokens)
+    n_new = sum(len(t) for t in new)
     print(f"# {n_new} tokens in {dt:.2f}s (compile included)", file=sys.stderr)
     if args.save_settings:
         with open(args.save_settings, "w", encoding="utf-8") as f:
             json.dump({"settings": settings, "samples": samples}, f, indent=2)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
