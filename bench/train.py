@@ -24,6 +24,7 @@ from bench.common import ceilings, machine, write_results  # noqa: E402
 from jaxgpt import GPTConfig, init_params  # noqa: E402
 from jaxgpt.config import default_config  # noqa: E402
 from jaxgpt.training import create_train_state, make_optimizer, make_runner, make_schedule  # noqa: E402
+from jaxgpt.training.metrics import measured_matmul_flops  # noqa: E402
 
 CONFIGS = {  # name: (n_layer, n_head, n_embd, block_size, batch, vocab)
     "baby": (4, 4, 128, 64, 12, 65),
@@ -117,9 +118,11 @@ def main():
         for dtype, kernels in [(d, k) for d in args.dtypes for k in args.kernels]:
             cfg, t, compile_s = bench_jax(name, dtype, args.steps, args.attention, kernels, args.scan_layers,
                                           args.remat)
-            peak = ceil["matmul_bf16_flops" if dtype == "bfloat16" else "matmul_fp32_flops"]
+            # MFU against the compute dtype's measured rate at the model's own largest matmul shape
+            peak = measured_matmul_flops(dtype, (B * T, D, cfg.mlp_hidden))
             tok_s = B * T / t
             row = {"config": name, "dtype": dtype, "kernels": kernels, "ms_per_step": 1e3 * t, "tokens_per_s": tok_s,
+                   "mfu_peak_flops": peak, "mfu_peak_shape": [B * T, D, cfg.mlp_hidden],
                    "compile_s": compile_s, "mfu": cfg.flops_per_token(T) * tok_s / peak, "peer": peer,
                    "speedup_vs_peer": (tok_s / peer["tokens_per_s"]) if peer else None}
             rows.append(row)

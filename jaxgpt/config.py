@@ -211,6 +211,7 @@ def default_config():
     c.train.batch_size = 12      # global, over all devices and processes
     c.train.grad_accum = 1       # micro-batches per step; the update equals one batch_size batch
     c.train.max_steps = 2000
+    c.train.steps_per_call = 1   # optimizer steps per compiled call (a lax.scan): fewer host round trips
     c.train.lr = 1e-3
     c.train.min_lr = 1e-4
     c.train.warmup_steps = 100
@@ -278,7 +279,7 @@ def validate_config(config, device_count: int = 1) -> None:
         if not ok:
             raise ValueError(f"config.{key}: {msg}")
 
-    for key in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_steps", "log_interval",
+    for key in ("batch_size", "grad_accum", "max_steps", "steps_per_call", "eval_interval", "eval_steps", "log_interval",
                 "checkpoint_interval", "keep_checkpoints"):
         v = t[key]
         need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"train.{key}",

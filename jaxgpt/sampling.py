@@ -133,6 +133,8 @@ def _prepare(config: GPTConfig, prompts, max_new_tokens, prompt_lengths, tempera
         _check_token("eos_id", eos_id, config)
     _check_token("pad_id", pad_id, config)
     _check_rng(rng)
+    if kernels.resolve(config.kernels) == "cpu":
+        cpu.tune_allocator()  # XLA:CPU: kernels/cpu.py
     return np.where(valid, prompts, pad_id).astype(np.int32), prompt_lengths.astype(np.int32), int(max_new_tokens)
 
 

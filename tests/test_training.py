@@ -183,3 +183,54 @@ def test_init_from_a_local_pretrained_folder(tmp_path):
     assert got["wpe"]["embedding"].shape == (16, 32)  # cropped to model.block_size
     np.testing.assert_allclose(np.asarray(got["h_1"]["mlp"]["c_fc"]["kernel"]),
                                np.asarray(params["h_1"]["mlp"]["c_fc"]["kernel"]), atol=1e-6)
+
+
+def test_several_steps_per_call_give_the_same_run(tmp_path):
+    # 3 steps per call with evals every 5 and checkpoints every 4: calls of 3, 1, 1, 3, ... that end at
+    # every event; the losses equal one step per call, and resume stays exact
+    def run(name, max_steps, per_call, resume=False):
+        c = tiny_config(tmp_path / name, max_steps=max_steps, decay_steps=14, log_interval=1, eval_interval=5,
+                        checkpoint_interval=4, steps_per_call=per_call)
+        if resume:
+            c.init_from = "resume"
+        return c, train(c)
+
+    c1, _ = run("one", 14, 1)
+    c3, s3 = run("three", 14, 3)
+    a, b = _metrics(c1.out_dir), _metrics(c3.out_dir)
+    steps = sorted(r["step"] for r in a if "loss" in r)
+    assert steps == sorted(r["step"] for r in b if "loss" in r) == list(range(1, 15))
+    np.testing.assert_allclose([r["loss"] for r in b if "loss" in r], [r["loss"] for r in a if "loss" in r],
+                               rtol=0, atol=1e-5)
+    assert [r["step"] for r in b if "val_loss" in r] == [5, 10, 14]
+    half, _ = run("half", 8, 3)
+    _, resumed = run("half", 14, 3, resume=True)
+    assert resumed["start_step"] == 8
+    c = [r["loss"] for r in _metrics(half.out_dir) if "loss" in r]
+    assert c == [r["loss"] for r in b if "loss" in r]
+
+
+def _metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("has_bf16", [False, True])
+def test_bf16_on_a_cpu_without_bf16_instructions_computes_in_float32(tmp_path, monkeypatch, capsys, has_bf16):
+    from jaxgpt.kernels import cpu
+
+    monkeypatch.setattr(cpu, "has_bf16_matmul", lambda: has_bf16)
+    c = tiny_config(tmp_path, max_steps=2, warmup_steps=1, eval_interval=2, checkpoint_interval=2)
+    c.model.dtype = "bfloat16"
+    train(c)
+    out = capsys.readouterr().out
+    assert ("neither AVX512_BF16 nor AMX: computing in float32" in out) != has_bf16
+    assert ("dtype float32" in out) != has_bf16 and ("dtype bfloat16" in out) == has_bf16
+
+
+def test_cpu_flags_are_read_from_proc_cpuinfo():
+    from jaxgpt.kernels import cpu
+
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    assert cpu.has_bf16_matmul() == bool({"avx512_bf16", "amx_bf16"} & flags)

@@ -12,6 +12,7 @@ float rounding (tests/test_kernels.py). Why each exists, with the measurements, 
   right for XLA:CPU, wrong for accelerators.
 - The KV cache's buffers stored [B*K, S, H], written with one `dynamic_update_slice` per row, and
   `cached_attention` with the query heads of a group stacked into one matrix per (row, kv head).
+- `tune_allocator`: glibc keeps freed memory for reuse instead of returning big blocks to the OS.
 """
 
 from __future__ import annotations
@@ -23,6 +24,43 @@ from jaxgpt.attention import MASK_VALUE, causal_mask, check_shapes
 from jaxgpt.ops import matmul
 
 SMALL_ROWS = 16  # up to this many rows, [out, in] kernels are multiplied by `_few_rows`
+
+
+def has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512_BF16 or AMX-BF16, per /proc/cpuinfo).
+
+    Without them XLA:CPU converts bf16 to float32 around every matmul and a bf16 step is slower than a
+    float32 one (measured 58-82 against 101-135 GFLOP/s on such a machine; bench/README.md). Off Linux:
+    True, so nothing is changed on a guess.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+_ALLOCATOR_TUNED = False
+
+
+def tune_allocator() -> None:
+    """Make glibc's malloc keep freed memory in the process, once per process (a no-op elsewhere).
+
+    XLA:CPU allocates each call's temporary buffers anew; by default glibc serves big ones with fresh
+    mmap pages and unmaps them on free, so every call pays the page faults again (13 ms of a 47 ms CPU
+    baby training step; bench/README.md). The price: the process keeps its peak memory.
+    """
+    global _ALLOCATOR_TUNED
+    if _ALLOCATOR_TUNED:
+        return
+    _ALLOCATOR_TUNED = True
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    m_trim_threshold, m_mmap_max = -1, -4  # mallopt parameters (malloc.h)
+    libc.mallopt(m_mmap_max, 0)  # no mmap'd blocks: everything from the heap, reused
+    libc.mallopt(m_trim_threshold, 1 << 30)  # give memory back only past 1 GiB of free top
 
 
 # ---------------------------------------------------------------------------------------------------

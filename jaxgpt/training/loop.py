@@ -15,6 +15,8 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxgpt import checkpoint as ckpt_lib
+from jaxgpt import kernels
+from jaxgpt.kernels import cpu as cpu_kernels
 from jaxgpt.config import model_config_from, validate_config
 from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset, tokenizer_difference, tokenizer_fingerprint
 from jaxgpt.lora import LoraSpec, init_adapters
@@ -168,6 +170,10 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
             base_ref = _saved_lora_base(out_dir)
             gcfg, params = ckpt_lib.load_base(base_ref, gcfg)
 
+    if gcfg.dtype == "bfloat16" and kernels.resolve(gcfg.kernels) == "cpu" and not cpu_kernels.has_bf16_matmul():
+        note("model.dtype=bfloat16, but this CPU has neither AVX512_BF16 nor AMX: computing in float32, "
+             "which is faster here (parameters and checkpoints are float32 either way)")
+        gcfg = gcfg.replace(dtype="float32")
     optimizer, schedule = make_optimizer(cfg_t), make_schedule(cfg_t)
     runner = make_runner(cfg_t.parallel, gcfg, optimizer, cfg_t.grad_accum, schedule, fsdp=cfg_t.fsdp)
     seed = config.seed
@@ -244,7 +250,8 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
 
     tokens_per_step = cfg_t.batch_size * gcfg.block_size
     flops_per_token = gcfg.flops_per_token(gcfg.block_size)
-    peak, peak_source = peak_flops(gcfg.dtype, cfg_t.peak_flops)
+    rows = cfg_t.batch_size // (cfg_t.grad_accum * n_devices) * gcfg.block_size  # one device's matmul rows
+    peak, peak_source = peak_flops(gcfg.dtype, cfg_t.peak_flops, matmul_shape=(rows, gcfg.n_embd, gcfg.mlp_hidden))
     if peak is not None:
         peak *= process_count  # peak_flops counts this process's devices; tokens/s counts the global batch
 
@@ -288,9 +295,10 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
             meta["lora"] = {**lora_spec.to_dict(), "base": base_ref}
         return meta
 
-    prefetch = Prefetcher(sampler, size=2)
+    per_call = cfg_t.steps_per_call
+    prefetch = Prefetcher(sampler, size=max(2, per_call))
     summary = {"start_step": start_step, "out_dir": out_dir}
-    pending = None  # (step, metrics on device, dispatch time) of the step whose metrics are not read yet
+    pending = None  # (first step, number of steps, metrics on device) of the call whose metrics are unread
     last_log_time, last_log_step = time.time(), start_step
     last_val = None
     step = start_step
@@ -298,9 +306,13 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
     failed = False
 
     def read(pending):
+        first, count, metrics = pending
+        host = {k: np.asarray(v).reshape(count) for k, v in runner.to_host(metrics).items()}
+        for i in range(count):
+            read_step(first + i, {k: float(v[i]) for k, v in host.items()})
+
+    def read_step(s, m):
         nonlocal last_log_time, last_log_step
-        s, m = pending
-        m = {k: float(v) for k, v in runner.to_host(m).items()}
         if not math.isfinite(m["loss"]):
             raise TrainingDiverged(f"loss is {m['loss']} at step {s}; stopping. Checkpoints already saved are "
                                    f"untouched (try a lower train.lr or train.grad_clip).")
@@ -319,14 +331,19 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
     try:
         with _Preemption(multiprocess) as preempt:
             while step < cfg_t.max_steps:
-                x, y = next(prefetch)
-                state, metrics = runner.step(state, x, y)
-                step += 1
+                count = _steps_to_run(step, cfg_t)
+                if count == 1:
+                    x, y = next(prefetch)
+                    state, metrics = runner.step(state, x, y)
+                else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
+                    xs, ys = zip(*(next(prefetch) for _ in range(count)))
+                    state, metrics = runner.steps(state, np.stack(xs), np.stack(ys))
+                first, step = step + 1, step + count
                 if pending is not None:
-                    read(pending)  # step t-1's metrics, read after dispatching step t
-                pending = (step, metrics)
+                    read(pending)  # the previous call's metrics, read after dispatching this one
+                pending = (first, count, metrics)
                 if bar is not None:
-                    bar.update(1)
+                    bar.update(count)
                 last = step == cfg_t.max_steps
                 stop = preempt.stop(step)
                 do_eval = step % cfg_t.eval_interval == 0 or last
@@ -378,6 +395,15 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
     summary.update({"steps": step, "best_val_loss": best_val, "saved_step": saved_step,
                     "wall_time_s": time.time() - t0, "state": runner.get_state(state)})
     return summary
+
+
+def _steps_to_run(step: int, cfg_t) -> int:
+    """How many steps the next program call runs: train.steps_per_call, cut short so that every eval,
+    checkpoint and the last step falls at the end of a call (the same boundaries whenever a run resumes)."""
+    count = min(cfg_t.steps_per_call, cfg_t.max_steps - step)
+    for interval in (cfg_t.eval_interval, cfg_t.checkpoint_interval):
+        count = min(count, interval - step % interval)
+    return count
 
 
 def _check_resume_meta(meta: dict, gcfg, tokenizer) -> None:

@@ -48,22 +48,28 @@ KNOWN_PEAKS = {
 
 
 @functools.lru_cache(maxsize=None)
-def measured_matmul_flops(dtype: str = "float32", n: int = 1024, reps: int = 5) -> float:
-    """FLOP/s of a jitted n^3 matmul on the default device (fp32 accumulation), best of `reps`."""
-    a = jnp.ones((n, n), dtype)
+def measured_matmul_flops(dtype: str = "float32", shape: tuple = (1024, 1024, 1024), reps: int = 5) -> float:
+    """FLOP/s of a jitted [m, k] x [k, n] matmul (`shape` = (m, k, n)) in `dtype` with float32 accumulation
+    on the default device, best of `reps`."""
+    m, k, n = shape
+    a, b = jnp.ones((m, k), dtype), jnp.ones((k, n), dtype)
     f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
-    f(a, a).block_until_ready()
+    f(a, b).block_until_ready()
     best = math.inf
     for _ in range(reps):
         t0 = time.perf_counter()
-        f(a, a).block_until_ready()
+        f(a, b).block_until_ready()
         best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return 2 * m * k * n / best
 
 
 def peak_flops(dtype: str = "float32", override: Optional[float] = None,
-               devices: Optional[list] = None) -> tuple[Optional[float], str]:
-    """Peak FLOP/s of all local devices together for MFU (None when unknown), and where it came from."""
+               devices: Optional[list] = None, matmul_shape: tuple = (1024, 1024, 1024)) -> tuple[Optional[float], str]:
+    """Peak FLOP/s of all local devices together for MFU (None when unknown), and where it came from.
+
+    On a CPU it is measured: the rate of one matmul of `matmul_shape` (m, k, n) in the compute dtype, the
+    model's own largest (its MLP's input layer at the batch's rows), never a datasheet number.
+    """
     devices = jax.local_devices() if devices is None else devices
     if override:
         return override * len(devices), "train.peak_flops"
@@ -72,7 +78,9 @@ def peak_flops(dtype: str = "float32", override: Optional[float] = None,
         scale = 1.0 if dtype in ("bfloat16", "float16") else 0.5  # TF32-class rate for float32
         return KNOWN_PEAKS[kind] * scale * len(devices), f"datasheet ({kind})"
     if devices[0].platform == "cpu":  # fake CPU devices share the same cores: measure the machine once
-        return measured_matmul_flops(dtype), f"measured {dtype} matmul on {kind}"
+        m, k, n = (int(d) for d in matmul_shape)
+        return (measured_matmul_flops(dtype, (m, k, n)),
+                f"measured {dtype} matmul [{m}x{k}]x[{k}x{n}], the model's own shape, on {kind}")
     return None, (f"device kind {kind!r} is not in jaxgpt's table of peaks; set --config.train.peak_flops "
                   "to its per-device peak FLOP/s")
 

@@ -22,8 +22,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxgpt import kernels
 from jaxgpt.config import GPTConfig
-from jaxgpt.training.step import make_eval_step, make_train_step
+from jaxgpt.kernels import cpu
+from jaxgpt.training.step import make_eval_step, make_train_step, repeat_steps
 
 AXIS = "data"
 
@@ -115,11 +117,14 @@ class PmapRunner:
         step = make_train_step(config, optimizer, grad_accum, axis_name=AXIS, schedule=schedule)
         self._impls = None  # the key implementation of each state leaf (None: not a key), from put_state
 
-        def raw_step(raw_state, x, y):
-            state, metrics = step(_join_keys(raw_state, self._impls), x, y)
-            return _split_keys(state), metrics
+        def raw(fn):
+            def run(raw_state, x, y):
+                state, metrics = fn(_join_keys(raw_state, self._impls), x, y)
+                return _split_keys(state), metrics
+            return run
 
-        self._step = jax.pmap(raw_step, axis_name=AXIS, donate_argnums=(0,), **kw)
+        self._step = jax.pmap(raw(step), axis_name=AXIS, donate_argnums=(0,), **kw)
+        self._steps = jax.pmap(raw(repeat_steps(step)), axis_name=AXIS, donate_argnums=(0,), **kw)
         self._eval = jax.pmap(make_eval_step(config, axis_name=AXIS), axis_name=AXIS, **kw)
 
     def state_shardings(self, state):
@@ -180,6 +185,13 @@ class PmapRunner:
     def step(self, state, x, y):
         return self._step(state, self.put_batch(x), self.put_batch(y))
 
+    def steps(self, state, xs, ys):
+        """K steps in one call: xs, ys [K, b, T] (this process's rows of K batches); metrics [K]."""
+        def put(a):
+            k, b = a.shape[:2]
+            return a.reshape(k, self.n, b // self.n, *a.shape[2:]).swapaxes(0, 1)
+        return self._steps(state, put(xs), put(ys))
+
     def eval(self, state, x, y):
         return self._eval(state.params, self.put_batch(x), self.put_batch(y), state.frozen)
 
@@ -205,7 +217,8 @@ class MeshRunner:
         self.batch_sharding = NamedSharding(self.mesh, P(AXIS))
         self._train_step = make_train_step(config, optimizer, grad_accum, axis_name=None, schedule=schedule)
         self._eval_step = make_eval_step(config)
-        self._step = self._eval = None  # jitted on first use, when the state's structure is known
+        self._stack_sharding = NamedSharding(self.mesh, P(None, AXIS))  # [K, rows, T]: rows over the data axis
+        self._step = self._steps = self._eval = None  # jitted on first use, when the state's structure is known
 
     def state_shardings(self, state):
         """Per leaf: replicated, or with fsdp its largest dimension divisible by the mesh size sharded."""
@@ -245,6 +258,19 @@ class MeshRunner:
                                  out_shardings=(shardings, self.replicated), donate_argnums=(0,))
         return self._step(state, self.put_batch(x), self.put_batch(y))
 
+    def steps(self, state, xs, ys):
+        """K steps in one call: xs, ys [K, b, T] (this process's rows of K batches); metrics [K]."""
+        if self._steps is None:
+            shardings = self.state_shardings(state)
+            self._steps = jax.jit(repeat_steps(self._train_step),
+                                  in_shardings=(shardings, self._stack_sharding, self._stack_sharding),
+                                  out_shardings=(shardings, self.replicated), donate_argnums=(0,))
+
+        def put(a):
+            shape = (a.shape[0], a.shape[1] * jax.process_count()) + a.shape[2:]
+            return jax.make_array_from_process_local_data(self._stack_sharding, a, shape)
+        return self._steps(state, put(xs), put(ys))
+
     def eval(self, state, x, y):
         if self._eval is None:
             self._eval = jax.jit(self._eval_step,
@@ -260,9 +286,15 @@ class MeshRunner:
 
 def make_runner(kind: str, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, fsdp: bool = False):
     """A PmapRunner or MeshRunner by name ('pmap' | 'mesh'); `fsdp` applies to the mesh only."""
+    if kernels.resolve(config.kernels) == "cpu":
+        cpu.tune_allocator()  # XLA:CPU: kernels/cpu.py
     if kind == "pmap":
         if fsdp:
             raise ValueError("train.fsdp needs train.parallel='mesh' (pmap keeps a full copy per device)")
+        if jax.device_count() == 1:  # nothing to map over: plain jit skips pmap's per-call overhead
+            runner = MeshRunner(config, optimizer, grad_accum, schedule)
+            runner.name = "pmap (one device: jit)"
+            return runner
         return PmapRunner(config, optimizer, grad_accum, schedule)
     if kind == "mesh":
         return MeshRunner(config, optimizer, grad_accum, schedule, fsdp=fsdp)

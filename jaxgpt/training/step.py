@@ -139,6 +139,16 @@ def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, 
     return train_step
 
 
+def repeat_steps(train_step):
+    """`steps(state, xs, ys) -> (state, metrics)`: train_step over K stacked batches xs, ys [K, b, T] in
+    one lax.scan, the same updates as K separate calls; metrics come back stacked [K]. One program call
+    per K steps saves the host its per-call work (bench/README.md)."""
+    def steps(state, xs, ys):
+        return jax.lax.scan(lambda s, batch: train_step(s, *batch), state, (xs, ys))
+
+    return steps
+
+
 def make_eval_step(config: GPTConfig, axis_name: Optional[str] = None):
     """Build `eval_step(params, x, y, frozen=None) -> mean loss` (deterministic, float32)."""
     model = GPT(config)
