@@ -38,13 +38,12 @@ class Dense(nn.Module):
         shape = (self.features, x.shape[-1]) if self.kernel_out_in else (x.shape[-1], self.features)
         kernel = self.param("kernel", self.kernel_init, shape, cfg.params_dtype)
         out_dtype = self.out_dtype or cfg.compute_dtype
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), cfg.params_dtype) if self.use_bias else None
         matmul = cpu.linear if kernels.resolve(cfg.kernels) == "cpu" else linear  # XLA:CPU: kernels/cpu.py
-        y = matmul(x, kernel, cfg.compute_dtype, w_out_in=self.kernel_out_in, out_dtype=jnp.float32)
-        if self.has_variable("lora", "a"):
-            y = y + lora.delta(x, self.variables["lora"])
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), cfg.params_dtype)
-        return y.astype(out_dtype)
+        if not self.has_variable("lora", "a"):
+            return matmul(x, kernel, cfg.compute_dtype, b=bias, w_out_in=self.kernel_out_in, out_dtype=out_dtype)
+        y = matmul(x, kernel, cfg.compute_dtype, b=bias, w_out_in=self.kernel_out_in, out_dtype=jnp.float32)
+        return (y + lora.delta(x, self.variables["lora"])).astype(out_dtype)
 
 
 def _dense(cfg: GPTConfig, features: int, name: str, kernel_out_in: bool, residual_out: bool = False) -> Dense:

@@ -1,15 +1,18 @@
 """The dense layers' matmul: one `dot_general` whose backward also runs in the compute dtype.
 
 With a low-precision compute dtype, plain autodiff of a matmul that accumulates into float32 hands the
-backward a float32 cotangent, so both gradient matmuls would run in float32. `linear`'s custom VJP casts
-the cotangent to the compute dtype: every matmul of a training step (forward, input gradient, weight
-gradient) multiplies compute-dtype operands with float32 accumulation, on any backend, and the weight
-gradient comes back in the parameters' dtype. In float32 it equals plain autodiff.
+backward a float32 cotangent, so both gradient matmuls would run in float32. `linear`'s custom VJP (over
+the matmul, the bias add and the cast to the output dtype together) hands them the cotangent in the
+compute dtype: every matmul of a training step (forward, input gradient, weight gradient) multiplies
+compute-dtype operands with float32 accumulation, on any backend, with no float32 round trip of the
+activations' gradients, and the parameter gradients come back in the parameters' dtype. In float32 it
+equals plain autodiff.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -19,36 +22,42 @@ def _contract(a: jax.Array, b: jax.Array, a_axes: tuple, b_axes: tuple) -> jax.A
     return jax.lax.dot_general(a, b, ((a_axes, b_axes), ((), ())), preferred_element_type=jnp.float32)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def matmul(x: jax.Array, w: jax.Array, compute_dtype, w_out_in: bool = False) -> jax.Array:
-    """x [..., in] @ w [in, out] (or w [out, in] with `w_out_in`) -> float32 [..., out], operands cast to
-    `compute_dtype`."""
-    return _matmul_fwd(x, w, compute_dtype, w_out_in)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dense(x, w, b, compute_dtype, out_dtype, w_out_in):
+    return _dense_fwd(x, w, b, compute_dtype, out_dtype, w_out_in)[0]
 
 
-def _matmul_fwd(x, w, compute_dtype, w_out_in):
+def _dense_fwd(x, w, b, compute_dtype, out_dtype, w_out_in):
     xc, wc = x.astype(compute_dtype), w.astype(compute_dtype)
-    y = _contract(xc, wc, (x.ndim - 1,), (1 if w_out_in else 0,))
+    y = _contract(xc, wc, (x.ndim - 1,), (1 if w_out_in else 0,))  # float32
+    if b is not None:
+        y = y + b.astype(jnp.float32)
     # the input dtypes travel as zero-size placeholders (residuals must be arrays)
-    return y, (xc, wc, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    protos = tuple(None if a is None else jnp.zeros((0,), a.dtype) for a in (x, w, b))
+    return y.astype(out_dtype), (xc, wc, protos)
 
 
-def _matmul_bwd(compute_dtype, w_out_in, res, dy):
-    xc, wc, x_proto, w_proto = res
-    dy = dy.astype(compute_dtype)
-    lead = tuple(range(dy.ndim - 1))
+def _dense_bwd(compute_dtype, out_dtype, w_out_in, res, g):
+    xc, wc, (x_proto, w_proto, b_proto) = res
+    lead = tuple(range(g.ndim - 1))
+    db = None if b_proto is None else jnp.sum(g.astype(jnp.float32), axis=lead).astype(b_proto.dtype)
+    dy = g.astype(compute_dtype)  # a no-op when the output is in the compute dtype already
     dx = _contract(dy, wc, (dy.ndim - 1,), (0 if w_out_in else 1,))  # dy @ w.T
     # x.T @ dy (or dy.T @ x for [out, in]), summed over every leading axis
     dw = _contract(dy, xc, lead, lead) if w_out_in else _contract(xc, dy, lead, lead)
-    return dx.astype(x_proto.dtype), dw.astype(w_proto.dtype)
+    return dx.astype(x_proto.dtype), dw.astype(w_proto.dtype), db
 
 
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, w_out_in: bool = False,
-           out_dtype=None) -> jax.Array:
-    """x [..., in] times w [in, out] (w [out, in] with `w_out_in`, e.g. a tied embedding table) -> [..., out]
-    in `out_dtype` (default: the compute dtype). Operands are cast to `compute_dtype`; sums in float32."""
+def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, b: Optional[jax.Array] = None,
+           w_out_in: bool = False, out_dtype=None) -> jax.Array:
+    """x [..., in] times w [in, out] (w [out, in] with `w_out_in`, e.g. a tied embedding table), plus the
+    bias b [out] -> [..., out] in `out_dtype` (default: the compute dtype).
+
+    Operands are cast to `compute_dtype`; products and the bias add in float32, cast once at the end. The
+    backward receives its cotangent in `out_dtype`, so with bf16 outputs no float32 round trip happens.
+    """
     compute_dtype = jnp.dtype(compute_dtype)
-    return matmul(x, w, compute_dtype, w_out_in).astype(out_dtype or compute_dtype)
+    return _dense(x, w, b, compute_dtype, jnp.dtype(out_dtype or compute_dtype), w_out_in)

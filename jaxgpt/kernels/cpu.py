@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.attention import MASK_VALUE, causal_mask, check_shapes
-from jaxgpt.ops import matmul
+from jaxgpt.ops import linear as ops_linear
 
 SMALL_ROWS = 16  # up to this many rows, [out, in] kernels are multiplied by `_few_rows`
 
@@ -74,17 +74,19 @@ def _few_rows(x: jax.Array, w: jax.Array, compute_dtype) -> jax.Array:
     return jnp.sum(wc[None, :, :] * xc[:, None, :], axis=-1)
 
 
-def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, w_out_in: bool = False,
+def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, b=None, w_out_in: bool = False,
            out_dtype=None) -> jax.Array:
     """`ops.linear` on a 2-D view of x; 2..16 rows against an [out, in] kernel take `_few_rows`."""
     compute_dtype = jnp.dtype(compute_dtype)
+    out_dtype = jnp.dtype(out_dtype or compute_dtype)
     features = w.shape[0] if w_out_in else w.shape[1]
     x2 = x.reshape(-1, x.shape[-1])
     if w_out_in and 1 < x2.shape[0] <= SMALL_ROWS:
         y = _few_rows(x2, w, compute_dtype)
+        y = (y if b is None else y + b.astype(jnp.float32)).astype(out_dtype)
     else:
-        y = matmul(x2, w, compute_dtype, w_out_in)
-    return y.astype(out_dtype or compute_dtype).reshape(*x.shape[:-1], features)
+        y = ops_linear(x2, w, compute_dtype, b=b, w_out_in=w_out_in, out_dtype=out_dtype)
+    return y.reshape(*x.shape[:-1], features)
 
 
 def decode_params(params: dict, batch_size: int) -> tuple[dict, bool]:
