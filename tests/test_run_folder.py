@@ -104,7 +104,7 @@ def test_stop_signals_and_overwrite(old_run, tmp_path, monkeypatch, capsys):
         return self.signal is not None
 
     monkeypatch.setattr(loop._Preemption, "stop", stop)
-    monkeypatch.setattr(loop, "peak_flops", lambda *a: (None, "device kind 'Some GPU' is not in jaxgpt's table"))
+    monkeypatch.setattr(loop, "peak_flops", lambda *a, **kw: (None, "device kind 'Some GPU' is not in jaxgpt's table"))
     c.overwrite = True
     s = train(c)
     assert s["stopped_by"] == "SIGINT" and s["signal"] == signal.SIGINT and s["saved_step"] is None
