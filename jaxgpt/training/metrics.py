@@ -49,18 +49,25 @@ KNOWN_PEAKS = {
 
 @functools.lru_cache(maxsize=None)
 def measured_matmul_flops(dtype: str = "float32", shape: tuple = (1024, 1024, 1024), reps: int = 5) -> float:
-    """FLOP/s of a jitted [m, k] x [k, n] matmul (`shape` = (m, k, n)) in `dtype` with float32 accumulation
-    on the default device, best of `reps`."""
+    """FLOP/s of [m, k] x [k, n] matmuls (`shape` = (m, k, n)) in `dtype` with float32 accumulation on the
+    default device, best of `reps`.
+
+    One call runs a loop of r such matmuls (r sized so a call does about 0.2 GFLOP), so a small shape is
+    not timed by the cost of dispatching a program, which the training loop does not pay per matmul.
+    """
     m, k, n = shape
-    a, b = jnp.ones((m, k), dtype), jnp.ones((k, n), dtype)
-    f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+    flops = 2 * m * k * n
+    itemsize = jnp.dtype(dtype).itemsize
+    r = int(max(1, min(2e8 // flops, 2 ** 28 // (itemsize * m * k + 4 * m * n), 1024)))
+    a, b = jnp.ones((r, m, k), dtype), jnp.ones((k, n), dtype)
+    f = jax.jit(lambda xs, y: jax.lax.map(lambda x: jnp.matmul(x, y, preferred_element_type=jnp.float32), xs))
     f(a, b).block_until_ready()
     best = math.inf
     for _ in range(reps):
         t0 = time.perf_counter()
         f(a, b).block_until_ready()
         best = min(best, time.perf_counter() - t0)
-    return 2 * m * k * n / best
+    return r * flops / best
 
 
 def peak_flops(dtype: str = "float32", override: Optional[float] = None,
