@@ -1,7 +1,9 @@
-"""Training-throughput benchmark: jaxgpt's real train step (the runner train.py uses) against a PyTorch
-peer (transformers' GPT2LMHeadModel + AdamW, eager) doing the same work in the same run.
+"""Training-throughput benchmark: jaxgpt's real train step (the runner train.py uses) against PyTorch peers
+doing the same work in the same run: transformers' GPT2LMHeadModel + AdamW (eager), and nanoGPT's own
+model.py + its configure_optimizers (run in a subprocess on a copy of --nanogpt; --no-nanogpt skips it).
 
-python bench/train.py [--configs baby 6l] [--dtypes float32 bfloat16] [--kernels auto portable] [--steps 20] [--no-torch]
+python bench/train.py [--configs baby 6l] [--dtypes float32 bfloat16] [--kernels auto portable] [--steps 20]
+                      [--no-torch] [--nanogpt ../shared/peers/nanogpt | --no-nanogpt]
 
 Prints the machine's measured matmul peak and bandwidth, then tokens/s, ms/step and MFU (6N + 12*L*T*D
 FLOPs per token, attention not halved) of each, median over --steps timed steps after warm-up.
@@ -11,8 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import json
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,6 +101,47 @@ def bench_torch(name, steps, compile_=False):
     return statistics.median(times), torch.__version__
 
 
+# Runs in a fresh process inside a copy of nanoGPT's folder: builds nanoGPT's GPT and optimizer with the
+# benchmark's shape (its defaults otherwise: no bias, no dropout, eager) and prints the median step time.
+NANOGPT_PEER = r"""
+import json, statistics, sys, time
+import numpy as np, torch
+from model import GPT, GPTConfig
+L, H, D, T, B, V, steps = json.loads(sys.argv[1])
+torch.manual_seed(0)
+model = GPT(GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=H, n_embd=D, dropout=0.0, bias=False))
+model.train()
+opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+r = np.random.default_rng(0)
+data = [torch.from_numpy(r.integers(0, V, (B, T + 1)).astype(np.int64)) for _ in range(steps + 2)]
+times = []
+for i, d in enumerate(data):
+    t0 = time.perf_counter()
+    _, loss = model(d[:, :-1], d[:, 1:])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss.item()
+    if i >= 2:
+        times.append(time.perf_counter() - t0)
+print(json.dumps({"seconds": statistics.median(times), "torch": torch.__version__}))
+"""
+
+
+def bench_nanogpt(name, steps, nanogpt):
+    L, H, D, T, B, V = CONFIGS[name]
+    with tempfile.TemporaryDirectory(prefix="jaxgpt-bench-nanogpt-") as work:
+        copy = os.path.join(work, "nanogpt")
+        shutil.copytree(nanogpt, copy, ignore=shutil.ignore_patterns("out*", "data"))
+        proc = subprocess.run([sys.executable, "-c", NANOGPT_PEER, json.dumps([L, H, D, T, B, V, steps])], cwd=copy,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"nanoGPT peer failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out["seconds"], out["torch"]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--configs", nargs="+", default=["baby", "6l"], choices=sorted(CONFIGS))
@@ -106,6 +153,10 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--torch-compile", action="store_true")
+    p.add_argument("--nanogpt", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                     "..", "shared", "peers", "nanogpt"),
+                   help="nanoGPT's folder (copied, never modified)")
+    p.add_argument("--no-nanogpt", action="store_true")
     args = p.parse_args()
     ceil = ceilings()
     rows = []
@@ -115,6 +166,12 @@ def main():
         if not args.no_torch:
             t_torch, tv = bench_torch(name, args.steps, args.torch_compile)
             peer = {"ms_per_step": 1e3 * t_torch, "tokens_per_s": B * T / t_torch, "torch": tv}
+        nano = None
+        if not args.no_nanogpt:
+            if not os.path.isfile(os.path.join(args.nanogpt, "model.py")):
+                raise SystemExit(f"no nanoGPT model.py under {args.nanogpt} (pass --nanogpt or --no-nanogpt)")
+            t_nano, tv = bench_nanogpt(name, args.steps, args.nanogpt)
+            nano = {"ms_per_step": 1e3 * t_nano, "tokens_per_s": B * T / t_nano, "torch": tv}
         for dtype, kernels in [(d, k) for d in args.dtypes for k in args.kernels]:
             cfg, t, compile_s = bench_jax(name, dtype, args.steps, args.attention, kernels, args.scan_layers,
                                           args.remat)
@@ -124,12 +181,15 @@ def main():
             row = {"config": name, "dtype": dtype, "kernels": kernels, "ms_per_step": 1e3 * t, "tokens_per_s": tok_s,
                    "mfu_peak_flops": peak, "mfu_peak_shape": [B * T, D, cfg.mlp_hidden],
                    "compile_s": compile_s, "mfu": cfg.flops_per_token(T) * tok_s / peak, "peer": peer,
-                   "speedup_vs_peer": (tok_s / peer["tokens_per_s"]) if peer else None}
+                   "speedup_vs_peer": (tok_s / peer["tokens_per_s"]) if peer else None, "nanogpt": nano,
+                   "speedup_vs_nanogpt": (tok_s / nano["tokens_per_s"]) if nano else None}
             rows.append(row)
             sp = f"{row['speedup_vs_peer']:.2f}x" if peer else "-"
+            sn = f"{row['speedup_vs_nanogpt']:.2f}x" if nano else "-"
             print(f"{name:>5} {dtype:>9} {kernels:>8}: jaxgpt {row['ms_per_step']:8.1f} ms/step {tok_s:9.0f} tok/s "
-                  f"MFU {100 * row['mfu']:5.1f}% compile {compile_s:5.1f}s | torch "
-                  f"{peer['ms_per_step'] if peer else float('nan'):8.1f} ms/step | speedup {sp}", flush=True)
+                  f"MFU {100 * row['mfu']:5.1f}% compile {compile_s:5.1f}s | transformers "
+                  f"{peer['ms_per_step'] if peer else float('nan'):8.1f} ms/step ({sp}) | nanoGPT "
+                  f"{nano['ms_per_step'] if nano else float('nan'):8.1f} ms/step ({sn})", flush=True)
     path = write_results("train", {"machine": machine(), "ceilings": ceil, "settings": vars(args), "runs": rows})
     print(f"ceilings: fp32 {ceil['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {ceil['matmul_bf16_flops'] / 1e9:.0f} "
           f"GFLOP/s, read {ceil['read_bytes_per_s'] / 1e9:.1f} GB/s; results: {path}")

@@ -61,7 +61,7 @@ def _run_two(tmp_path, config, timeout=240, fail_at=None):
     cfg_json = tmp_path / "worker_config.json"
     cfg_json.write_text(json.dumps(_flat(config)))
     env = dict(os.environ, JAXGPT_TEST_CONFIG=str(cfg_json), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONUNBUFFERED="1")
+               XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0", PYTHONUNBUFFERED="1")
     env.pop("JAXGPT_TEST_FAIL_AT", None)
     if fail_at:
         env["JAXGPT_TEST_FAIL_AT"] = fail_at
