@@ -145,9 +145,13 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
                   n_head=hf["n_head"], n_embd=hf["n_embd"], n_kv_head=hf["n_head"], bias=True,
                   tie_embeddings=hf.get("tie_word_embeddings", True), dropout=0.0,
                   layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)))
-    fields.update(overrides)
+    return _gpt_config(fields, overrides)
+
+
+def _gpt_config(fields: dict, overrides: dict) -> GPTConfig:
+    """GPTConfig(**fields) with `overrides` on top; a config.json that gives no valid one is a ValueError."""
     try:
-        return GPTConfig(**fields)
+        return GPTConfig(**{**fields, **overrides})
     except (TypeError, ValueError) as e:
         raise ValueError(f"config.json does not give a valid GPTConfig: {e}") from e
 
@@ -456,11 +460,7 @@ def config_from_hf_llama(hf: dict, **overrides) -> GPTConfig:
                   layer_norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), position="rope",
                   rope_theta=_llama_rope_theta(hf), norm="rmsnorm", mlp="swiglu",
                   mlp_hidden=hf["intermediate_size"])
-    fields.update(overrides)
-    try:
-        return GPTConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"config.json does not give a valid GPTConfig: {e}") from e
+    return _gpt_config(fields, overrides)
 
 
 def config_to_hf_llama(config: GPTConfig) -> dict:
