@@ -58,7 +58,7 @@ def measured_matmul_flops(dtype: str = "float32", shape: tuple = (1024, 1024, 10
     m, k, n = shape
     flops = 2 * m * k * n
     itemsize = jnp.dtype(dtype).itemsize
-    r = int(max(1, min(1e9 // flops, 2 ** 28 // (itemsize * m * k + 4 * m * n), 1024)))
+    r = int(max(1, min(1e9 // flops, 2 ** 28 // (itemsize * m * k), 1024)))  # r inputs within 256 MiB
     a, b = jnp.ones((r, m, k), dtype), jnp.ones((k, n), dtype)
 
     def f(xs, y):  # summed into one [m, n] buffer: no fresh output memory to fault in per call
