@@ -29,7 +29,7 @@ class Dense(nn.Module):
     use_bias: bool
     config: GPTConfig
     kernel_init: nn.initializers.Initializer = _init
-    out_dtype: Optional[jnp.dtype] = None  # default: the compute dtype
+    out_dtype: Optional[jnp.dtype] = None  # default: the activations' dtype (kernels.activation_dtype)
     kernel_out_in: bool = False  # kernel stored [out, in]: only the CPU kernels' decode path (cpu.decode_params)
 
     @nn.compact
@@ -37,7 +37,7 @@ class Dense(nn.Module):
         cfg = self.config
         shape = (self.features, x.shape[-1]) if self.kernel_out_in else (x.shape[-1], self.features)
         kernel = self.param("kernel", self.kernel_init, shape, cfg.params_dtype)
-        out_dtype = self.out_dtype or cfg.compute_dtype
+        out_dtype = self.out_dtype or kernels.activation_dtype(cfg)
         bias = self.param("bias", nn.initializers.zeros, (self.features,), cfg.params_dtype) if self.use_bias else None
         matmul = cpu.linear if kernels.resolve(cfg.kernels) == "cpu" else linear  # XLA:CPU: kernels/cpu.py
         if not self.has_variable("lora", "a"):
@@ -54,11 +54,11 @@ def _dense(cfg: GPTConfig, features: int, name: str, kernel_out_in: bool, residu
 
 def _norm(cfg: GPTConfig, name: str) -> nn.Module:
     """LayerNorm (GPT-2; a bias when cfg.bias) or RMSNorm (Llama); either has a `scale`."""
+    dtype = kernels.activation_dtype(cfg)
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
-                          name=name)
-    return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, use_bias=cfg.bias, dtype=cfg.compute_dtype,
-                        param_dtype=cfg.params_dtype, name=name)
+        return nn.RMSNorm(epsilon=cfg.layer_norm_epsilon, dtype=dtype, param_dtype=cfg.params_dtype, name=name)
+    return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, use_bias=cfg.bias, dtype=dtype, param_dtype=cfg.params_dtype,
+                        name=name)
 
 
 class CausalSelfAttention(nn.Module):
@@ -175,11 +175,12 @@ class GPT(nn.Module):
         positions = jnp.broadcast_to(steps, (b, t)) if cache is None else cache.lengths[:, None] + steps
         overflow = None if cache is None else cache.overflow(t)
 
-        wte = nn.Embed(cfg.vocab_size, cfg.n_embd, embedding_init=_init, dtype=cfg.compute_dtype,
+        act_dtype = kernels.activation_dtype(cfg)  # (float32 under the CPU kernels)
+        wte = nn.Embed(cfg.vocab_size, cfg.n_embd, embedding_init=_init, dtype=act_dtype,
                        param_dtype=cfg.params_dtype, name="wte")
         x = wte(tokens_BxT)
         if cfg.position == "learned":  # (rotary positions are applied to q and k inside attention)
-            x = x + nn.Embed(cfg.block_size, cfg.n_embd, embedding_init=_init, dtype=cfg.compute_dtype,
+            x = x + nn.Embed(cfg.block_size, cfg.n_embd, embedding_init=_init, dtype=act_dtype,
                              param_dtype=cfg.params_dtype, name="wpe")(positions)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
         if cfg.scan_layers:

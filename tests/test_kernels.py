@@ -1,6 +1,8 @@
 """The kernel switch: the CPU kernels equal the portable core (values, gradients, cache decode, generate),
 and the portable core has the structure accelerators need, checked on the lowered program."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,6 +60,55 @@ def test_cpu_few_rows_rounds_operands_to_the_compute_dtype_and_sums_in_float32()
     xb, wb = x.astype(jnp.bfloat16).astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32)
     np.testing.assert_allclose(got, jnp.dot(xb, wb.T, precision="highest"), rtol=1e-5, atol=1e-4)
     assert float(jnp.abs(got - x @ w.T).max()) > 1e-3  # the bf16 rounding did happen
+
+
+def _dot_operand_dtypes(hlo: str) -> list:
+    """(lhs, rhs) element types of every dot in an optimized HLO module's text (fusion bodies included)."""
+    types = dict(re.findall(r"%([\w.-]+) = (\w+)\[", hlo))
+    return [(types[a], types[b]) for a, b in re.findall(r" dot\(%([\w.-]+), %([\w.-]+)\)", hlo)]
+
+
+@pytest.mark.parametrize("w_out_in", [False, True])
+def test_cpu_linear_in_bf16_multiplies_bf16_operands_in_the_compiled_backward(w_out_in):
+    # XLA:CPU runs a bf16 matmul whose operand is read transposed (the weight gradient x.T @ dy) as a
+    # float32 one; the CPU kernels hand it a row-major copy of the transpose instead (kernels/cpu.py)
+    kx, kw, kd = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (4, 16, 48))
+    w = jax.random.normal(kw, (40, 48) if w_out_in else (48, 40)) * 0.1
+    d = jax.random.normal(kd, (4, 16, 40))
+
+    def loss(fn):
+        return lambda x, w: jnp.sum(fn(x, w, jnp.bfloat16, w_out_in=w_out_in, out_dtype=jnp.float32) * d)
+
+    grads = jax.jit(jax.grad(loss(cpu.linear), (0, 1)))
+    for a, b in zip(grads(x, w), jax.jit(jax.grad(loss(linear), (0, 1)))(x, w)):
+        assert a.dtype == jnp.float32 and a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # the same bf16 products, float32 sums
+    dots = _dot_operand_dtypes(grads.lower(x, w).compile().as_text())
+    assert len(dots) == 2 and all(dt == ("bf16", "bf16") for dt in dots), dots  # dx and dw
+
+
+def test_cpu_kernels_keep_a_bf16_models_activations_in_float32():
+    # XLA:CPU has no bf16 arithmetic outside matmuls: with the CPU kernels only the dense layers' operands
+    # are bf16; the portable core carries its activations in bf16 (what accelerators want)
+    def bf16_ops(kernel_set):
+        cfg = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=32, dtype="bfloat16",
+                        kernels=kernel_set)
+        params = init_params(cfg, jax.random.key(0))
+        tokens = jnp.zeros((2, 16), jnp.int32)
+        loss = lambda p: cross_entropy(GPT(cfg).apply({"params": p}, tokens), tokens)  # noqa: E731
+        eqns = _primitives(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+        dense = [e for e in eqns if e.primitive.name == "dot_general"
+                 and all(v.aval.dtype == jnp.bfloat16 for v in e.invars)]
+        moved = {"convert_element_type", "reshape", "transpose", "dot_general", "custom_vjp_call", "pjit"}
+        arithmetic = {e.primitive.name for e in eqns if e.primitive.name not in moved
+                      and any(getattr(v.aval, "dtype", None) == jnp.bfloat16 for v in e.outvars)}
+        return len(dense), arithmetic
+
+    dense, arithmetic = bf16_ops("cpu")
+    assert dense >= 3 * (2 * 4 + 1), dense  # every dense layer's forward, dx and dw (and the tied head)
+    assert not arithmetic, arithmetic
+    assert bf16_ops("portable")[1] >= {"add", "mul"}
 
 
 @pytest.mark.parametrize("t,block,kv_heads", [(6, 64, 4), (7, 3, 2), (16, 4, 1)])

@@ -17,11 +17,14 @@ float rounding (tests/test_kernels.py). Why each exists, with the measurements, 
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
 from jaxgpt.attention import MASK_VALUE, causal_mask, check_shapes
-from jaxgpt.ops import linear as ops_linear
+from jaxgpt.ops import _dense_bwd as ops_dense_bwd
+from jaxgpt.ops import _dense_fwd as ops_dense_fwd
 
 SMALL_ROWS = 16  # up to this many rows, [out, in] kernels are multiplied by `_few_rows`
 
@@ -74,6 +77,39 @@ def _few_rows(x: jax.Array, w: jax.Array, compute_dtype) -> jax.Array:
     return jnp.sum(wc[None, :, :] * xc[:, None, :], axis=-1)
 
 
+def _row_major_transpose(a: jax.Array) -> jax.Array:
+    """a [m, n] -> a.T [n, m], copied into row-major order.
+
+    XLA folds a plain transpose into the dot that reads it (as a column-major operand, or as contracting
+    dimension 0), and XLA:CPU's bf16 matmul (YNNPACK) takes neither: it converts both operands to float32
+    and multiplies there, at half the rate. Through a unit axis the transpose stays a copy.
+    """
+    m, n = a.shape
+    return jnp.transpose(a.reshape(m, n, 1), (1, 0, 2)).reshape(n, m)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dense(x2, w, b, compute_dtype, out_dtype, w_out_in):
+    return ops_dense_fwd(x2, w, b, compute_dtype, out_dtype, w_out_in)[0]
+
+
+def _dense_bwd(compute_dtype, out_dtype, w_out_in, res, g):
+    """`ops.linear`'s backward on 2-D operands, the weight gradient a plain [in, rows] x [rows, out] matmul
+    of the transposed copy (see _row_major_transpose) when the compute dtype is not float32."""
+    if compute_dtype == jnp.float32:  # (float32 matmuls run at one rate in every layout)
+        return ops_dense_bwd(compute_dtype, out_dtype, w_out_in, res, g)
+    xc, wc, (x_proto, w_proto, b_proto) = res
+    db = None if b_proto is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(b_proto.dtype)
+    dy = g.astype(compute_dtype)
+    dx = jax.lax.dot_general(dy, wc, (((1,), (0 if w_out_in else 1,)), ((), ())), preferred_element_type=jnp.float32)
+    a, c = (dy, xc) if w_out_in else (xc, dy)  # dw = a.T @ c: [out, in] or [in, out]
+    dw = jnp.matmul(_row_major_transpose(a), c, preferred_element_type=jnp.float32)
+    return dx.astype(x_proto.dtype), dw.astype(w_proto.dtype), db
+
+
+_dense.defvjp(ops_dense_fwd, _dense_bwd)
+
+
 def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, b=None, w_out_in: bool = False,
            out_dtype=None) -> jax.Array:
     """`ops.linear` on a 2-D view of x; 2..16 rows against an [out, in] kernel take `_few_rows`."""
@@ -85,7 +121,7 @@ def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, b=None, w_o
         y = _few_rows(x2, w, compute_dtype)
         y = (y if b is None else y + b.astype(jnp.float32)).astype(out_dtype)
     else:
-        y = ops_linear(x2, w, compute_dtype, b=b, w_out_in=w_out_in, out_dtype=out_dtype)
+        y = _dense(x2, w, b, compute_dtype, out_dtype, w_out_in)
     return y.reshape(*x.shape[:-1], features)
 
 

@@ -244,8 +244,9 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
                                process_count)
     eval_train = BatchSampler(ds.train, cfg_t.batch_size, gcfg.block_size, config.seed + 2, process_index,
                               process_count)
-    eval_batches = {"train": [eval_train.batch(i) for i in range(cfg_t.eval_steps)],
-                    "val": [val_sampler.batch(i) for i in range(cfg_t.eval_steps)]}
+    # the same batches at every evaluation, both splits stacked [2 * eval_steps, b, T]: one call evaluates all
+    eval_x, eval_y = (np.stack(a) for a in zip(*[s.batch(i) for s in (eval_train, val_sampler)
+                                                  for i in range(cfg_t.eval_steps)]))
     bytes_per_token = ds.bytes_per_token("val")
 
     tokens_per_step = cfg_t.batch_size * gcfg.block_size
@@ -278,10 +279,9 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
             bar = None
 
     def evaluate(state, step):
-        out = {"step": step}
-        for split, batches in eval_batches.items():
-            losses = [runner.eval(state, x, y) for x, y in batches]
-            out[f"{split}_loss"] = float(np.mean([float(runner.to_host(l)) for l in losses]))
+        losses = np.asarray(runner.to_host(runner.eval(state, eval_x, eval_y)), np.float64)
+        out = {"step": step, "train_loss": float(losses[:cfg_t.eval_steps].mean()),
+               "val_loss": float(losses[cfg_t.eval_steps:].mean())}
         out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
         out["val_bpb"] = out["val_loss"] / math.log(2) / bytes_per_token
         return out

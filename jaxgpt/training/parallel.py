@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxgpt import kernels
 from jaxgpt.config import GPTConfig
 from jaxgpt.kernels import cpu
-from jaxgpt.training.step import make_eval_step, make_train_step, repeat_steps
+from jaxgpt.training.step import make_eval_step, make_train_step, map_batches, repeat_steps
 
 AXIS = "data"
 
@@ -115,6 +115,7 @@ class PmapRunner:
         self._layout = NamedSharding(Mesh(np.array(self.devices), (AXIS,)), P(AXIS))
         kw = {} if devices is None else {"devices": self.devices}
         step = make_train_step(config, optimizer, grad_accum, axis_name=AXIS, schedule=schedule)
+        self._once = kernels.run_once_options(config)  # for init_state
         self._impls = None  # the key implementation of each state leaf (None: not a key), from put_state
 
         def raw(fn):
@@ -125,7 +126,7 @@ class PmapRunner:
 
         self._step = jax.pmap(raw(step), axis_name=AXIS, donate_argnums=(0,), **kw)
         self._steps = jax.pmap(raw(repeat_steps(step)), axis_name=AXIS, donate_argnums=(0,), **kw)
-        self._eval = jax.pmap(make_eval_step(config, axis_name=AXIS), axis_name=AXIS, **kw)
+        self._eval = jax.pmap(map_batches(make_eval_step(config, axis_name=AXIS)), axis_name=AXIS, **kw)
 
     def state_shardings(self, state):
         """Shardings of the state as get_state returns it (and checkpoints hold it): replicated."""
@@ -138,7 +139,7 @@ class PmapRunner:
 
     def init_state(self, make_state: Callable, *args):
         """`make_state(*args)` computed once here, replicated onto the local devices."""
-        return self.put_state(jax.jit(make_state)(*args))
+        return self.put_state(jax.jit(make_state, compiler_options=self._once)(*args))
 
     def put_state(self, state):
         """Replicate a state (on one device, or replicated as get_state returns it) onto the local devices,
@@ -185,15 +186,18 @@ class PmapRunner:
     def step(self, state, x, y):
         return self._step(state, self.put_batch(x), self.put_batch(y))
 
+    def _put_stack(self, a: np.ndarray):
+        """[K, b, T] -> [local devices, K, b / local devices, T]."""
+        k, b = a.shape[:2]
+        return a.reshape(k, self.n, b // self.n, *a.shape[2:]).swapaxes(0, 1)
+
     def steps(self, state, xs, ys):
         """K steps in one call: xs, ys [K, b, T] (this process's rows of K batches); metrics [K]."""
-        def put(a):
-            k, b = a.shape[:2]
-            return a.reshape(k, self.n, b // self.n, *a.shape[2:]).swapaxes(0, 1)
-        return self._steps(state, put(xs), put(ys))
+        return self._steps(state, self._put_stack(xs), self._put_stack(ys))
 
-    def eval(self, state, x, y):
-        return self._eval(state.params, self.put_batch(x), self.put_batch(y), state.frozen)
+    def eval(self, state, xs, ys):
+        """The mean loss of each of E batches xs, ys [E, b, T] (this process's rows), in one call: [E]."""
+        return self._eval(state.params, self._put_stack(xs), self._put_stack(ys), state.frozen)
 
     def to_host(self, tree):
         """Metrics (identical on every device after pmean) as host values, read from a local device."""
@@ -216,6 +220,7 @@ class MeshRunner:
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P(AXIS))
         self._train_step = make_train_step(config, optimizer, grad_accum, axis_name=None, schedule=schedule)
+        self._once = kernels.run_once_options(config)  # for init_state
         self._eval_step = make_eval_step(config)
         self._stack_sharding = NamedSharding(self.mesh, P(None, AXIS))  # [K, rows, T]: rows over the data axis
         self._step = self._steps = self._eval = None  # jitted on first use, when the state's structure is known
@@ -236,7 +241,7 @@ class MeshRunner:
         shapes = jax.eval_shape(make_state, *args)
         if jax.process_count() > 1:  # jit over every process's devices takes host values or global arrays
             args = jax.device_get(args)
-        return jax.jit(make_state, out_shardings=self.state_shardings(shapes))(*args)
+        return jax.jit(make_state, out_shardings=self.state_shardings(shapes), compiler_options=self._once)(*args)
 
     def put_state(self, state):
         """Lay out a state (one device, host values, or global arrays) as this runner keeps it."""
@@ -266,18 +271,21 @@ class MeshRunner:
                                   in_shardings=(shardings, self._stack_sharding, self._stack_sharding),
                                   out_shardings=(shardings, self.replicated), donate_argnums=(0,))
 
-        def put(a):
-            shape = (a.shape[0], a.shape[1] * jax.process_count()) + a.shape[2:]
-            return jax.make_array_from_process_local_data(self._stack_sharding, a, shape)
-        return self._steps(state, put(xs), put(ys))
+        return self._steps(state, self._put_stack(xs), self._put_stack(ys))
 
-    def eval(self, state, x, y):
+    def _put_stack(self, a: np.ndarray):
+        """This process's rows of K batches [K, b, T] -> one global array, rows sharded over the data axis."""
+        shape = (a.shape[0], a.shape[1] * jax.process_count()) + a.shape[2:]
+        return jax.make_array_from_process_local_data(self._stack_sharding, a, shape)
+
+    def eval(self, state, xs, ys):
+        """The mean loss of each of E batches xs, ys [E, b, T] (this process's rows), in one call: [E]."""
         if self._eval is None:
-            self._eval = jax.jit(self._eval_step,
-                                 in_shardings=(self.state_shardings(state.params), self.batch_sharding,
-                                               self.batch_sharding, self.state_shardings(state.frozen)),
+            self._eval = jax.jit(map_batches(self._eval_step),
+                                 in_shardings=(self.state_shardings(state.params), self._stack_sharding,
+                                               self._stack_sharding, self.state_shardings(state.frozen)),
                                  out_shardings=self.replicated)
-        return self._eval(state.params, self.put_batch(x), self.put_batch(y), state.frozen)
+        return self._eval(state.params, self._put_stack(xs), self._put_stack(ys), state.frozen)
 
     def to_host(self, tree):
         """Replicated outputs (metrics) as host values, read from a local device."""

@@ -149,6 +149,15 @@ def repeat_steps(train_step):
     return steps
 
 
+def map_batches(eval_step):
+    """`evals(params, xs, ys, frozen=None) -> losses [E]`: eval_step over E stacked batches xs, ys [E, b, T]
+    one after another (lax.map) in one program: one call per evaluation, not one per batch."""
+    def evals(params, xs, ys, frozen=None):
+        return jax.lax.map(lambda batch: eval_step(params, *batch, frozen), (xs, ys))
+
+    return evals
+
+
 def make_eval_step(config: GPTConfig, axis_name: Optional[str] = None):
     """Build `eval_step(params, x, y, frozen=None) -> mean loss` (deterministic, float32)."""
     model = GPT(config)
