@@ -167,7 +167,7 @@ def _model_and_params(params, config: GPTConfig, batch_size: int):
     params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     out_in = False
     if kernels.resolve(config.kernels) == "cpu":
-        params, out_in = cpu.decode_params(params, batch_size)
+        params, out_in = cpu.decode_params(params, batch_size, dtype)
     return GPT(config.replace(remat="none"), kernel_out_in=out_in), params
 
 

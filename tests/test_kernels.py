@@ -52,14 +52,21 @@ def test_cpu_linear_equals_portable_values_and_grads(rows, w_out_in):
     assert ("dot_general" in prims) != few, prims  # 2..16 rows against [out, in]: multiply-and-sum
 
 
-def test_cpu_few_rows_rounds_operands_to_the_compute_dtype_and_sums_in_float32():
+def test_cpu_few_rows_rounds_operands_to_the_compute_dtype_and_sums_in_float32_and_bf16_takes_the_matmul():
     kx, kw = jax.random.split(jax.random.key(2))
     x = jax.random.normal(kx, (4, 64))
     w = jax.random.normal(kw, (32, 64))
-    got = cpu.linear(x, w, jnp.bfloat16, w_out_in=True, out_dtype=jnp.float32)
+    got = cpu._few_rows(x, w, jnp.bfloat16)
     xb, wb = x.astype(jnp.bfloat16).astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32)
     np.testing.assert_allclose(got, jnp.dot(xb, wb.T, precision="highest"), rtol=1e-5, atol=1e-4)
     assert float(jnp.abs(got - x @ w.T).max()) > 1e-3  # the bf16 rounding did happen
+    # in bf16 XLA:CPU's matmul is the faster path: linear takes it, and decode keeps the kernels [in, out]
+    np.testing.assert_allclose(cpu.linear(x, w, jnp.bfloat16, w_out_in=True, out_dtype=jnp.float32), got,
+                               rtol=1e-5, atol=1e-4)
+    jaxpr = jax.make_jaxpr(lambda x, w: cpu.linear(x, w, jnp.bfloat16, w_out_in=True))(x, w).jaxpr
+    assert "dot_general" in {e.primitive.name for e in _primitives(jaxpr)}
+    params = {"c_fc": {"kernel": w.T}}
+    assert cpu.decode_params(params, 4)[1] and not cpu.decode_params(params, 4, jnp.bfloat16)[1]
 
 
 def _dot_operand_dtypes(hlo: str) -> list:
@@ -109,6 +116,27 @@ def test_cpu_kernels_keep_a_bf16_models_activations_in_float32():
     assert dense >= 3 * (2 * 4 + 1), dense  # every dense layer's forward, dx and dw (and the tied head)
     assert not arithmetic, arithmetic
     assert bf16_ops("portable")[1] >= {"add", "mul"}
+
+
+@pytest.mark.parametrize("layer", [None, 1])
+def test_cpu_cache_write_of_a_bf16_buffer_writes_rows_in_place_in_16_bits(layer):
+    # XLA:CPU computes a bf16 dynamic_update_slice in float32 over the whole buffer; written as uint16 bits
+    b, t, kh, s, h = 3, 2, 2, 10, 8
+    shape = (b * kh, s, h) if layer is None else (2, b * kh, s, h)
+    buf = jax.random.normal(jax.random.key(0), shape).astype(jnp.bfloat16)
+    new = jax.random.normal(jax.random.key(1), (b, t, kh, h))
+    lengths = jnp.array([0, 3, 8], jnp.int32)
+    write = jax.jit(lambda buf, new, lengths: cpu.write_rows(buf, new, lengths, layer))
+    got = np.asarray(write(buf, new, lengths).astype(jnp.float32))
+    want = np.array(buf.astype(jnp.float32))
+    rows = want if layer is None else want[layer]
+    for r in range(b):
+        for k in range(kh):
+            rows[r * kh + k, int(lengths[r]):int(lengths[r]) + t] = np.asarray(new[r, :, k].astype(jnp.bfloat16),
+                                                                              np.float32)
+    np.testing.assert_array_equal(got, want)
+    hlo = write.lower(buf, new, lengths).compile().as_text()
+    assert f"f32[{','.join(map(str, shape))}]" not in hlo  # no float32 copy of the buffer
 
 
 @pytest.mark.parametrize("t,block,kv_heads", [(6, 64, 4), (7, 3, 2), (16, 4, 1)])
