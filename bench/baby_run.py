@@ -7,7 +7,9 @@ Both sides train 4 layers / 4 heads / 128 wide, context 64, batch 12, no dropout
 Shakespeare with nanoGPT's schedule (lr 1e-3 -> 1e-4 cosine after 100 warmup steps, AdamW betas (0.9, 0.99),
 weight decay 0.1, gradient clip 1.0) and evaluate 20 batches of each split every 250 steps:
 
-- jaxgpt: `python train.py --config=configs/shakespeare_char_cpu.py` on the same text file;
+- jaxgpt: `python train.py --config=configs/shakespeare_char_cpu.py` on the same text file (that config
+  multiplies in bf16 where the CPU has AVX512_BF16 or AMX, float32 elsewhere; `--jaxgpt-args
+  --config.model.dtype=float32` times float32 everywhere, like nanoGPT's CPU run);
 - peer: nanoGPT's unmodified train.py, run on a copy of its folder exactly as its README's CPU command
   (`--device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12
   --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0`) after its

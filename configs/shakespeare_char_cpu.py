@@ -27,5 +27,5 @@ def get_config():
     c.train.eval_steps = 20
     c.train.log_interval = 50
     c.train.checkpoint_interval = 500
-    c.train.steps_per_call = 10  # ten steps per compiled call: the host's per-call work paid once (bench/README.md)
+    c.train.steps_per_call = 50  # 50 steps per compiled call (every log line): 22.8 ms/step against 23.6 at 10
     return c

@@ -1,0 +1,75 @@
+"""float32 against bfloat16 training steps in one process, alternating, as train.py runs them.
+
+python bench/dtype_ab.py [--config baby|6l] [--per-call K] [--rounds 5] [--kernels auto]
+
+Both variants are compiled first; then each round times one call of K scanned steps (`runner.steps`, the
+path train.py takes with train.steps_per_call = K) of float32, then of bfloat16, so that both see the same
+state of the machine. Prints the median ms per step of each and their ratio (the issue-16 target: bf16 at
+least 1.5x float32 on a CPU with AVX512_BF16 or AMX). Nothing else should run meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.common import ceilings, machine, write_results  # noqa: E402
+from bench.train import CONFIGS  # noqa: E402
+from jaxgpt import GPTConfig, init_params  # noqa: E402
+from jaxgpt.config import default_config  # noqa: E402
+from jaxgpt.training import create_train_state, make_optimizer, make_runner, make_schedule  # noqa: E402
+
+
+def build(name: str, dtype: str, kernels: str):
+    n_layer, n_head, n_embd, block, _, vocab = CONFIGS[name]
+    cfg = GPTConfig(vocab_size=vocab, block_size=block, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                    dtype=dtype, kernels=kernels)
+    train = default_config().train
+    opt = make_optimizer(train)
+    runner = make_runner("pmap", cfg, opt, 1, make_schedule(train))
+    return runner, runner.init_state(lambda: create_train_state(init_params(cfg, jax.random.key(0)), opt,
+                                                                 jax.random.key(1)))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="6l", choices=sorted(CONFIGS))
+    p.add_argument("--per-call", type=int, default=None, help="steps per call (default: 10 baby, 2 6l)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--kernels", default="auto", choices=["auto", "portable", "cpu"])
+    args = p.parse_args()
+    k = args.per_call or (10 if args.config == "baby" else 2)
+    _, _, _, block, batch, vocab = CONFIGS[args.config]
+    data = np.random.default_rng(0).integers(0, vocab, (k, batch, block + 1)).astype(np.int32)
+    xs, ys = data[..., :-1], data[..., 1:]
+    variants = {}
+    for dtype in ("float32", "bfloat16"):
+        runner, state = build(args.config, dtype, args.kernels)
+        state, metrics = runner.steps(state, xs, ys)  # compile
+        jax.block_until_ready(metrics)
+        variants[dtype] = {"runner": runner, "state": state, "ms": []}
+    for _ in range(args.rounds):
+        for v in variants.values():
+            t0 = time.perf_counter()
+            v["state"], metrics = v["runner"].steps(v["state"], xs, ys)
+            jax.block_until_ready(metrics)
+            v["ms"].append((time.perf_counter() - t0) / k * 1e3)
+    ms = {dtype: statistics.median(v["ms"]) for dtype, v in variants.items()}
+    ratio = ms["float32"] / ms["bfloat16"]
+    print(f"{args.config}, {k} steps per call, median of {args.rounds}: float32 {ms['float32']:.1f} ms/step, "
+          f"bfloat16 {ms['bfloat16']:.1f} ms/step: bf16 is {ratio:.2f}x float32 (target >= 1.5x)")
+    results = {"machine": machine(), "ceilings": ceilings(), "settings": {**vars(args), "per_call": k},
+               "ms_per_step": ms, "all_ms": {d: v["ms"] for d, v in variants.items()}, "bf16_speedup": ratio}
+    print(f"results: {write_results(f'dtype_ab_{args.config}', results)}")
+
+
+if __name__ == "__main__":
+    main()
