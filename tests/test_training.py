@@ -234,3 +234,21 @@ def test_cpu_flags_are_read_from_proc_cpuinfo():
     with open("/proc/cpuinfo") as f:
         flags = set(f.read().split())
     assert cpu.has_bf16_matmul() == bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+@pytest.mark.parametrize("kind", ["pmap", "mesh"])
+def test_runner_eval_gives_every_stacked_batch_its_mean_loss_in_one_call(kind):
+    from jaxgpt.training import make_runner
+    from jaxgpt.training.step import make_eval_step
+
+    cfg = GPTConfig(vocab_size=40, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    opt = make_optimizer(default_config().train)
+    runner = make_runner(kind, cfg, opt)
+    params = init_params(cfg, jax.random.key(0))
+    state = runner.init_state(lambda: create_train_state(init_params(cfg, jax.random.key(0)), opt,
+                                                         jax.random.key(1)))
+    data = np.random.default_rng(0).integers(0, 40, (5, 4, 9)).astype(np.int32)  # 4 rows: one per device
+    got = np.asarray(runner.to_host(runner.eval(state, data[..., :-1], data[..., 1:])))
+    want = [float(make_eval_step(cfg)(params, d[:, :-1], d[:, 1:])) for d in data]
+    assert got.shape == (5,)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

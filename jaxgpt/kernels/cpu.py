@@ -4,13 +4,16 @@ Selected by `GPTConfig(kernels="cpu")`, or `"auto"` on a CPU. Each one equals it
 float rounding (tests/test_kernels.py). Why each exists, with the measurements, is in bench/README.md:
 
 - `linear`: dense layers on 2-D operands ([B*T, C]; XLA:CPU's weight gradient over a 3-D activation is
-  slower), and for 2..16 rows against [out, in] kernels a fused multiply-and-sum instead of a matmul
-  (decode at small batch: XLA:CPU's matmul reads the weights several times over).
+  slower), and for 2..16 rows against [out, in] kernels in float32 a fused multiply-and-sum instead of a
+  matmul (decode at small batch: XLA:CPU's matmul reads the weights several times over). In bf16 its
+  weight gradient multiplies a row-major copy of the transposed activation: XLA:CPU ran `x.T @ dy` in
+  float32. (With the CPU kernels a bf16 model's activations stay float32: `kernels.activation_dtype`.)
 - `decode_params`: the [out, in] kernels for that path (float32), made once per `generate` call.
 - `causal_attention`: self-attention in blocks of 64 queries, each attending only to the keys up to its
   end, so the masked half of the score matrix is never computed. A Python loop whose length grows with T:
   right for XLA:CPU, wrong for accelerators.
-- The KV cache's buffers stored [B*K, S, H], written with one `dynamic_update_slice` per row, and
+- The KV cache's buffers stored [B*K, S, H], written with one `dynamic_update_slice` per row (16-bit
+  floats as their uint16 bits, which XLA:CPU updates in place), and
   `cached_attention` with the query heads of a group stacked into one matrix per (row, kv head).
 - `tune_allocator`: glibc keeps freed memory for reuse instead of returning big blocks to the OS.
 """
