@@ -1,11 +1,16 @@
 """float32 against bfloat16 training steps in one process, alternating, as train.py runs them.
 
-python bench/dtype_ab.py [--config baby|6l] [--per-call K] [--rounds 5] [--kernels auto]
+python bench/dtype_ab.py [--config baby|6l] [--per-call K] [--rounds 5] [--kernels auto] [--attention-standin]
 
 Both variants are compiled first; then each round times one call of K scanned steps (`runner.steps`, the
 path train.py takes with train.steps_per_call = K) of float32, then of bfloat16, so that both see the same
 state of the machine. Prints the median ms per step of each and their ratio (the issue-16 target: bf16 at
 least 1.5x float32 on a CPU with AVX512_BF16 or AMX). Nothing else should run meanwhile.
+
+`--attention-standin` is an ablation, not a model: both variants (and a third and fourth, the real ones)
+are built, and the stand-in pair replaces the CPU kernels' causal attention by (q + k + v) / 3, which
+keeps the q/k/v projection and its gradients but does no attention. The difference is attention's cost
+inside the step, and the stand-in's time a floor no attention kernel can go below.
 """
 
 from __future__ import annotations
@@ -21,11 +26,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxgpt import kernels  # noqa: E402
+from jaxgpt.kernels import cpu  # noqa: E402
+
 from bench.common import ceilings, machine, write_results  # noqa: E402
 from bench.train import CONFIGS  # noqa: E402
 from jaxgpt import GPTConfig, init_params  # noqa: E402
 from jaxgpt.config import default_config  # noqa: E402
 from jaxgpt.training import create_train_state, make_optimizer, make_runner, make_schedule  # noqa: E402
+
+
+def standin_attention(q, k, v, block=64):
+    """Not attention: the ablation's stand-in, as cheap as a function of q, k and v can be."""
+    return (q + k + v) * (1.0 / 3.0)
 
 
 def build(name: str, dtype: str, kernels: str):
@@ -45,30 +58,47 @@ def main():
     p.add_argument("--per-call", type=int, default=None, help="steps per call (default: 10 baby, 2 6l)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--kernels", default="auto", choices=["auto", "portable", "cpu"])
+    p.add_argument("--attention-standin", action="store_true",
+                   help="also time both dtypes with attention replaced by a stand-in (CPU kernels only)")
     args = p.parse_args()
+    if args.attention_standin and kernels.resolve(args.kernels) != "cpu":
+        p.error("--attention-standin replaces the CPU kernels' attention; it needs --kernels cpu (or auto on a CPU)")
     k = args.per_call or (10 if args.config == "baby" else 2)
     _, _, _, block, batch, vocab = CONFIGS[args.config]
     data = np.random.default_rng(0).integers(0, vocab, (k, batch, block + 1)).astype(np.int32)
     xs, ys = data[..., :-1], data[..., 1:]
     variants = {}
-    for dtype in ("float32", "bfloat16"):
-        runner, state = build(args.config, dtype, args.kernels)
-        state, metrics = runner.steps(state, xs, ys)  # compile
-        jax.block_until_ready(metrics)
-        variants[dtype] = {"runner": runner, "state": state, "ms": []}
+    real_attention = cpu.causal_attention
+    for attention in ("real", "standin") if args.attention_standin else ("real",):
+        for dtype in ("float32", "bfloat16"):
+            # the model looks the kernel up when it is traced, i.e. in the first (compiling) call
+            cpu.causal_attention = standin_attention if attention == "standin" else real_attention
+            try:
+                runner, state = build(args.config, dtype, args.kernels)
+                state, metrics = runner.steps(state, xs, ys)  # compile
+                jax.block_until_ready(metrics)
+            finally:
+                cpu.causal_attention = real_attention
+            key = dtype if attention == "real" else f"{dtype}, attention stand-in"
+            variants[key] = {"runner": runner, "state": state, "ms": []}
     for _ in range(args.rounds):
         for v in variants.values():
             t0 = time.perf_counter()
             v["state"], metrics = v["runner"].steps(v["state"], xs, ys)
             jax.block_until_ready(metrics)
             v["ms"].append((time.perf_counter() - t0) / k * 1e3)
-    ms = {dtype: statistics.median(v["ms"]) for dtype, v in variants.items()}
+    ms = {key: statistics.median(v["ms"]) for key, v in variants.items()}
     ratio = ms["float32"] / ms["bfloat16"]
     print(f"{args.config}, {k} steps per call, median of {args.rounds}: float32 {ms['float32']:.1f} ms/step, "
           f"bfloat16 {ms['bfloat16']:.1f} ms/step: bf16 is {ratio:.2f}x float32 (target >= 1.5x)")
+    for dtype in ("float32", "bfloat16") if args.attention_standin else ():
+        standin = ms[f"{dtype}, attention stand-in"]
+        print(f"  {dtype} with the attention stand-in: {standin:.1f} ms/step; attention costs "
+              f"{ms[dtype] - standin:.1f} ms/step ({100 * (ms[dtype] - standin) / ms[dtype]:.0f}% of the step)")
     results = {"machine": machine(), "ceilings": ceilings(), "settings": {**vars(args), "per_call": k},
                "ms_per_step": ms, "all_ms": {d: v["ms"] for d, v in variants.items()}, "bf16_speedup": ratio}
-    print(f"results: {write_results(f'dtype_ab_{args.config}', results)}")
+    name = f"dtype_ab_{args.config}" + ("_attention_standin" if args.attention_standin else "")
+    print(f"results: {write_results(name, results)}")
 
 
 if __name__ == "__main__":
