@@ -14,7 +14,7 @@ from jaxgpt import kernels, lora
 from jaxgpt.attention import get_attention, rotary_embedding
 from jaxgpt.cache import KVCache
 from jaxgpt.config import GPTConfig
-from jaxgpt.kernels import cpu
+from jaxgpt.kernels import cpu, native
 from jaxgpt.ops import linear
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -30,26 +30,33 @@ class Dense(nn.Module):
     config: GPTConfig
     kernel_init: nn.initializers.Initializer = _init
     out_dtype: Optional[jnp.dtype] = None  # default: the activations' dtype (kernels.activation_dtype)
-    kernel_out_in: bool = False  # kernel stored [out, in]: only the CPU kernels' decode path (cpu.decode_params)
+    # how the kernel is stored: "in_out" (always, but in the CPU kernels' decode: cpu.decode_params), "out_in"
+    # ([out, in]), or "panels" (native.pack's [ceil(out/16), in, 16] for the native decode matmul)
+    kernel_layout: str = "in_out"
 
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        shape = (self.features, x.shape[-1]) if self.kernel_out_in else (x.shape[-1], self.features)
+        shape = {"in_out": (x.shape[-1], self.features), "out_in": (self.features, x.shape[-1]),
+                 "panels": native.panels_shape(x.shape[-1], self.features)}[self.kernel_layout]
         kernel = self.param("kernel", self.kernel_init, shape, cfg.params_dtype)
         out_dtype = self.out_dtype or kernels.activation_dtype(cfg)
         bias = self.param("bias", nn.initializers.zeros, (self.features,), cfg.params_dtype) if self.use_bias else None
-        matmul = cpu.linear if kernels.resolve(cfg.kernels) == "cpu" else linear  # XLA:CPU: kernels/cpu.py
+        if self.kernel_layout == "panels":
+            matmul = functools.partial(cpu.panels_linear, features=self.features)
+        else:  # XLA:CPU: kernels/cpu.py
+            matmul = functools.partial(cpu.linear if kernels.resolve(cfg.kernels) == "cpu" else linear,
+                                       w_out_in=self.kernel_layout == "out_in")
         if not self.has_variable("lora", "a"):
-            return matmul(x, kernel, cfg.compute_dtype, b=bias, w_out_in=self.kernel_out_in, out_dtype=out_dtype)
-        y = matmul(x, kernel, cfg.compute_dtype, b=bias, w_out_in=self.kernel_out_in, out_dtype=jnp.float32)
+            return matmul(x, kernel, cfg.compute_dtype, b=bias, out_dtype=out_dtype)
+        y = matmul(x, kernel, cfg.compute_dtype, b=bias, out_dtype=jnp.float32)
         return (y + lora.delta(x, self.variables["lora"])).astype(out_dtype)
 
 
-def _dense(cfg: GPTConfig, features: int, name: str, kernel_out_in: bool, residual_out: bool = False) -> Dense:
+def _dense(cfg: GPTConfig, features: int, name: str, kernel_layout: str, residual_out: bool = False) -> Dense:
     # GPT-2 scales the init of layers that write into the residual stream by 1/sqrt(2 * n_layer)
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual_out else 0.02
-    return Dense(features, cfg.bias, cfg, nn.initializers.normal(stddev=std), kernel_out_in=kernel_out_in, name=name)
+    return Dense(features, cfg.bias, cfg, nn.initializers.normal(stddev=std), kernel_layout=kernel_layout, name=name)
 
 
 def _norm(cfg: GPTConfig, name: str) -> nn.Module:
@@ -65,14 +72,14 @@ class CausalSelfAttention(nn.Module):
     """Multi-head (or grouped-query) causal self-attention, optionally reading and writing a KV cache."""
 
     config: GPTConfig
-    kernel_out_in: bool = False
+    kernel_layout: str = "in_out"
 
     @nn.compact
     def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache], layer, deterministic: bool):
         cfg = self.config
         b, t, _ = x_BxTxD.shape
         n, kh, h = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        qkv = _dense(cfg, (n + 2 * kh) * h, "c_attn", self.kernel_out_in)(x_BxTxD)
+        qkv = _dense(cfg, (n + 2 * kh) * h, "c_attn", self.kernel_layout)(x_BxTxD)
         q, k, v = jnp.split(qkv, [n * h, (n + kh) * h], axis=-1)
         q_BxTxNxH = q.reshape(b, t, n, h)
         k_BxTxKxH = k.reshape(b, t, kh, h)
@@ -95,7 +102,7 @@ class CausalSelfAttention(nn.Module):
             else:
                 out = get_attention(cfg.attention)(q_BxTxNxH, keys.swapaxes(1, 2), values.swapaxes(1, 2),
                                                    positions_BxT, kv_lengths)
-        y = _dense(cfg, cfg.n_embd, "c_proj", self.kernel_out_in, residual_out=True)(out.reshape(b, t, n * h))
+        y = _dense(cfg, cfg.n_embd, "c_proj", self.kernel_layout, residual_out=True)(out.reshape(b, t, n * h))
         return nn.Dropout(cfg.dropout)(y, deterministic=deterministic), cache
 
 
@@ -103,17 +110,17 @@ class MLP(nn.Module):
     """GPT-2's c_fc, GELU, c_proj; or SwiGLU's c_proj(silu(c_gate(x)) * c_fc(x)) (Llama's gate/up/down)."""
 
     config: GPTConfig
-    kernel_out_in: bool = False
+    kernel_layout: str = "in_out"
 
     @nn.compact
     def __call__(self, x, deterministic: bool):
         cfg = self.config
-        up = _dense(cfg, cfg.mlp_hidden, "c_fc", self.kernel_out_in)(x)
+        up = _dense(cfg, cfg.mlp_hidden, "c_fc", self.kernel_layout)(x)
         if cfg.mlp == "swiglu":
-            x = nn.silu(_dense(cfg, cfg.mlp_hidden, "c_gate", self.kernel_out_in)(x)) * up
+            x = nn.silu(_dense(cfg, cfg.mlp_hidden, "c_gate", self.kernel_layout)(x)) * up
         else:
             x = nn.gelu(up, approximate=True)  # GPT-2's tanh approximation
-        x = _dense(cfg, cfg.n_embd, "c_proj", self.kernel_out_in, residual_out=True)(x)
+        x = _dense(cfg, cfg.n_embd, "c_proj", self.kernel_layout, residual_out=True)(x)
         return nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
 
 
@@ -121,15 +128,15 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)) (Llama's too)."""
 
     config: GPTConfig
-    kernel_out_in: bool = False
+    kernel_layout: str = "in_out"
 
     @nn.compact
     def __call__(self, x, positions, cache: Optional[KVCache], layer, deterministic: bool):
         cfg = self.config
-        y, cache = CausalSelfAttention(cfg, self.kernel_out_in, name="attn")(
+        y, cache = CausalSelfAttention(cfg, self.kernel_layout, name="attn")(
             _norm(cfg, "ln_1")(x), positions, cache, layer, deterministic)
         x = x + y
-        x = x + MLP(cfg, self.kernel_out_in, name="mlp")(_norm(cfg, "ln_2")(x), deterministic)
+        x = x + MLP(cfg, self.kernel_layout, name="mlp")(_norm(cfg, "ln_2")(x), deterministic)
         return x, cache
 
 
@@ -159,7 +166,7 @@ class GPT(nn.Module):
     """
 
     config: GPTConfig
-    kernel_out_in: bool = False  # dense kernels stored [out, in] (see Dense)
+    kernel_layout: str = "in_out"  # how dense kernels are stored (see Dense); the CPU kernels' decode only
 
     @nn.compact
     def __call__(self, tokens_BxT: jax.Array, cache: Optional[KVCache] = None, *,
@@ -189,15 +196,18 @@ class GPT(nn.Module):
             remat = cfg.remat != "none" and cache is None and not self.is_initializing()
             block = _REMAT_BLOCKS[cfg.remat] if remat else Block
             for i in range(cfg.n_layer):
-                x, cache = block(cfg, self.kernel_out_in, name=f"h_{i}")(x, positions, cache, i, deterministic)
+                x, cache = block(cfg, self.kernel_layout, name=f"h_{i}")(x, positions, cache, i, deterministic)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index.astype(jnp.int32)[:, None, None], axis=1)
         x = _norm(cfg, "ln_f")(x)
-        if cfg.tie_embeddings:  # x @ wte.T, contracting the table as it is stored
+        if cfg.tie_embeddings and self.kernel_layout == "panels":  # the table's packed copy (decode_params)
+            panels = self.param("wte_panels", nn.initializers.zeros, native.panels_shape(cfg.n_embd, cfg.vocab_size))
+            logits = cpu.panels_linear(x, panels, cfg.compute_dtype, features=cfg.vocab_size, out_dtype=jnp.float32)
+        elif cfg.tie_embeddings:  # x @ wte.T, contracting the table as it is stored
             matmul = cpu.linear if kernels.resolve(cfg.kernels) == "cpu" else linear  # XLA:CPU: kernels/cpu.py
             logits = matmul(x, wte.embedding, cfg.compute_dtype, w_out_in=True, out_dtype=jnp.float32)
         else:
-            logits = Dense(cfg.vocab_size, False, cfg, out_dtype=jnp.float32, kernel_out_in=self.kernel_out_in,
+            logits = Dense(cfg.vocab_size, False, cfg, out_dtype=jnp.float32, kernel_layout=self.kernel_layout,
                            name="lm_head")(x)
         if cache is None:
             return logits
@@ -207,7 +217,7 @@ class GPT(nn.Module):
     def _scan_blocks(self, x, positions, cache: Optional[KVCache], deterministic: bool):
         """The blocks as one lax.scan over the stacked parameters `h` (and the stacked cache, if any)."""
         cfg = self.config
-        block = Block(cfg, self.kernel_out_in, parent=None)  # unbound: applied to one layer's parameters
+        block = Block(cfg, self.kernel_layout, parent=None)  # unbound: applied to one layer's parameters
 
         def init_stacked(rng, x, positions):
             def one(key):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Iterator, NamedTuple, Optional
 
 import jax
@@ -160,15 +161,58 @@ class DecodeState(NamedTuple):
     step: jax.Array
 
 
-def _model_and_params(params, config: GPTConfig, batch_size: int):
-    """The model and parameters to decode with: the compute dtype cast once per call (not per step), and
-    for the CPU kernels their decode layout (kernels/cpu.py)."""
+def _model_and_params(params, config: GPTConfig, batch_size: int, decode: bool = True):
+    """The model and parameters to run with: the compute dtype cast once per call (not per step), and for
+    the CPU kernels' decode steps their layout (kernels/cpu.py: decode_params); the prefill (`decode=False`)
+    keeps the stored one."""
     dtype = config.compute_dtype
     params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    out_in = False
-    if kernels.resolve(config.kernels) == "cpu":
-        params, out_in = cpu.decode_params(params, batch_size, dtype)
-    return GPT(config.replace(remat="none"), kernel_out_in=out_in), params
+    layout = "in_out"
+    if decode and kernels.resolve(config.kernels) == "cpu":
+        params, layout = cpu.decode_params(params, batch_size, dtype, config.tie_embeddings)
+    return GPT(config.replace(remat="none"), kernel_layout=layout), params
+
+
+@functools.partial(jax.jit, static_argnames=("config", "batch_size", "layout"))
+def _decode_params_jit(params, *, config: GPTConfig, batch_size: int, layout: str):
+    model, params = _model_and_params(params, config, batch_size)
+    if model.kernel_layout != layout:  # (the layout is part of the compiled program's key)
+        raise RuntimeError(f"decode layout {model.kernel_layout!r}, expected {layout!r}")
+    return params
+
+
+_DECODE_PARAMS: dict = {}  # at most one entry: (key, weak references to the arrays it was made from, params)
+
+
+def _decode_params(params, config: GPTConfig, batch_size: int):
+    """(decode params or None, layout) for `_generate`/`_decode_jit`: None where the decode steps run on the
+    stored layout, else the CPU kernels' decode parameters, made by one compiled call and kept for the
+    next call with the same arrays. Packing costs GPT-2 124M ~0.2 s per call, most of it page faults on
+    its fresh 0.5 GB. The entry goes as soon as one of its source arrays is freed (or other ones come)."""
+    layout = cpu.decode_layout(batch_size, config.compute_dtype) if kernels.resolve(config.kernels) == "cpu" \
+        else "in_out"
+    if layout == "in_out":
+        return None, layout
+    leaves = jax.tree.leaves(params)
+    key = (tuple(map(id, leaves)), config, batch_size, layout)
+    entry = _DECODE_PARAMS.get("entry")
+    if entry is not None and entry[0] == key and all(ref() is x for ref, x in zip(entry[1], leaves)):
+        return entry[2], layout
+    _DECODE_PARAMS.clear()
+    made = _decode_params_jit(params, config=config, batch_size=batch_size, layout=layout)
+    try:
+        refs = [weakref.ref(x, lambda _: _DECODE_PARAMS.clear()) for x in leaves]
+    except TypeError:  # (leaves that cannot be referenced weakly: nothing kept)
+        return made, layout
+    _DECODE_PARAMS["entry"] = (key, refs, made)
+    return made, layout
+
+
+def _decode_model_and_params(params, decode_params, layout: Optional[str], config: GPTConfig, batch_size: int):
+    """The decode steps' model and parameters: made here, or the ones `_decode_params` made."""
+    if decode_params is None:
+        return _model_and_params(params, config, batch_size)
+    return GPT(config.replace(remat="none"), kernel_layout=layout), decode_params
 
 
 def _prefill(model, params, prompts, prompt_lengths, max_len) -> DecodeState:
@@ -207,13 +251,14 @@ def _decode(model, params, state: DecodeState, rng, n: int, s: _Sampler, last: b
 TRACE_COUNT = 0
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampler"))
-def _generate(params, prompts, prompt_lengths, rng, *, config: GPTConfig, max_new_tokens: int, sampler: _Sampler):
+@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampler", "layout"))
+def _generate(params, prompts, prompt_lengths, rng, *, config: GPTConfig, max_new_tokens: int, sampler: _Sampler,
+              decode_params=None, layout: Optional[str] = None):
     global TRACE_COUNT
     TRACE_COUNT += 1
     b, p = prompts.shape
-    model, params = _model_and_params(params, config, b)
-    state = _prefill(model, params, prompts, prompt_lengths, p + max_new_tokens)
+    state = _prefill(*_model_and_params(params, config, b, decode=False), prompts, prompt_lengths, p + max_new_tokens)
+    model, params = _decode_model_and_params(params, decode_params, layout, config, b)
     state, new = _decode(model, params, state, rng, max_new_tokens, sampler, last=True)
     # row b's new tokens go right after its prompt (ragged rows: over the padding)
     tokens = jnp.concatenate([prompts, jnp.full((b, max_new_tokens), sampler.pad_id, jnp.int32)], axis=1)
@@ -235,18 +280,19 @@ def generate(params, config: GPTConfig, prompts, max_new_tokens: int, rng: jax.A
                                           top_p, eos_id, pad_id, rng)
     sampler = _Sampler(float(temperature), None if top_k is None else int(top_k),
                        None if top_p is None else float(top_p), None if eos_id is None else int(eos_id), int(pad_id))
+    decode_params, layout = _decode_params(params, config, prompts.shape[0])
     return _generate(params, jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng, config=config,
-                     max_new_tokens=n, sampler=sampler)
+                     max_new_tokens=n, sampler=sampler, decode_params=decode_params, layout=layout)
 
 
 _prefill_jit = jax.jit(lambda params, prompts, lengths, *, config, max_len: _prefill(
-    *_model_and_params(params, config, prompts.shape[0]), prompts, lengths, max_len),
+    *_model_and_params(params, config, prompts.shape[0], decode=False), prompts, lengths, max_len),
     static_argnames=("config", "max_len"))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "n", "sampler", "last"), donate_argnums=(1,))
-def _decode_jit(params, state, rng, *, config, n, sampler, last):
-    model, params = _model_and_params(params, config, state.lengths.shape[0])
+@functools.partial(jax.jit, static_argnames=("config", "n", "sampler", "last", "layout"), donate_argnums=(1,))
+def _decode_jit(params, state, rng, *, config, n, sampler, last, decode_params=None, layout=None):
+    model, params = _decode_model_and_params(params, decode_params, layout, config, state.lengths.shape[0])
     return _decode(model, params, state, rng, n, sampler, last)
 
 
@@ -265,11 +311,13 @@ def generate_stream(params, config: GPTConfig, prompts, max_new_tokens: int, rng
                        None if top_p is None else float(top_p), None if eos_id is None else int(eos_id), int(pad_id))
     state = _prefill_jit(params, jnp.asarray(prompts), jnp.asarray(prompt_lengths), config=config,
                          max_len=prompts.shape[1] + total)
+    decode_params, layout = _decode_params(params, config, prompts.shape[0])
     done = 0
     while done < total:
         n = min(chunk_size, total - done)
         done += n
-        state, toks = _decode_jit(params, state, rng, config=config, n=n, sampler=sampler, last=done == total)
+        state, toks = _decode_jit(params, state, rng, config=config, n=n, sampler=sampler, last=done == total,
+                                  decode_params=decode_params, layout=layout)
         yield np.asarray(toks)
         if eos_id is not None and bool(np.asarray(state.done).all()):
             return

@@ -1,6 +1,8 @@
 """The kernel switch: the CPU kernels equal the portable core (values, gradients, cache decode, generate),
 and the portable core has the structure accelerators need, checked on the lowered program."""
 
+import collections
+import gc
 import re
 
 import jax
@@ -10,7 +12,7 @@ import pytest
 
 from jaxgpt import GPT, GPTConfig, KVCache, generate, init_params, kernels, sampling
 from jaxgpt.attention import einsum_attention
-from jaxgpt.kernels import cpu
+from jaxgpt.kernels import cpu, native
 from jaxgpt.model import convert_layers
 from jaxgpt.ops import linear
 from jaxgpt.training.step import cross_entropy
@@ -66,7 +68,8 @@ def test_cpu_few_rows_rounds_operands_to_the_compute_dtype_and_sums_in_float32_a
     jaxpr = jax.make_jaxpr(lambda x, w: cpu.linear(x, w, jnp.bfloat16, w_out_in=True))(x, w).jaxpr
     assert "dot_general" in {e.primitive.name for e in _primitives(jaxpr)}
     params = {"c_fc": {"kernel": w.T}}
-    assert cpu.decode_params(params, 4)[1] and not cpu.decode_params(params, 4, jnp.bfloat16)[1]
+    assert cpu.decode_params(params, 4)[1] in ("panels", "out_in")
+    assert cpu.decode_params(params, 4, jnp.bfloat16) == (params, "in_out")
 
 
 def _dot_operand_dtypes(hlo: str) -> list:
@@ -199,9 +202,18 @@ def test_logits_and_gradients_equal_between_kernel_sets(tie, bias, scan):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
-# one row, the few-row [out, in] path, past it; the stacked layout once (its layers run the same kernels)
+def _native(monkeypatch, on: bool) -> None:
+    """Decode with the native kernel (where it can be built) or through XLA only; `generate` retraces."""
+    monkeypatch.setenv("JAXGPT_NATIVE", "1" if on else "0")
+    sampling._generate.clear_cache()
+
+
+# one row, the few rows (native panels, or XLA's [out, in] few-row sum), past them; the stacked layout
+# once (its layers run the same kernels)
+@pytest.mark.parametrize("native_on", [True, False])
 @pytest.mark.parametrize("batch,scan", [(1, False), (3, False), (17, False), (3, True)])
-def test_generate_gives_the_same_tokens_with_both_kernel_sets(batch, scan):
+def test_generate_gives_the_same_tokens_with_both_kernel_sets(monkeypatch, batch, scan, native_on):
+    _native(monkeypatch, native_on)
     portable, on_cpu = _configs(scan_layers=scan)
     params = varied_params(portable)
     prompts = np.asarray(jax.random.randint(jax.random.key(2), (batch, 5), 0, 40))
@@ -213,6 +225,83 @@ def test_generate_gives_the_same_tokens_with_both_kernel_sets(batch, scan):
         np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
     new = [np.asarray(a.tokens)[r, n:n + 9].tolist() for r, n in enumerate(lengths)]
     assert len(set(sum(new, []))) > 3, new  # tokens that vary, so that a mismatch would show
+
+
+# ---------------------------------------------------------------------------------------------------
+# The native decode multiply (kernels/native.py, kernels/rows.cc)
+
+@pytest.fixture
+def native_kernel():
+    if not native.available():
+        pytest.skip(f"the native kernel cannot be built here: {native._state.get('why')}")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, native.MAX_ROWS])
+def test_native_rows_matmul_equals_a_float32_matmul_in_either_stored_layout(native_kernel, rows):
+    kx, kw = jax.random.split(jax.random.key(rows))
+    x = jax.random.normal(kx, (rows, 48))
+    w = jax.random.normal(kw, (48, 40))  # 40 outputs: the last panel is partial
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    mul = jax.jit(native.rows_matmul, static_argnums=2)
+    for panels in (native.pack(w), native.pack(w.T, w_out_in=True)):
+        assert panels.shape == native.panels_shape(48, 40) == (3, 48, 16)
+        np.testing.assert_allclose(mul(x, panels, 40), want, rtol=1e-5, atol=1e-5)
+    for w_out_in, stored in ((False, w), (True, w.T), (False, jnp.stack([w, 2 * w]))):  # stacked kernels too
+        np.testing.assert_array_equal(native.pack(stored, w_out_in), native.pack_reference(stored, w_out_in))
+    np.testing.assert_array_equal(native.pack(jnp.stack([w, 2 * w]))[1], native.pack(2 * w))
+    with pytest.raises(ValueError, match="rows_matmul"):
+        native.rows_matmul(jnp.ones((native.MAX_ROWS + 1, 48)), native.pack(w), 40)
+    with pytest.raises(ValueError, match="rows_matmul"):
+        native.rows_matmul(x, native.pack(w), 56)  # panels for 33..48 outputs
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_generate_decodes_through_the_native_kernel_only_when_it_is_on(native_kernel, monkeypatch, tie):
+    _, on_cpu = _configs(tie_embeddings=tie)
+    params = varied_params(on_cpu)
+    prompts = np.asarray(jax.random.randint(jax.random.key(2), (3, 5), 0, 40))
+    tokens, calls = {}, {}
+    for on in (True, False):
+        _native(monkeypatch, on)
+        tokens[on] = np.asarray(generate(params, on_cpu, prompts, 9, jax.random.key(0), temperature=0.0).tokens)
+        eqns = _primitives(_generate_jaxpr(on_cpu, 3)[1])
+        calls[on] = collections.Counter(e.params["target_name"] for e in eqns if e.primitive.name == "ffi_call")
+    np.testing.assert_array_equal(tokens[True], tokens[False])
+    assert not calls[False]
+    # every dense layer of the decode step, and the head (tied or not): packed once, multiplied per step
+    assert calls[True] == {native.TARGET: 2 * 4 + 1, native.PACK_TARGET: 2 * 4 + 1}
+
+
+def test_generate_keeps_the_decode_layout_for_the_same_arrays_only():
+    _, on_cpu = _configs()
+    params = varied_params(on_cpu)
+    prompts = np.zeros((2, 3), np.int32)
+    first = generate(params, on_cpu, prompts, 4, jax.random.key(0), temperature=0.0).tokens
+    made = sampling._DECODE_PARAMS["entry"][2]
+    again = generate(params, on_cpu, prompts, 4, jax.random.key(0), temperature=0.0).tokens
+    assert sampling._DECODE_PARAMS["entry"][2] is made  # not made again
+    np.testing.assert_array_equal(again, first)
+    other = jax.tree.map(lambda x: x * 1.5, params)
+    changed = generate(other, on_cpu, prompts, 4, jax.random.key(0), temperature=0.0).tokens
+    assert sampling._DECODE_PARAMS["entry"][2] is not made  # other arrays, other entry
+    assert not np.array_equal(changed, first)
+    del other
+    gc.collect()
+    assert not sampling._DECODE_PARAMS  # dropped with the arrays it was made from
+
+
+def test_without_a_compiler_the_cpu_kernels_decode_through_xla(monkeypatch, caplog):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("CXX", "no-such-compiler-for-jaxgpt")
+    assert not native.available()
+    assert "decoding through XLA" in caplog.text and "no C++ compiler" in caplog.text
+    params = {"c_fc": {"kernel": jnp.ones((8, 32))}}
+    assert cpu.decode_params(params, 1) == (params, "in_out")
+    got, layout = cpu.decode_params(params, 4)
+    assert layout == "out_in" and got["c_fc"]["kernel"].shape == (32, 8)
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("JAXGPT_NATIVE", "0")  # switched off: not even built
+    assert not native.available() and native._state == {}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -285,5 +374,7 @@ def test_generate_neither_transposes_nor_copies_the_parameters_per_call(scan):
                  and any(tuple(v.aval.shape) in weight_shapes for v in e.outvars)]
         if cfg.kernels == "portable":
             assert not moved, [str(e)[:120] for e in moved]
-        else:  # the CPU kernels' decode layout is one transpose per kernel per call, by design
-            assert moved
+        else:  # the CPU kernels' decode layout: each kernel packed (native) or transposed once per call
+            packs = [e for e in _primitives(jaxpr) if e.primitive.name == "ffi_call"
+                     and e.params["target_name"] == native.PACK_TARGET]
+            assert packs if native.available() else moved

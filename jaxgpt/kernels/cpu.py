@@ -8,7 +8,9 @@ float rounding (tests/test_kernels.py). Why each exists, with the measurements, 
   matmul (decode at small batch: XLA:CPU's matmul reads the weights several times over). In bf16 its
   weight gradient multiplies a row-major copy of the transposed activation: XLA:CPU ran `x.T @ dy` in
   float32. (With the CPU kernels a bf16 model's activations stay float32: `kernels.activation_dtype`.)
-- `decode_params`: the [out, in] kernels for that path (float32), made once per `generate` call.
+- `decode_params`: the kernels for decoding 1..16 rows in float32, made once per `generate` call: packed
+  for the native multiply (`panels_linear`, kernels/native.py and rows.cc, where a C++ compiler is at
+  hand), else transposed [out, in] for `_few_rows`.
 - `causal_attention`: self-attention in blocks of 64 queries, each attending only to the keys up to its
   end, so the masked half of the score matrix is never computed. A Python loop whose length grows with T:
   right for XLA:CPU, wrong for accelerators.
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt.attention import MASK_VALUE, causal_mask, check_shapes
+from jaxgpt.kernels import native
 from jaxgpt.ops import _dense_bwd as ops_dense_bwd
 from jaxgpt.ops import _dense_fwd as ops_dense_fwd
 
@@ -128,18 +131,48 @@ def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, b=None, w_o
     return y.reshape(*x.shape[:-1], features)
 
 
-def decode_params(params: dict, batch_size: int, compute_dtype=jnp.float32) -> tuple[dict, bool]:
-    """(params, kernels stored [out, in]?) for decoding `batch_size` rows: for 2..16 rows in float32 every
-    dense kernel transposed once (stacked [L, in, out] kernels too), so `linear` takes `_few_rows`. In bf16
-    XLA:CPU's matmul is the faster of the two (8 rows x [768, 3072]: 0.25 ms against 1.4 ms), so the
-    kernels stay as they are."""
-    if not 1 < batch_size <= SMALL_ROWS or jnp.dtype(compute_dtype) != jnp.float32:
-        return params, False
+def panels_linear(x: jax.Array, panels: jax.Array, compute_dtype=jnp.float32, *, features: int, b=None,
+                  out_dtype=None) -> jax.Array:
+    """`linear` for a kernel packed by `native.pack` (float32, 1..16 rows: `decode_params`): the native
+    multiply (kernels/rows.cc), then the bias add, in float32. No gradient: decoding only."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = native.rows_matmul(x2.astype(compute_dtype).astype(jnp.float32), panels, features)
+    y = (y if b is None else y + b.astype(jnp.float32)).astype(out_dtype or compute_dtype)
+    return y.reshape(*x.shape[:-1], features)
 
-    def convert(path, leaf):
-        return leaf.swapaxes(-1, -2) if getattr(path[-1], "key", None) == "kernel" else leaf
 
-    return jax.tree_util.tree_map_with_path(convert, params), True
+def decode_layout(batch_size: int, compute_dtype=jnp.float32) -> str:
+    """How `decode_params` stores the kernels for decode steps of `batch_size` rows. In float32, 1..16 rows:
+    "panels" with the native kernel (`native.available()`), else "out_in" for 2..16 rows. In bf16 XLA:CPU's
+    matmul is the faster form (8 rows x [768, 3072]: 0.25 ms against 1.4 ms for the few-row sum): "in_out",
+    the stored layout, as for more rows."""
+    if not 1 <= batch_size <= SMALL_ROWS or jnp.dtype(compute_dtype) != jnp.float32:
+        return "in_out"
+    if native.available():
+        return "panels"
+    return "out_in" if batch_size > 1 else "in_out"
+
+
+def decode_params(params: dict, batch_size: int, compute_dtype=jnp.float32, tie_embeddings: bool = True
+                  ) -> tuple[dict, str]:
+    """(params, `decode_layout`) for the decode steps of `batch_size` rows (the prefill keeps the stored
+    layout): every dense kernel packed in panels for the native multiply, and a tied head's table too, as
+    `wte_panels` beside `wte` (which the token lookup still reads); or every dense kernel transposed [out,
+    in] (stacked [L, in, out] kernels too) for `_few_rows`."""
+    layout = decode_layout(batch_size, compute_dtype)
+    if layout == "panels":
+        def convert(path, leaf):
+            return native.pack(leaf) if getattr(path[-1], "key", None) == "kernel" else leaf
+
+        params = jax.tree_util.tree_map_with_path(convert, params)
+        if tie_embeddings and "wte" in params:
+            params = {**params, "wte_panels": native.pack(params["wte"]["embedding"], w_out_in=True)}
+    elif layout == "out_in":
+        def transpose(path, leaf):
+            return leaf.swapaxes(-1, -2) if getattr(path[-1], "key", None) == "kernel" else leaf
+
+        params = jax.tree_util.tree_map_with_path(transpose, params)
+    return params, layout
 
 
 # ---------------------------------------------------------------------------------------------------

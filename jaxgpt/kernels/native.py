@@ -1,0 +1,146 @@
+"""The CPU kernels' one native kernel: the decode step's matmul at 1..16 rows (rows.cc), an XLA FFI call.
+
+At a decode step every weight is read once for a handful of rows, so the step is as fast as the weights
+stream from memory. XLA:CPU's matmul and fusions read them at 19-27 GB/s on the 2-core machine of
+bench/README.md, whose memory gives 32; rows.cc reads them at 27-30. It multiplies weights packed in
+panels of 16 outputs ([ceil(out/16), in, 16], `pack`), which `cpu.decode_params` makes once per
+`generate` call.
+
+The source is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`) for this CPU
+(`-march=native`), against the FFI headers of the installed jaxlib, into
+`kernels/` of `$JAXGPT_CACHE` (default `~/.cache/jaxgpt`, the data cache's), once per source, jaxlib and
+CPU (about 3 s). With no compiler, or
+`JAXGPT_NATIVE=0`, or any failure (logged once), `available()` is False and the CPU kernels decode
+through XLA as before: same results to float rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+TARGET = "jaxgpt_rows_matmul"
+PACK_TARGET = "jaxgpt_pack"
+MAX_ROWS = 16
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rows.cc")
+
+_lock = threading.Lock()
+_state: dict = {}  # "ok": bool once tried; "lib": the loaded library (kept alive); "why": reason if not ok
+
+
+def _cpu_signature() -> str:
+    """The CPU model and flags (the library is built for this CPU)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(lines)
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("JAXGPT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxgpt")
+    return os.path.join(root, "kernels")
+
+
+def _build() -> str:
+    """Path of the compiled library, compiling it if this source/jaxlib/CPU has none yet."""
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} not found)")
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    import jaxlib
+    key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), compiler.encode(),
+                                     _cpu_signature().encode()])).hexdigest()[:16]
+    out_dir = _cache_dir()
+    path = os.path.join(out_dir, f"rows-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # built aside, then renamed: concurrent builds are safe
+    os.close(fd)
+    cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
+           f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def available() -> bool:
+    """Whether the native kernel is built and registered with XLA in this process (built on first call)."""
+    if os.environ.get("JAXGPT_NATIVE", "1") == "0":
+        return False
+    with _lock:
+        if "ok" not in _state:
+            try:
+                lib = ctypes.cdll.LoadLibrary(_build())
+                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxgptRowsMatmul), platform="cpu")
+                jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.JaxgptPack), platform="cpu")
+                _state.update(ok=True, lib=lib)
+            except Exception as e:  # no compiler, no headers, a failed build: decode through XLA instead
+                _state.update(ok=False, why=str(e))
+                log.warning("jaxgpt: the native decode kernel is unavailable, decoding through XLA (%s)", e)
+        return _state["ok"]
+
+
+def pack(w: jax.Array, w_out_in: bool = False) -> jax.Array:
+    """A kernel [..., in, out] (or [..., out, in] with `w_out_in`) -> panels [..., ceil(out/16), in, 16],
+    float32, zero past `out`: panel p holds outputs 16p..16p+15 for every input, in input order.
+
+    With the native kernel built, a native copy at memory speed (XLA's transposes for it ran at a few GB/s);
+    else (and as the reference in tests) `pack_reference`."""
+    if not available():
+        return pack_reference(w, w_out_in)
+    *_, a, b = w.shape
+    n_in, out = (b, a) if w_out_in else (a, b)
+    call = jax.ffi.ffi_call(PACK_TARGET, jax.ShapeDtypeStruct(panels_shape(n_in, out), jnp.float32),
+                            vmap_method="sequential")  # stacked [L, ...] kernels: one call per layer
+    fn = lambda m: call(m, out_in=np.int32(w_out_in))  # noqa: E731
+    for _ in range(w.ndim - 2):
+        fn = jax.vmap(fn)
+    return fn(w.astype(jnp.float32))
+
+
+def pack_reference(w: jax.Array, w_out_in: bool = False) -> jax.Array:
+    """`pack` in jax.numpy."""
+    if not w_out_in:
+        w = jnp.swapaxes(w, -1, -2)  # [..., out, in]
+    *lead, out, n_in = w.shape
+    pad = -out % 16
+    w = jnp.pad(w.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, pad), (0, 0)])
+    return jnp.swapaxes(w.reshape(*lead, (out + pad) // 16, 16, n_in), -1, -2)
+
+
+def panels_shape(n_in: int, out: int) -> tuple[int, int, int]:
+    """The shape `pack` gives a kernel with `n_in` inputs and `out` outputs."""
+    return (-(-out // 16), n_in, 16)
+
+
+def rows_matmul(x: jax.Array, panels: jax.Array, out: int) -> jax.Array:
+    """x float32 [R, in] (1 <= R <= 16) times the kernel packed in `panels` -> float32 [R, out]."""
+    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS or panels.shape != panels_shape(x.shape[1], out):
+        raise ValueError(f"rows_matmul: x [R <= {MAX_ROWS}, in] and panels {panels_shape(x.shape[-1], out)}, "
+                         f"got x{x.shape} and panels{panels.shape}")
+    # (vmap: one call per element, e.g. when flax checks a stacked layer's shapes through a vmapped init)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32), vmap_method="sequential")
+    return call(x.astype(jnp.float32), panels.astype(jnp.float32))

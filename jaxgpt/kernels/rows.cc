@@ -1,0 +1,153 @@
+// jaxgpt's one native CPU kernel (see native.py): y = x @ W for a few rows of x, the decode step's matmul.
+//
+// x float32 [R, in] (R <= 16), W packed in panels of 16 outputs, wp[p][i][j] = W[i, 16 p + j] (float32
+// [ceil(out / 16), in, 16], zero past `out`), y float32 [R, out]. Each panel is read once, in order, and
+// every row of x is multiplied with it while it is in registers: the weights stream from memory at the
+// machine's bandwidth, which XLA:CPU's matmul and fusions do not reach at 1..16 rows (bench/README.md).
+// The panels are split between the calling thread and one task on XLA's intra-op pool (in_two_halves).
+// `JaxgptPack` makes the panels from a stored kernel once per generate call (XLA's transposes took ~0.3 s
+// for GPT-2 124M's kernels on that machine).
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// 16 floats; GCC/Clang lower it to one AVX-512 register, two AVX ones, or four SSE ones.
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+// Panels [lo, hi), P at a time: P x R accumulators stay in registers for the whole `in` loop.
+template <int R, int P>
+static void panels(const float* x, int64_t in, const float* wp, int64_t out, float* y, int64_t lo, int64_t hi) {
+  for (int64_t p = lo; p < hi; p += P) {
+    const int64_t np = hi - p < P ? hi - p : P;
+    v16 acc[P][R];
+    for (int k = 0; k < P; ++k)
+      for (int r = 0; r < R; ++r) acc[k][r] = v16{};
+    const float* w0 = wp + p * in * 16;
+    for (int64_t i = 0; i < in; ++i) {
+      v16 w[P];
+      for (int k = 0; k < P; ++k)
+        if (k < np) std::memcpy(&w[k], w0 + (k * in + i) * 16, sizeof(v16));
+      for (int r = 0; r < R; ++r) {
+        const float xi = x[r * in + i];
+        for (int k = 0; k < P; ++k)
+          if (k < np) acc[k][r] += xi * w[k];
+      }
+    }
+    for (int64_t k = 0; k < np; ++k) {
+      const int64_t o = (p + k) * 16, n = out - o < 16 ? out - o : 16;
+      for (int r = 0; r < R; ++r) std::memcpy(y + r * out + o, &acc[k][r], n * sizeof(float));
+    }
+  }
+}
+
+template <int R>
+static void rows(const float* x, int64_t in, const float* wp, int64_t out, float* y, int64_t lo, int64_t hi) {
+  constexpr int P = R <= 2 ? 4 : (R <= 4 ? 3 : (R <= 8 ? 2 : 1));  // P * R + P registers of 32
+  panels<R, P>(x, in, wp, out, y, lo, hi);
+}
+
+static void run(int64_t r, const float* x, int64_t in, const float* wp, int64_t out, float* y, int64_t lo,
+                int64_t hi) {
+  switch (r) {
+#define JAXGPT_ROWS(n) \
+  case n:              \
+    return rows<n>(x, in, wp, out, y, lo, hi);
+    JAXGPT_ROWS(1) JAXGPT_ROWS(2) JAXGPT_ROWS(3) JAXGPT_ROWS(4) JAXGPT_ROWS(5) JAXGPT_ROWS(6) JAXGPT_ROWS(7)
+    JAXGPT_ROWS(8) JAXGPT_ROWS(9) JAXGPT_ROWS(10) JAXGPT_ROWS(11) JAXGPT_ROWS(12) JAXGPT_ROWS(13)
+    JAXGPT_ROWS(14) JAXGPT_ROWS(15) JAXGPT_ROWS(16)
+#undef JAXGPT_ROWS
+  }
+}
+
+// Runs work(lo, hi) over [0, n) in two halves: the calling thread takes the first, a task on XLA's intra-op
+// pool the second, and whichever of the two comes to the second half first computes it (so a busy pool, or
+// two of these calls waiting on each other, never stalls it).
+template <typename Work>
+static void in_two_halves(ffi::ThreadPool& pool, int64_t n, Work work) {
+  const int64_t half = (n + 1) / 2;
+  if (half == n) return work(0, n);
+  struct Second {
+    std::atomic<bool> claimed{false}, done{false};
+  };
+  auto second = std::make_shared<Second>();
+  pool.Schedule([=] {
+    if (second->claimed.exchange(true)) return;  // the caller took it
+    work(half, n);
+    second->done.store(true, std::memory_order_release);
+  });
+  work(0, half);
+  if (!second->claimed.exchange(true))
+    work(half, n);
+  else
+    while (!second->done.load(std::memory_order_acquire)) {
+    }
+}
+
+static ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
+                             ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = wp.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != 16 || wd[1] != xd[1] || yd[0] != xd[0] ||
+      (yd[1] + 15) / 16 != wd[0] || xd[0] < 1 || xd[0] > 16)
+    return ffi::Error::InvalidArgument("jaxgpt_rows_matmul: x [R <= 16, in], panels [ceil(out/16), in, 16], y [R, out]");
+  const int64_t r = xd[0], in = xd[1], out = yd[1];
+  const float* xp = x.typed_data();
+  const float* w = wp.typed_data();
+  float* yp = y->typed_data();
+  in_two_halves(pool, wd[0], [=](int64_t lo, int64_t hi) { run(r, xp, in, w, out, yp, lo, hi); });
+  return ffi::Error::Success();
+}
+
+// Packs a kernel w [in, out] (or [out, in] with out_in) into panels wp [ceil(out/16), in, 16], zero past out.
+static ffi::Error Pack(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> wp, int32_t out_in) {
+  const auto wd = w.dimensions(), pd = wp->dimensions();
+  if (wd.size() != 2 || pd.size() != 3)
+    return ffi::Error::InvalidArgument("jaxgpt_pack: w [in, out] (or [out, in]) -> panels [ceil(out/16), in, 16]");
+  const int64_t in = out_in ? wd[1] : wd[0], out = out_in ? wd[0] : wd[1];
+  if (pd[0] != (out + 15) / 16 || pd[1] != in || pd[2] != 16)
+    return ffi::Error::InvalidArgument("jaxgpt_pack: w [in, out] (or [out, in]) -> panels [ceil(out/16), in, 16]");
+  const float* src = w.typed_data();
+  float* dst = wp->typed_data();
+  const int64_t panels = pd[0];
+  if (!out_in)  // rows of w read in order, each cut into its panels' 16-float pieces
+    in_two_halves(pool, in, [=](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i)
+        for (int64_t p = 0; p < panels; ++p) {
+          const int64_t o = p * 16, n = out - o < 16 ? out - o : 16;
+          float* d = dst + (p * in + i) * 16;
+          std::memcpy(d, src + i * out + o, n * sizeof(float));
+          for (int64_t j = n; j < 16; ++j) d[j] = 0.f;
+        }
+    });
+  else  // each panel's 16 rows of w (contiguous) transposed into it
+    in_two_halves(pool, panels, [=](int64_t lo, int64_t hi) {
+      for (int64_t p = lo; p < hi; ++p) {
+        const int64_t o = p * 16, n = out - o < 16 ? out - o : 16;
+        float* d = dst + p * in * 16;
+        for (int64_t i = 0; i < in; ++i) {
+          for (int64_t j = 0; j < n; ++j) d[i * 16 + j] = src[(o + j) * in + i];
+          for (int64_t j = n; j < 16; ++j) d[i * 16 + j] = 0.f;
+        }
+      }
+    });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptRowsMatmul, RowsMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptPack, Pack,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("out_in"));
