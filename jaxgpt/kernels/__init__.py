@@ -2,7 +2,8 @@
 
 `"portable"` is the core as written in attention.py, ops.py, cache.py and model.py: JAX's standard
 primitives, right on GPU, TPU and CPU. `"cpu"` swaps in kernels/cpu.py, implementations of the same
-functions that XLA's CPU backend runs faster. `"auto"` (the default) picks `"cpu"` when JAX's default
+functions that XLA's CPU backend runs faster (and, for the float32 decode step's matmul, one native kernel
+called through XLA's FFI: native.py, rows.cc). `"auto"` (the default) picks `"cpu"` when JAX's default
 backend is the CPU and `"portable"` everywhere else; the environment variable JAXGPT_KERNELS=portable
 (or cpu) makes "auto" pick that set instead, e.g. to run the whole test suite on the portable core.
 Both give the same results (tests compare them).
