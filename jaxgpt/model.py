@@ -30,8 +30,8 @@ class Dense(nn.Module):
     config: GPTConfig
     kernel_init: nn.initializers.Initializer = _init
     out_dtype: Optional[jnp.dtype] = None  # default: the activations' dtype (kernels.activation_dtype)
-    # how the kernel is stored: "in_out" (always, but in the CPU kernels' decode: cpu.decode_params), "out_in"
-    # ([out, in]), or "panels" (native.pack's [ceil(out/16), in, 16] for the native decode matmul)
+    # how the kernel is stored: "in_out" ([in, out]); the CPU kernels' decode steps also take "out_in" and
+    # "panels" (native.pack's [ceil(out/16), in, 16]), made by cpu.decode_params
     kernel_layout: str = "in_out"
 
     @nn.compact

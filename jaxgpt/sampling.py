@@ -161,24 +161,20 @@ class DecodeState(NamedTuple):
     step: jax.Array
 
 
-def _model_and_params(params, config: GPTConfig, batch_size: int, decode: bool = True):
+def _model_and_params(params, config: GPTConfig, batch_size: int, decode: bool = True,
+                      layout: Optional[str] = None):
     """The model and parameters to run with: the compute dtype cast once per call (not per step), and for
-    the CPU kernels' decode steps their layout (kernels/cpu.py: decode_params); the prefill (`decode=False`)
-    keeps the stored one."""
+    the CPU kernels' decode steps their layout (kernels/cpu.py: decode_params; `layout` if given); the
+    prefill (`decode=False`) keeps the stored one."""
     dtype = config.compute_dtype
     params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    layout = "in_out"
     if decode and kernels.resolve(config.kernels) == "cpu":
-        params, layout = cpu.decode_params(params, batch_size, dtype, config.tie_embeddings)
-    return GPT(config.replace(remat="none"), kernel_layout=layout), params
+        params, layout = cpu.decode_params(params, batch_size, dtype, config.tie_embeddings, layout)
+    return GPT(config.replace(remat="none"), kernel_layout=layout or "in_out"), params
 
 
-@functools.partial(jax.jit, static_argnames=("config", "batch_size", "layout"))
-def _decode_params_jit(params, *, config: GPTConfig, batch_size: int, layout: str):
-    model, params = _model_and_params(params, config, batch_size)
-    if model.kernel_layout != layout:  # (the layout is part of the compiled program's key)
-        raise RuntimeError(f"decode layout {model.kernel_layout!r}, expected {layout!r}")
-    return params
+_decode_params_jit = jax.jit(lambda params, *, config, batch_size, layout: _model_and_params(
+    params, config, batch_size, layout=layout)[1], static_argnames=("config", "batch_size", "layout"))
 
 
 _DECODE_PARAMS: dict = {}  # at most one entry: (key, weak references to the arrays it was made from, params)

@@ -23,6 +23,7 @@ float rounding (tests/test_kernels.py). Why each exists, with the measurements, 
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -153,25 +154,24 @@ def decode_layout(batch_size: int, compute_dtype=jnp.float32) -> str:
     return "out_in" if batch_size > 1 else "in_out"
 
 
-def decode_params(params: dict, batch_size: int, compute_dtype=jnp.float32, tie_embeddings: bool = True
-                  ) -> tuple[dict, str]:
-    """(params, `decode_layout`) for the decode steps of `batch_size` rows (the prefill keeps the stored
-    layout): every dense kernel packed in panels for the native multiply, and a tied head's table too, as
-    `wte_panels` beside `wte` (which the token lookup still reads); or every dense kernel transposed [out,
-    in] (stacked [L, in, out] kernels too) for `_few_rows`."""
-    layout = decode_layout(batch_size, compute_dtype)
-    if layout == "panels":
-        def convert(path, leaf):
-            return native.pack(leaf) if getattr(path[-1], "key", None) == "kernel" else leaf
+def decode_params(params: dict, batch_size: int, compute_dtype=jnp.float32, tie_embeddings: bool = True,
+                  layout: Optional[str] = None) -> tuple[dict, str]:
+    """(params, layout) for the decode steps of `batch_size` rows (the prefill keeps the stored layout),
+    the layout `decode_layout`'s unless given: every dense kernel packed in panels for the native multiply,
+    and a tied head's table too, as `wte_panels` beside `wte` (which the token lookup still reads); or every
+    dense kernel transposed [out, in] (stacked [L, in, out] kernels too) for `_few_rows`."""
+    layout = layout or decode_layout(batch_size, compute_dtype)
+    if layout == "in_out":
+        return params, layout
 
-        params = jax.tree_util.tree_map_with_path(convert, params)
-        if tie_embeddings and "wte" in params:
-            params = {**params, "wte_panels": native.pack(params["wte"]["embedding"], w_out_in=True)}
-    elif layout == "out_in":
-        def transpose(path, leaf):
-            return leaf.swapaxes(-1, -2) if getattr(path[-1], "key", None) == "kernel" else leaf
+    def convert(path, leaf):
+        if getattr(path[-1], "key", None) != "kernel":
+            return leaf
+        return native.pack(leaf) if layout == "panels" else leaf.swapaxes(-1, -2)
 
-        params = jax.tree_util.tree_map_with_path(transpose, params)
+    params = jax.tree_util.tree_map_with_path(convert, params)
+    if layout == "panels" and tie_embeddings and "wte" in params:
+        params = {**params, "wte_panels": native.pack(params["wte"]["embedding"], w_out_in=True)}
     return params, layout
 
 
