@@ -3,8 +3,8 @@
 python bench/attention.py [--configs baby 6l] [--reps 9] [--no-peer]
 
 For each config of bench/train.py (its batch, context, heads and head size), in float32: jaxgpt's
-attention under the CPU kernels (kernels/cpu.py: query blocks of 64 that skip the masked keys) and under
-the portable core (the registered "dot_product", `jax.nn.dot_product_attention`), each jitted as its own
+attention under the CPU kernels, native (kernels/attention.cc, where it can be built) and in XLA
+(`cpu.blocked_causal_attention`: query blocks of 64 that skip the masked keys), and under the portable core (the registered "dot_product", `jax.nn.dot_product_attention`), each jitted as its own
 program, against `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` on the same values
 (the kernel nanoGPT's model calls). Reports the median ms and the rate of the causal work: 4*B*N*T*T*H/2
 FLOPs forward (two matmuls over the lower triangle), three times that forward+backward, and the largest
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from bench.common import machine, median_time, write_results  # noqa: E402
 from bench.train import CONFIGS  # noqa: E402
 from jaxgpt.attention import get_attention  # noqa: E402
-from jaxgpt.kernels import cpu  # noqa: E402
+from jaxgpt.kernels import cpu, native  # noqa: E402
 
 
 def shapes(name: str) -> tuple[int, int, int, int]:
@@ -88,8 +88,10 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=9, help="timed calls per measurement (median)")
     p.add_argument("--no-peer", action="store_true", help="skip torch's scaled_dot_product_attention")
     args = p.parse_args(argv)
-    impls = {"cpu kernels": cpu.causal_attention,
+    impls = {"cpu native": native.causal_attention, "cpu xla": cpu.blocked_causal_attention,
              "portable": lambda q, k, v: get_attention("dot_product")(q, k, v, None, None)}
+    if not native.available():
+        del impls["cpu native"]
     rows = []
     for name in args.configs:
         b, t, n, h = shapes(name)

@@ -1,6 +1,7 @@
 """float32 against bfloat16 training steps in one process, alternating, as train.py runs them.
 
-python bench/dtype_ab.py [--config baby|6l] [--per-call K] [--rounds 5] [--kernels auto] [--attention-standin]
+python bench/dtype_ab.py [--config baby|6l] [--per-call K] [--rounds 5] [--kernels auto]
+                         [--attention-standin] [--attention-xla]
 
 Both variants are compiled first; then each round times one call of K scanned steps (`runner.steps`, the
 path train.py takes with train.steps_per_call = K) of float32, then of bfloat16, so that both see the same
@@ -10,7 +11,9 @@ least 1.5x float32 on a CPU with AVX512_BF16 or AMX). Nothing else should run me
 `--attention-standin` is an ablation, not a model: both variants (and a third and fourth, the real ones)
 are built, and the stand-in pair replaces the CPU kernels' causal attention by (q + k + v) / 3, which
 keeps the q/k/v projection and its gradients but does no attention. The difference is attention's cost
-inside the step, and the stand-in's time a floor no attention kernel can go below.
+inside the step, and the stand-in's time a floor no attention kernel can go below. `--attention-xla`
+likewise adds both dtypes with the CPU kernels' attention in XLA (`cpu.blocked_causal_attention`), the
+A/B of the native attention kernel (kernels/attention.cc) inside the step.
 """
 
 from __future__ import annotations
@@ -60,26 +63,31 @@ def main():
     p.add_argument("--kernels", default="auto", choices=["auto", "portable", "cpu"])
     p.add_argument("--attention-standin", action="store_true",
                    help="also time both dtypes with attention replaced by a stand-in (CPU kernels only)")
+    p.add_argument("--attention-xla", action="store_true",
+                   help="also time both dtypes with the CPU kernels' attention in XLA, not native (CPU kernels only)")
     args = p.parse_args()
-    if args.attention_standin and kernels.resolve(args.kernels) != "cpu":
-        p.error("--attention-standin replaces the CPU kernels' attention; it needs --kernels cpu (or auto on a CPU)")
+    for flag in ("standin", "xla"):
+        if getattr(args, f"attention_{flag}") and kernels.resolve(args.kernels) != "cpu":
+            p.error(f"--attention-{flag} replaces the CPU kernels' attention; it needs --kernels cpu (or auto on a CPU)")
     k = args.per_call or (10 if args.config == "baby" else 2)
     _, _, _, block, batch, vocab = CONFIGS[args.config]
     data = np.random.default_rng(0).integers(0, vocab, (k, batch, block + 1)).astype(np.int32)
     xs, ys = data[..., :-1], data[..., 1:]
     variants = {}
     real_attention = cpu.causal_attention
-    for attention in ("real", "standin") if args.attention_standin else ("real",):
+    attentions = {"real": real_attention, "stand-in": standin_attention, "xla": cpu.blocked_causal_attention}
+    chosen = ["real"] + ["stand-in"] * args.attention_standin + ["xla"] * args.attention_xla
+    for attention in chosen:
         for dtype in ("float32", "bfloat16"):
             # the model looks the kernel up when it is traced, i.e. in the first (compiling) call
-            cpu.causal_attention = standin_attention if attention == "standin" else real_attention
+            cpu.causal_attention = attentions[attention]
             try:
                 runner, state = build(args.config, dtype, args.kernels)
                 state, metrics = runner.steps(state, xs, ys)  # compile
                 jax.block_until_ready(metrics)
             finally:
                 cpu.causal_attention = real_attention
-            key = dtype if attention == "real" else f"{dtype}, attention stand-in"
+            key = dtype if attention == "real" else f"{dtype}, attention {attention}"
             variants[key] = {"runner": runner, "state": state, "ms": []}
     for _ in range(args.rounds):
         for v in variants.values():
@@ -95,9 +103,13 @@ def main():
         standin = ms[f"{dtype}, attention stand-in"]
         print(f"  {dtype} with the attention stand-in: {standin:.1f} ms/step; attention costs "
               f"{ms[dtype] - standin:.1f} ms/step ({100 * (ms[dtype] - standin) / ms[dtype]:.0f}% of the step)")
+    if args.attention_xla:
+        xla = {d: ms[f"{d}, attention xla"] for d in ("float32", "bfloat16")}
+        print(f"  attention in XLA instead: float32 {xla['float32']:.1f} ms/step, bfloat16 {xla['bfloat16']:.1f} "
+              f"ms/step: bf16 {xla['float32'] / xla['bfloat16']:.2f}x float32")
     results = {"machine": machine(), "ceilings": ceilings(), "settings": {**vars(args), "per_call": k},
                "ms_per_step": ms, "all_ms": {d: v["ms"] for d, v in variants.items()}, "bf16_speedup": ratio}
-    name = f"dtype_ab_{args.config}" + ("_attention_standin" if args.attention_standin else "")
+    name = f"dtype_ab_{args.config}" + "".join(f"_attention_{a.replace('-', '')}" for a in chosen[1:])
     print(f"results: {write_results(name, results)}")
 
 

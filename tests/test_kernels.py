@@ -155,7 +155,7 @@ def test_cpu_block_attention_equals_the_reference_values_and_grads(t, block, kv_
     def values_and_grads(fn):  # one compiled program each (op by op, the block loop costs seconds)
         return jax.jit(lambda q, k, v: (fn(q, k, v), jax.grad(loss(fn), (0, 1, 2))(q, k, v)))(q, k, v)
 
-    out, grads = values_and_grads(lambda q, k, v: cpu.causal_attention(q, k, v, block))
+    out, grads = values_and_grads(lambda q, k, v: cpu.blocked_causal_attention(q, k, v, block))
     ref_out, ref_grads = values_and_grads(einsum_attention)
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
     for a, b in zip(grads, ref_grads):
@@ -294,7 +294,7 @@ def test_without_a_compiler_the_cpu_kernels_decode_through_xla(monkeypatch, capl
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("CXX", "no-such-compiler-for-jaxgpt")
     assert not native.available()
-    assert "decoding through XLA" in caplog.text and "no C++ compiler" in caplog.text
+    assert "through XLA" in caplog.text and "no C++ compiler" in caplog.text
     params = {"c_fc": {"kernel": jnp.ones((8, 32))}}
     assert cpu.decode_params(params, 1) == (params, "in_out")
     got, layout = cpu.decode_params(params, 4)
@@ -302,6 +302,94 @@ def test_without_a_compiler_the_cpu_kernels_decode_through_xla(monkeypatch, capl
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("JAXGPT_NATIVE", "0")  # switched off: not even built
     assert not native.available() and native._state == {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The native causal attention (kernels/attention.cc): forward and backward
+
+def _attention_case(b, t, n, kh, h, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q, dout = jax.random.normal(keys[0], (b, t, n, h)), jax.random.normal(keys[3], (b, t, n, h))
+    return q, jax.random.normal(keys[1], (b, t, kh, h)), jax.random.normal(keys[2], (b, t, kh, h)), dout
+
+
+def _float64_attention(q, k, v, dout):
+    """Output and (dq, dk, dv) of causal attention in float64 numpy: the reference for the native kernel."""
+    q, k, v, dout = (np.asarray(a, np.float64) for a in (q, k, v, dout))
+    g = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # query head n reads kv head n // g
+    t, h = q.shape[1], q.shape[3]
+    s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(h)
+    s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bnts,bsnh->btnh", p, v)
+    dp = np.einsum("btnh,bsnh->bnts", dout, v)
+    ds = p * (dp - np.einsum("btnh,btnh->bnt", dout, out)[..., None]) / np.sqrt(h)
+    dq = np.einsum("bnts,bsnh->btnh", ds, k)
+    dk = np.einsum("bnts,btnh->bsnh", ds, q)
+    dv = np.einsum("bnts,btnh->bsnh", p, dout)
+    fold = lambda a: a.reshape(*a.shape[:2], -1, g, h).sum(3)  # noqa: E731  (back onto the kv heads)
+    return out, (dq, fold(dk), fold(dv))
+
+
+# T off every tile size (8, 32, 64) and on them; one query block and several; grouped queries (2 and 4 query
+# heads per kv head); each head size class of the kernel's tiles (16: 8 rows, 48: 4 rows, 64, 128: 2 rows)
+@pytest.mark.parametrize("b,t,n,kh,h", [(2, 70, 4, 2, 32), (1, 7, 2, 2, 16), (3, 130, 6, 6, 64),
+                                        (2, 64, 4, 1, 48), (1, 200, 2, 2, 128), (2, 33, 2, 2, 80)])
+def test_native_attention_equals_float64_attention_values_and_grads(native_kernel, b, t, n, kh, h):
+    q, k, v, dout = _attention_case(b, t, n, kh, h)
+    out, vjp = jax.jit(lambda q, k, v: jax.vjp(native.causal_attention, q, k, v))(q, k, v)
+    grads = jax.jit(vjp)(dout)
+    want_out, want_grads = _float64_attention(q, k, v, dout)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=2e-5)
+    for name, got, want in zip("qkv", grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=5e-5, err_msg=f"d{name}")
+
+
+def test_native_attention_is_causal_and_batched_rows_are_independent(native_kernel):
+    q, k, v, _ = _attention_case(3, 40, 4, 2, 32, seed=1)
+    out = native.causal_attention(q, k, v)
+    changed = native.causal_attention(q, k.at[:, 25:].add(3.0), v.at[:, 25:].add(3.0))
+    np.testing.assert_array_equal(out[:, :25], changed[:, :25])  # the future cannot move the past
+    assert not np.allclose(out[:, 25:], changed[:, 25:])
+    alone = native.causal_attention(q[1:2], k[1:2], v[1:2])
+    np.testing.assert_array_equal(out[1:2], alone)
+    stacked = jax.vmap(native.causal_attention)(q[None].repeat(2, 0), k[None].repeat(2, 0), v[None].repeat(2, 0))
+    np.testing.assert_array_equal(stacked[1], out)
+
+
+def test_cpu_attention_runs_the_native_kernel_for_the_head_sizes_it_has(native_kernel, monkeypatch):
+    def targets(h, on=True):
+        monkeypatch.setenv("JAXGPT_NATIVE", "1" if on else "0")
+        q, k, v, dout = _attention_case(1, 12, 2, 1, h)
+        jaxpr = jax.make_jaxpr(lambda q, k, v: jax.vjp(cpu.causal_attention, q, k, v)[1](dout))(q, k, v)
+        return {e.params["target_name"] for e in _primitives(jaxpr.jaxpr) if e.primitive.name == "ffi_call"}
+
+    both = {native.ATTENTION_TARGET, native.ATTENTION_BWD_TARGET}
+    assert targets(16) == targets(64) == targets(128) == both
+    assert targets(8) == targets(24) == targets(144) == set()  # no compiled kernel: XLA's blocks
+    assert targets(64, on=False) == set()
+    assert not native.attention_supported((1, 12, 3, 64), (1, 12, 2, 64))  # 3 query heads on 2 kv heads
+
+
+# a head size the native kernel takes (16), scanned layers and not; the attention custom calls are in the
+# compiled train step, so the native forward and backward are what is compared
+@pytest.mark.parametrize("scan", [False, True])
+def test_train_gradients_equal_between_kernel_sets_through_the_native_attention(native_kernel, scan):
+    portable, on_cpu = _configs(n_embd=64, scan_layers=scan)
+    params = init_params(portable, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 30), 0, 40)
+
+    def loss(cfg):
+        return jax.jit(jax.value_and_grad(
+            lambda p: cross_entropy(GPT(cfg).apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])))
+
+    assert native.ATTENTION_BWD_TARGET in loss(on_cpu).lower(params).as_text()
+    (loss_a, grads_a), (loss_b, grads_b) = loss(portable)(params), loss(on_cpu)(params)
+    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------

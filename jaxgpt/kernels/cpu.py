@@ -11,9 +11,10 @@ float rounding (tests/test_kernels.py). Why each exists, with the measurements, 
 - `decode_params`: the kernels for decoding 1..16 rows in float32, made once per `generate` call: packed
   for the native multiply (`panels_linear`, kernels/native.py and rows.cc, where a C++ compiler is at
   hand), else transposed [out, in] for `_few_rows`.
-- `causal_attention`: self-attention in blocks of 64 queries, each attending only to the keys up to its
-  end, so the masked half of the score matrix is never computed. A Python loop whose length grows with T:
-  right for XLA:CPU, wrong for accelerators.
+- `causal_attention`: self-attention that never computes the masked half of the score matrix: the native
+  kernel (kernels/attention.cc, forward and backward, float32) where it is built, else
+  `blocked_causal_attention`, blocks of 64 queries in XLA, each attending only to the keys up to its end
+  (a Python loop whose length grows with T: right for XLA:CPU, wrong for accelerators).
 - The KV cache's buffers stored [B*K, S, H], written with one `dynamic_update_slice` per row (16-bit
   floats as their uint16 bits, which XLA:CPU updates in place), and
   `cached_attention` with the query heads of a group stacked into one matrix per (row, kv head).
@@ -193,8 +194,18 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax
     return jnp.einsum("...ms,...sh->...mh", weights, v, preferred_element_type=jnp.float32)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 64) -> jax.Array:
-    """Causal self-attention (positions 0..T-1) of q [B,T,N,H] over k/v [B,T,K,H], in query blocks:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal self-attention (positions 0..T-1) of q [B,T,N,H] over k/v [B,T,K,H]: the native kernel
+    (kernels/attention.cc, forward and backward) where it is built and takes the head size, else
+    `blocked_causal_attention` in XLA."""
+    check_shapes(q, k, v)
+    if native.attention_supported(q.shape, k.shape):
+        return native.causal_attention(q, k, v)
+    return blocked_causal_attention(q, k, v)
+
+
+def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 64) -> jax.Array:
+    """Causal self-attention (positions 0..T-1) of q [B,T,N,H] over k/v [B,T,K,H] in XLA, in query blocks:
     block i attends to keys [0, (i+1)*block) only, about (n+1)/(2n) of the full work for n blocks."""
     check_shapes(q, k, v)
     b, t, n, h = q.shape

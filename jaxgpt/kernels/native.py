@@ -1,17 +1,19 @@
-"""The CPU kernels' one native kernel: the decode step's matmul at 1..16 rows (rows.cc), an XLA FFI call.
+"""The CPU kernels' native kernels, XLA FFI calls compiled from C++ on first use: the decode step's matmul
+at 1..16 rows (rows.cc) and causal self-attention for training, forward and backward (attention.cc).
 
 At a decode step every weight is read once for a handful of rows, so the step is as fast as the weights
 stream from memory. XLA:CPU's matmul and fusions read them at 19-27 GB/s on the 2-core machine of
 bench/README.md, whose memory gives 32; rows.cc reads them at 27-30. It multiplies weights packed in
 panels of 16 outputs ([ceil(out/16), in, 16], `pack`), which `cpu.decode_params` makes once per
-`generate` call.
+`generate` call. Causal attention (`causal_attention`) skips the masked half of the scores and never
+materialises them beyond a block of 64 queries; XLA's batched matmuls for it ran at 76-92 GFLOP/s there.
 
-The source is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`) for this CPU
+The sources are compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`) for this CPU
 (`-march=native`), against the FFI headers of the installed jaxlib, into
 `kernels/` of `$JAXGPT_CACHE` (default `~/.cache/jaxgpt`, the data cache's), once per source, jaxlib and
-CPU (about 3 s). With no compiler, or
+CPU (about 10 s). With no compiler, or
 `JAXGPT_NATIVE=0`, or any failure (logged once), `available()` is False and the CPU kernels decode
-through XLA as before: same results to float rounding.
+and attend through XLA as before: same results to float rounding.
 """
 
 from __future__ import annotations
@@ -35,7 +37,11 @@ log = logging.getLogger(__name__)
 TARGET = "jaxgpt_rows_matmul"
 PACK_TARGET = "jaxgpt_pack"
 MAX_ROWS = 16
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rows.cc")
+ATTENTION_TARGET = "jaxgpt_causal_attention"
+ATTENTION_BWD_TARGET = "jaxgpt_causal_attention_bwd"
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = tuple(os.path.join(_HERE, f) for f in ("rows.cc", "attention.cc"))
+HEADERS = (os.path.join(_HERE, "common.h"),)
 
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once tried; "lib": the loaded library (kept alive); "why": reason if not ok
@@ -61,20 +67,23 @@ def _build() -> str:
     compiler = shutil.which(os.environ.get("CXX", "c++"))
     if compiler is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} not found)")
-    with open(SOURCE, "rb") as f:
-        source = f.read()
+    sources = []
+    for name in SOURCES + HEADERS:
+        with open(name, "rb") as f:
+            sources.append(f.read())
     import jaxlib
-    key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), compiler.encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join(sources + [jaxlib.__version__.encode(), compiler.encode(),
+                                                _cpu_signature().encode()])).hexdigest()[:16]
     out_dir = _cache_dir()
-    path = os.path.join(out_dir, f"rows-{key}.so")
+    path = os.path.join(out_dir, f"jaxgpt-{key}.so")
     if os.path.exists(path):
         return path
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # built aside, then renamed: concurrent builds are safe
     os.close(fd)
-    cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-           f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp]
+    # -ffp-contract=fast: multiply-adds fused (ISO C++ modes leave them unfused)
+    cmd = [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w",
+           f"-I{jax.ffi.include_dir()}", *SOURCES, "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -96,10 +105,14 @@ def available() -> bool:
                 lib = ctypes.cdll.LoadLibrary(_build())
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxgptRowsMatmul), platform="cpu")
                 jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.JaxgptPack), platform="cpu")
+                jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxgptCausalAttention),
+                                            platform="cpu")
+                jax.ffi.register_ffi_target(ATTENTION_BWD_TARGET,
+                                            jax.ffi.pycapsule(lib.JaxgptCausalAttentionBackward), platform="cpu")
                 _state.update(ok=True, lib=lib)
             except Exception as e:  # no compiler, no headers, a failed build: decode through XLA instead
                 _state.update(ok=False, why=str(e))
-                log.warning("jaxgpt: the native decode kernel is unavailable, decoding through XLA (%s)", e)
+                log.warning("jaxgpt: the native CPU kernels are unavailable, decoding and attending through XLA (%s)", e)
         return _state["ok"]
 
 
@@ -144,3 +157,51 @@ def rows_matmul(x: jax.Array, panels: jax.Array, out: int) -> jax.Array:
     # (vmap: one call per element, e.g. when flax checks a stacked layer's shapes through a vmapped init)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32), vmap_method="sequential")
     return call(x.astype(jnp.float32), panels.astype(jnp.float32))
+
+
+def attention_supported(q_shape, k_shape) -> bool:
+    """Whether `causal_attention` takes queries and keys of these shapes ([B, T, N, H], [B, T, K, H]): head
+    sizes 16..128 in steps of 16 (attention.cc compiles those), N a multiple of K, the kernels built."""
+    h = q_shape[-1]
+    return (len(q_shape) == len(k_shape) == 4 and h % 16 == 0 and 16 <= h <= 128 and k_shape[-1] == h
+            and q_shape[2] % k_shape[2] == 0 and available())
+
+
+def _require() -> None:
+    if not available():
+        raise RuntimeError(f"jaxgpt's native CPU kernels are unavailable: {_state.get('why', 'JAXGPT_NATIVE=0')}")
+
+
+def _attention_forward(q, k, v):
+    _require()
+    b, t, n, _ = q.shape
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                               jax.ShapeDtypeStruct((b, n, t), jnp.float32)),
+                            vmap_method="sequential")
+    return call(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+
+
+@jax.custom_vjp
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal self-attention of q [B,T,N,H] over k, v [B,T,K,H] (positions 0..T-1, scores scaled by
+    1/sqrt(H)) in attention.cc, float32 inside; the backward is attention.cc's too. Check
+    `attention_supported` first."""
+    return _attention_forward(q, k, v)[0].astype(q.dtype)
+
+
+def _causal_attention_fwd(q, k, v):
+    out, lse = _attention_forward(q, k, v)
+    return out.astype(q.dtype), (q, k, v, out, lse)
+
+
+def _causal_attention_bwd(res, g):
+    q, k, v, out, lse = res
+    _require()
+    f32 = lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32)  # noqa: E731
+    call = jax.ffi.ffi_call(ATTENTION_BWD_TARGET, (f32(q), f32(k), f32(v)), vmap_method="sequential")
+    dq, dk, dv = call(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), out, lse,
+                      g.astype(jnp.float32))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)

@@ -1,4 +1,4 @@
-// jaxgpt's one native CPU kernel (see native.py): y = x @ W for a few rows of x, the decode step's matmul.
+// The decode step's native matmul (see native.py): y = x @ W for a few rows of x.
 //
 // x float32 [R, in] (R <= 16), W packed in panels of 16 outputs, wp[p][i][j] = W[i, 16 p + j] (float32
 // [ceil(out / 16), in, 16], zero past `out`), y float32 [R, out]. Each panel is read once, in order, and
@@ -8,17 +8,10 @@
 // `JaxgptPack` makes the panels from a stored kernel once per generate call (XLA's transposes took ~0.3 s
 // for GPT-2 124M's kernels on that machine).
 
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
-
-// 16 floats; GCC/Clang lower it to one AVX-512 register, two AVX ones, or four SSE ones.
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#include "common.h"
 
 // Panels [lo, hi), P at a time: P x R accumulators stay in registers for the whole `in` loop.
 template <int R, int P>
@@ -63,30 +56,6 @@ static void run(int64_t r, const float* x, int64_t in, const float* wp, int64_t 
     JAXGPT_ROWS(14) JAXGPT_ROWS(15) JAXGPT_ROWS(16)
 #undef JAXGPT_ROWS
   }
-}
-
-// Runs work(lo, hi) over [0, n) in two halves: the calling thread takes the first, a task on XLA's intra-op
-// pool the second, and whichever of the two comes to the second half first computes it (so a busy pool, or
-// two of these calls waiting on each other, never stalls it).
-template <typename Work>
-static void in_two_halves(ffi::ThreadPool& pool, int64_t n, Work work) {
-  const int64_t half = (n + 1) / 2;
-  if (half == n) return work(0, n);
-  struct Second {
-    std::atomic<bool> claimed{false}, done{false};
-  };
-  auto second = std::make_shared<Second>();
-  pool.Schedule([=] {
-    if (second->claimed.exchange(true)) return;  // the caller took it
-    work(half, n);
-    second->done.store(true, std::memory_order_release);
-  });
-  work(0, half);
-  if (!second->claimed.exchange(true))
-    work(half, n);
-  else
-    while (!second->done.load(std::memory_order_acquire)) {
-    }
 }
 
 static ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
