@@ -11,6 +11,12 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.kernels import inline_cpu_dispatch
+
+# as the CLIs run (jaxgpt-train, jaxgpt-sample): computations on the calling thread; JAXGPT_CPU_ASYNC=1 for
+# JAX's default asynchronous CPU dispatch
+INLINE_CPU_DISPATCH = inline_cpu_dispatch()
+
 
 def median_time(fn, reps: int = 5) -> tuple[float, list]:
     """Median wall time of fn() (which must block until done) over `reps` runs, and all times."""
@@ -47,7 +53,8 @@ def ceilings() -> dict:
 
 def machine() -> dict:
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-            "device": jax.devices()[0].device_kind, "backend": jax.default_backend()}
+            "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+            "cpu_dispatch": "inline" if INLINE_CPU_DISPATCH else "async"}
 
 
 def write_results(name: str, results: dict) -> str:

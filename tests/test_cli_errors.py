@@ -106,6 +106,7 @@ def test_a_5_step_run_of_the_cpu_config_just_works_and_is_quiet(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "warmup_steps (100) > train.max_steps (5): the learning rate never reaches its peak" in r.stderr
     assert "jaxgpt-train: done at step 5; best val loss" in r.stdout
+    assert "; CPU dispatch inline" in r.stdout  # computations on the calling thread (kernels.inline_cpu_dispatch)
     assert not INFO_LINE.search(r.stdout + r.stderr)  # orbax's and JAX's INFO logs are off by default
     assert len((r.stdout + r.stderr).splitlines()) <= 6
     resume = run + ["--config.init_from=resume"]  # at max_steps already: restores, says so, exits

@@ -392,6 +392,28 @@ def test_train_gradients_equal_between_kernel_sets_through_the_native_attention(
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("opt_out", [False, True])
+def test_inline_cpu_dispatch_takes_effect_only_before_the_first_computation(opt_out):
+    import os
+    import subprocess
+    import sys
+
+    code = ("import jax\n"
+            "from jaxgpt import kernels\n"
+            "first = kernels.inline_cpu_dispatch()\n"
+            "flag = jax.config.values[\"jax_cpu_enable_async_dispatch\"]\n"
+            "jax.numpy.ones(3).block_until_ready()\n"
+            "print(first, flag, kernels.inline_cpu_dispatch(), kernels.cpu_dispatch())\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAXGPT_CPU_ASYNC"}
+    if opt_out:
+        env["JAXGPT_CPU_ASYNC"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    # taken before any computation (and the flag set); never after one, nor when JAXGPT_CPU_ASYNC=1
+    want = "False True False async" if opt_out else "True False False inline"
+    assert out.stdout.split("\n")[-2] == want
+
+
 # ---------------------------------------------------------------------------------------------------
 # Structure of the portable program: what makes it fit accelerators
 

@@ -118,7 +118,10 @@ def _check_writable(path: str) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from jaxgpt.checkpoint import CheckpointError
+    from jaxgpt.kernels import inline_cpu_dispatch
     from jaxgpt.report import one_line
+
+    inline_cpu_dispatch()  # as jaxgpt-train and the benchmarks run (before any computation; kernels/__init__.py)
 
     def fail(e) -> int:
         print(f"jaxgpt-sample: {one_line(str(e))}", file=sys.stderr)

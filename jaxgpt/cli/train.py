@@ -144,6 +144,8 @@ def _run(argv) -> None:
     from jaxgpt.training import TrainingDiverged, train
     from jaxgpt.training.loop import StopNow
 
+    from jaxgpt.kernels import inline_cpu_dispatch
+    inline_cpu_dispatch()  # before any computation: see its docstring
     try:
         validate_config(config)  # mistakes in the config stop here, before any process connects
         # first of all JAX calls: connect to the other processes (if the config or the cluster says so)

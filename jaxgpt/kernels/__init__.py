@@ -56,3 +56,34 @@ def run_once_options(config) -> dict:
     parameter init: under the CPU kernels no LLVM optimisation, which halves its compile time (the baby
     model's init with its optimizer state: 1.6 -> 0.8 s) and costs nothing in a program run once."""
     return {"xla_backend_optimization_level": 0} if resolve(config.kernels) == "cpu" else {}
+
+
+def inline_cpu_dispatch() -> bool:
+    """Have JAX's CPU client run each computation on the thread that calls it (JAX's
+    `jax_cpu_enable_async_dispatch=False`), unless JAXGPT_CPU_ASYNC=1. Takes effect only before JAX's
+    first computation (the CLIs call it first thing); returns whether it did.
+
+    With the default asynchronous dispatch, a computation runs on one of the CPU client's own threads, whose
+    glibc arena serves any block above 64 MiB with fresh mmap pages and unmaps it on free: a program with
+    large temporaries faults them in again at every call (the 6L train step: 127,000 page faults and ~100 ms
+    of a 925 ms step; bench/README.md). On the calling thread they come from the main heap, which
+    `cpu.tune_allocator` keeps. Only single-device computations change; on GPU/TPU only the host client is
+    affected.
+    """
+    if os.environ.get("JAXGPT_CPU_ASYNC", "0") == "1":
+        return False
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return False
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    _DISPATCH["inline"] = True
+    return True
+
+
+_DISPATCH = {"inline": False}
+
+
+def cpu_dispatch() -> str:
+    """"inline" once `inline_cpu_dispatch` took effect in this process, else "async" (JAX's default)."""
+    return "inline" if _DISPATCH["inline"] else "async"

@@ -267,7 +267,8 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
               f"vocab {gcfg.vocab_size} ({config.data.tokenizer}), dtype {gcfg.dtype}; "
               + (f"MFU against {peak / 1e9:.0f} GFLOP/s ({peak_source})" if peak is not None
                  else f"MFU unknown: {peak_source}")
-              + f", {flops_per_token / 1e6:.2f} MFLOP/token (6N + 12*L*T*D, attention not halved)", flush=True)
+              + f", {flops_per_token / 1e6:.2f} MFLOP/token (6N + 12*L*T*D, attention not halved)"
+              + (f"; CPU dispatch {kernels.cpu_dispatch()}" if jax.default_backend() == "cpu" else ""), flush=True)
         if resume:
             print(f"jaxgpt: resumed from step {start_step} in {checkpointer.directory}", flush=True)
 
