@@ -19,6 +19,7 @@ A/B of the native attention kernel (kernels/attention.cc) inside the step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -27,10 +28,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxgpt import kernels  # noqa: E402
-from jaxgpt.kernels import cpu  # noqa: E402
+from jaxgpt.kernels import cpu, native  # noqa: E402
 
 from bench.common import ceilings, machine, write_results  # noqa: E402
 from bench.train import CONFIGS  # noqa: E402
@@ -42,6 +44,31 @@ from jaxgpt.training import create_train_state, make_optimizer, make_runner, mak
 def standin_attention(q, k, v, block=64):
     """Not attention: the ablation's stand-in, as cheap as a function of q, k and v can be."""
     return (q + k + v) * (1.0 / 3.0)
+
+
+def standin_attention_qkv(qkv, n_head, kv_heads):
+    """The stand-in for the fused projection's entry point."""
+    b, t, c = qkv.shape
+    h = c // (n_head + 2 * kv_heads)
+    q, k, v = jnp.split(qkv, [n_head * h, (n_head + kv_heads) * h], axis=-1)
+    g = n_head // kv_heads
+    k, v = (jnp.repeat(a.reshape(b, t, kv_heads, h), g, axis=2) for a in (k, v))
+    return standin_attention(q.reshape(b, t, n_head, h), k, v)
+
+
+@contextlib.contextmanager
+def attention_variant(name: str):
+    """The CPU kernels' attention as it is ("real"), in XLA only ("xla": the native kernel reported
+    unsupported), or replaced by the stand-in ("stand-in"), while a model is traced."""
+    saved = (cpu.causal_attention, cpu.causal_attention_qkv, native.attention_supported)
+    if name == "stand-in":
+        cpu.causal_attention, cpu.causal_attention_qkv = standin_attention, standin_attention_qkv
+    elif name == "xla":
+        native.attention_supported = lambda q_shape, k_shape: False
+    try:
+        yield
+    finally:
+        cpu.causal_attention, cpu.causal_attention_qkv, native.attention_supported = saved
 
 
 def build(name: str, dtype: str, kernels: str):
@@ -74,19 +101,14 @@ def main():
     data = np.random.default_rng(0).integers(0, vocab, (k, batch, block + 1)).astype(np.int32)
     xs, ys = data[..., :-1], data[..., 1:]
     variants = {}
-    real_attention = cpu.causal_attention
-    attentions = {"real": real_attention, "stand-in": standin_attention, "xla": cpu.blocked_causal_attention}
     chosen = ["real"] + ["stand-in"] * args.attention_standin + ["xla"] * args.attention_xla
     for attention in chosen:
         for dtype in ("float32", "bfloat16"):
-            # the model looks the kernel up when it is traced, i.e. in the first (compiling) call
-            cpu.causal_attention = attentions[attention]
-            try:
+            # the model looks the kernels up when it is traced, i.e. in the first (compiling) call
+            with attention_variant(attention):
                 runner, state = build(args.config, dtype, args.kernels)
                 state, metrics = runner.steps(state, xs, ys)  # compile
                 jax.block_until_ready(metrics)
-            finally:
-                cpu.causal_attention = real_attention
             key = dtype if attention == "real" else f"{dtype}, attention {attention}"
             variants[key] = {"runner": runner, "state": state, "ms": []}
     for _ in range(args.rounds):

@@ -80,6 +80,18 @@ class CausalSelfAttention(nn.Module):
         b, t, _ = x_BxTxD.shape
         n, kh, h = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         qkv = _dense(cfg, (n + 2 * kh) * h, "c_attn", self.kernel_layout)(x_BxTxD)
+        if cache is None and cfg.position != "rope" and kernels.cpu_attention(cfg):
+            out = cpu.causal_attention_qkv(qkv, n, kh)  # XLA:CPU: read in place, not split (kernels/cpu.py)
+        else:
+            out, cache = self._attend(qkv, positions_BxT, cache, layer)
+        y = _dense(cfg, cfg.n_embd, "c_proj", self.kernel_layout, residual_out=True)(out.reshape(b, t, n * h))
+        return nn.Dropout(cfg.dropout)(y, deterministic=deterministic), cache
+
+    def _attend(self, qkv, positions_BxT, cache: Optional[KVCache], layer):
+        """Attention of the projection qkv [B, T, (N + 2K) H] -> ([B,T,N,H], the cache with this step's k/v)."""
+        cfg = self.config
+        b, t, _ = qkv.shape
+        n, kh, h = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         q, k, v = jnp.split(qkv, [n * h, (n + kh) * h], axis=-1)
         q_BxTxNxH = q.reshape(b, t, n, h)
         k_BxTxKxH = k.reshape(b, t, kh, h)
@@ -89,21 +101,16 @@ class CausalSelfAttention(nn.Module):
             k_BxTxKxH = rotary_embedding(k_BxTxKxH, positions_BxT, cfg.rope_theta)
         if cache is None:  # queries and keys at 0..t-1
             if kernels.cpu_attention(cfg):  # XLA:CPU: skip the masked blocks (kernels/cpu.py)
-                out = cpu.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
-            else:
-                out = get_attention(cfg.attention)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None, None)
-        else:
-            kv_lengths = cache.lengths + t
-            cache = cache.write(layer, k_BxTxKxH, v_BxTxKxH)
-            # [B, K, S, H]; a cache kept in another dtype is read in the compute dtype
-            keys, values = (a.astype(q_BxTxNxH.dtype) for a in cache.layer(layer))
-            if kernels.cpu_attention(cfg):  # XLA:CPU: kernels/cpu.py
-                out = cpu.cached_attention(q_BxTxNxH, keys, values, positions_BxT, kv_lengths)
-            else:
-                out = get_attention(cfg.attention)(q_BxTxNxH, keys.swapaxes(1, 2), values.swapaxes(1, 2),
-                                                   positions_BxT, kv_lengths)
-        y = _dense(cfg, cfg.n_embd, "c_proj", self.kernel_layout, residual_out=True)(out.reshape(b, t, n * h))
-        return nn.Dropout(cfg.dropout)(y, deterministic=deterministic), cache
+                return cpu.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH), cache
+            return get_attention(cfg.attention)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None, None), cache
+        kv_lengths = cache.lengths + t
+        cache = cache.write(layer, k_BxTxKxH, v_BxTxKxH)
+        # [B, K, S, H]; a cache kept in another dtype is read in the compute dtype
+        keys, values = (a.astype(q_BxTxNxH.dtype) for a in cache.layer(layer))
+        if kernels.cpu_attention(cfg):  # XLA:CPU: kernels/cpu.py
+            return cpu.cached_attention(q_BxTxNxH, keys, values, positions_BxT, kv_lengths), cache
+        return get_attention(cfg.attention)(q_BxTxNxH, keys.swapaxes(1, 2), values.swapaxes(1, 2), positions_BxT,
+                                            kv_lengths), cache
 
 
 class MLP(nn.Module):

@@ -1,6 +1,9 @@
-"""The accelerator benchmark's smoke mode runs on the CPU, so the script never rots before a GPU is lent."""
+"""The benchmarks run in smoke modes on the CPU, so that the scripts never rot (the accelerator one before a
+GPU is lent)."""
 
 import json
+
+import pytest
 
 from bench.accelerator import main
 
@@ -36,3 +39,43 @@ def test_attention_benchmark_smoke(tmp_path, monkeypatch):
     for r in rows.values():
         assert r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0
         assert r["fwd_bwd_flops_per_s"] == 3 * attention.causal_flops(b, t, n, h) / r["fwd_bwd_s"]
+
+
+FAKE_NANOGPT_MODEL = """
+import torch
+class GPTConfig:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+class GPT(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        print("number of parameters: (a stand-in for nanoGPT's model.py)")
+        self.emb, self.head = torch.nn.Embedding(c.vocab_size, 8), torch.nn.Linear(8, c.vocab_size)
+    def forward(self, x, y):
+        logits = self.head(self.emb(x))
+        return logits, torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+    def configure_optimizers(self, weight_decay, lr, betas, device):
+        return torch.optim.AdamW(self.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+"""
+
+
+def test_train_benchmark_times_every_side_in_every_round(tmp_path, monkeypatch):
+    """bench/train.py builds jaxgpt's variants and both peers, then times them in turns, round after
+    round; nanoGPT's side (here a stand-in model.py) is one subprocess that waits between rounds."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from bench import train
+
+    (tmp_path / "nanogpt").mkdir()
+    (tmp_path / "nanogpt" / "model.py").write_text(FAKE_NANOGPT_MODEL)
+    monkeypatch.setattr(train, "write_results", lambda name, results: name)
+    monkeypatch.setattr(train, "ceilings", lambda: {"matmul_fp32_flops": 1e9, "matmul_bf16_flops": 1e9,
+                                                    "read_bytes_per_s": 1e9})
+    rows = train.main(["--configs", "baby", "--dtypes", "float32", "--steps", "2", "--rounds", "3",
+                       "--nanogpt", str(tmp_path / "nanogpt")])
+    (row,) = rows
+    assert row["config"] == "baby" and row["dtype"] == "float32"
+    assert {k: len(v) for k, v in row["all_ms"].items()} == {"('float32', 'auto')": 6, "transformers": 6,
+                                                             "nanogpt": 6}
+    assert row["ms_per_step"] > 0 and row["peer"]["ms_per_step"] > 0 and row["nanogpt"]["ms_per_step"] > 0
+    assert row["speedup_vs_nanogpt"] == pytest.approx(row["nanogpt"]["ms_per_step"] / row["ms_per_step"])

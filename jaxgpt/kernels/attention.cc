@@ -1,9 +1,11 @@
 // Causal self-attention for training under the CPU kernels (see native.py): forward and backward.
 //
-// q float32 [B, T, N, H], k and v float32 [B, T, K, H] (query head n uses key/value head n / (N / K)),
-// positions 0..T-1, query t sees keys 0..t, scores scaled by 1/sqrt(H). The forward gives the output
-// [B, T, N, H] and each query's log-sum-exp of its scores [B, N, T]; the backward recomputes the
-// probabilities from those and gives dq, dk, dv.
+// Queries, keys and values are read as rows of H floats out of [B, T, C] arrays: query head n of row (b, t)
+// at column q_off + n H, key/value head j at k_off + j H / v_off + j H (one fused [B, T, (N + 2K) H]
+// projection passed three times, or three arrays of their own); query head n uses key/value head n / (N / K).
+// Positions 0..T-1, query t sees keys 0..t, scores scaled by 1/sqrt(H). The forward gives the output
+// [B, T, N H] and each query's log-sum-exp of its scores [B, N, T]; the backward recomputes the
+// probabilities from those and writes dq, dk, dv (into three arrays, or one fused like the input).
 //
 // One unit of work is a (batch row, key/value head): its keys and values are copied once into padded
 // scratch (transposed where a matmul wants them so), then its query heads run in blocks of MB queries.
@@ -11,7 +13,8 @@
 // up to its last row (rounded up to CT): about half of the T x T work, as the masked part is skipped. Two
 // register-tiled matmuls do the work: scores = rows x columns (abt) and rows of probabilities x rows of
 // values (ab); the softmax's exponential is a vectorised polynomial. The units are split between the
-// calling thread and XLA's intra-op pool (in_two_halves, common.h).
+// calling thread and XLA's intra-op pool (in_two_halves, common.h). The tiles assume 32 vector registers
+// (AVX-512); native.py uses this kernel only on such CPUs.
 
 #include <algorithm>
 #include <cmath>
@@ -111,37 +114,50 @@ i16v visible_lanes(int64_t c0, int64_t visible) {
   return (iota + (int32_t)c0) < (int32_t)visible;
 }
 
-// The shapes of one call and the strided views of its arrays.
+// The shapes of one call.
 struct Dims {
   int64_t b, t, n, k, h, g, tp;  // tp: keys padded to CT
   float scale;
-  int64_t q_row() const { return n * h; }
-  int64_t kv_row() const { return k * h; }
 };
+
+// A [B, T, C] array seen a head's row at a time: row (b, t) of head x at base + (b T + t) stride + off + x H.
+template <typename F>
+struct View {
+  F* base;
+  int64_t stride, off;
+  F* row(const Dims& d, int64_t b, int64_t t, int64_t head) const {
+    return base + (b * d.t + t) * stride + off + head * d.h;
+  }
+};
+using In = View<const float>;
+using Out = View<float>;
 
 // Copies the keys (or values) of unit (bi, kh) into [tp, H] rows and/or the transposed [H, tp], zero past t.
 template <int H>
-void gather_kv(const Dims& d, const float* src, int64_t bi, int64_t kh, float* rows, float* cols) {
-  const float* x = src + bi * d.t * d.kv_row() + kh * H;  // key j at x + j * kv_row
+void gather_kv(const Dims& d, In src, int64_t bi, int64_t kh, float* rows, float* cols) {
   if (rows) {
-    for (int64_t j = 0; j < d.t; ++j)
-      for (int64_t i = 0; i < H; i += 16) store16(rows + j * H + i, load16(x + j * d.kv_row() + i));
+    for (int64_t j = 0; j < d.t; ++j) {
+      const float* x = src.row(d, bi, j, kh);
+      for (int64_t i = 0; i < H; i += 16) store16(rows + j * H + i, load16(x + i));
+    }
     std::memset(rows + d.t * H, 0, sizeof(float) * (d.tp - d.t) * H);
   }
   if (cols) {  // in 16 x 16 tiles, so that reads and writes each touch 16 cache lines at a time
     for (int64_t j0 = 0; j0 < d.t; j0 += 16)
       for (int64_t i0 = 0; i0 < H; i0 += 16)
-        for (int64_t j = j0; j < std::min(j0 + 16, d.t); ++j)
-          for (int64_t i = i0; i < i0 + 16; ++i) cols[i * d.tp + j] = x[j * d.kv_row() + i];
+        for (int64_t j = j0; j < std::min(j0 + 16, d.t); ++j) {
+          const float* x = src.row(d, bi, j, kh);
+          for (int64_t i = i0; i < i0 + 16; ++i) cols[i * d.tp + j] = x[i];
+        }
     for (int64_t i = 0; i < H; ++i) std::memset(cols + i * d.tp + d.t, 0, sizeof(float) * (d.tp - d.t));
   }
 }
 
-// Copies the mb query rows (of head n) starting at lo, times `mul`, into [MB, H], zero past mb.
+// Copies the mb rows of head n starting at lo, times `mul`, into [MB, H], zero past mb.
 template <int H>
-void gather_rows(const Dims& d, const float* src, int64_t bi, int64_t n, int64_t lo, int64_t mb, float mul, float* dst) {
+void gather_rows(const Dims& d, In src, int64_t bi, int64_t n, int64_t lo, int64_t mb, float mul, float* dst) {
   for (int64_t r = 0; r < mb; ++r) {
-    const float* x = src + (bi * d.t + lo + r) * d.q_row() + n * H;
+    const float* x = src.row(d, bi, lo + r, n);
     for (int64_t i = 0; i < H; i += 16) store16(dst + r * H + i, load16(x + i) * mul);
   }
   std::memset(dst + mb * H, 0, sizeof(float) * (MB - mb) * H);
@@ -161,8 +177,7 @@ struct Attention {
         abt_tile<H>(a + rt * H, kt + c0, d.tp, s + rt * d.tp + c0, d.tp);
   }
 
-  static void forward(const Dims& d, const float* q, const float* k, const float* v, float* o, float* lse,
-                      int64_t u0, int64_t u1) {
+  static void forward(const Dims& d, In q, In k, In v, Out o, float* lse, int64_t u0, int64_t u1) {
     std::vector<float> kt(d.tp * H), vr(d.tp * H), qs(MB * H), s(MB * d.tp), os(MB * H), inv(MB);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t bi = u / d.k, kh = u % d.k;
@@ -202,7 +217,7 @@ struct Attention {
             ab_tile<H, R>(s.data() + r0 * d.tp, d.tp, 1, vr.data(), 0, std::min(lo + r0 + R, d.t), os.data() + r0 * H,
                           false, 1.f);
           for (int64_t r = 0; r < mb; ++r) {
-            float* y = o + (bi * d.t + lo + r) * d.q_row() + n * H;
+            float* y = o.row(d, bi, lo + r, n);
             for (int64_t i = 0; i < H; i += 16) store16(y + i, load16(os.data() + r * H + i) * inv[r]);
           }
         }
@@ -210,8 +225,8 @@ struct Attention {
     }
   }
 
-  static void backward(const Dims& d, const float* q, const float* k, const float* v, const float* o,
-                       const float* lse, const float* dout, float* dq, float* dk, float* dv, int64_t u0, int64_t u1) {
+  static void backward(const Dims& d, In q, In k, In v, In o, const float* lse, In dout, Out dq, Out dk, Out dv,
+                       int64_t u0, int64_t u1) {
     std::vector<float> kt(d.tp * H), vt(d.tp * H), kr(d.tp * H), qs(MB * H), dos(MB * H), dd(MB),
         p(MB * d.tp), ds(MB * d.tp), dqs(MB * H), dka(d.tp * H), dva(d.tp * H);
     for (int64_t u = u0; u < u1; ++u) {
@@ -229,7 +244,7 @@ struct Attention {
           for (int64_t r = 0; r < MB; ++r) {  // D_r = dout_r . out_r, the softmax's backward term
             v16 acc = v16{};
             if (r < mb) {
-              const float* y = o + (bi * d.t + lo + r) * d.q_row() + n * H;
+              const float* y = o.row(d, bi, lo + r, n);
               for (int64_t i = 0; i < H; i += 16) acc += load16(dos.data() + r * H + i) * load16(y + i);
             }
             float sum = 0.f;
@@ -255,7 +270,7 @@ struct Attention {
                           false, d.scale);
           for (int64_t r = 0; r < mb; ++r)
             for (int64_t i = 0; i < H; i += 16)
-              store16(dq + (bi * d.t + lo + r) * d.q_row() + n * H + i, load16(dqs.data() + r * H + i));
+              store16(dq.row(d, bi, lo + r, n) + i, load16(dqs.data() + r * H + i));
           // dk += dS^T . (scale q), dv += P^T . dout, R key rows at a time over the block's rows that see
           // them (row r sees key j when lo + r >= j; every (r, j) read lies in r's tile columns)
           for (int64_t j0 = 0, keys = tile_columns(d, lo, mbp - RT); j0 < keys; j0 += R) {
@@ -267,12 +282,35 @@ struct Attention {
       }
       for (int64_t j = 0; j < d.t; ++j)
         for (int64_t i = 0; i < H; i += 16) {
-          store16(dk + (bi * d.t + j) * d.kv_row() + kh * H + i, load16(dka.data() + j * H + i));
-          store16(dv + (bi * d.t + j) * d.kv_row() + kh * H + i, load16(dva.data() + j * H + i));
+          store16(dk.row(d, bi, j, kh) + i, load16(dka.data() + j * H + i));
+          store16(dv.row(d, bi, j, kh) + i, load16(dva.data() + j * H + i));
         }
     }
   }
 };
+
+// Checks a [B, T, C] buffer holding `heads` heads of H from column `off`.
+bool holds(ffi::Span<const int64_t> dims, const Dims& d, int64_t heads, int64_t off) {
+  return dims.size() == 3 && dims[0] == d.b && dims[1] == d.t && off >= 0 && off + heads * d.h <= dims[2];
+}
+
+struct Call {
+  Dims d;
+  int64_t q_off, k_off, v_off;
+};
+
+// The call's shapes from q's [B, T, C] and the attributes, checked against q, k, v.
+bool read_call(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k, ffi::Span<const int64_t> v, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, int64_t q_off, int64_t k_off, int64_t v_off, Call* c) {
+  if (q.size() != 3 || heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 1) return false;
+  c->d = Dims{q[0], q[1], heads, kv_heads, head_dim, heads / kv_heads, round_up(q[1], CT),
+              1.f / std::sqrt((float)head_dim)};
+  c->q_off = q_off, c->k_off = k_off, c->v_off = v_off;
+  return holds(q, c->d, heads, q_off) && holds(k, c->d, kv_heads, k_off) && holds(v, c->d, kv_heads, v_off);
+}
+
+In in(const ffi::Buffer<ffi::F32>& b, int64_t off) { return In{b.typed_data(), b.dimensions()[2], off}; }
+Out out(ffi::Result<ffi::Buffer<ffi::F32>>& b, int64_t off) { return Out{b->typed_data(), b->dimensions()[2], off}; }
 
 // Head sizes with a compiled kernel: multiples of 16 up to 128 (native.py checks before calling).
 template <typename F>
@@ -289,52 +327,86 @@ bool with_head_size(int64_t h, F f) {
   return false;
 }
 
-bool read_dims(ffi::Span<const int64_t> q, ffi::Span<const int64_t> k, Dims* d) {
-  if (q.size() != 4 || k.size() != 4 || k[0] != q[0] || k[1] != q[1] || k[3] != q[3] || k[2] < 1 || q[2] % k[2])
-    return false;
-  *d = Dims{q[0], q[1], q[2], k[2], q[3], q[2] / k[2], round_up(q[1], CT), 1.f / std::sqrt((float)q[3])};
-  return true;
+const char* kUsage =
+    "jaxgpt_causal_attention: q, k, v [B, T, C] holding heads (kv_heads) of head_dim from q_off (k_off, v_off), "
+    "heads % kv_heads == 0, head_dim in 16..128 by 16; o [B, T, heads head_dim], lse [B, heads, T]";
+
+ffi::Error Backward(ffi::ThreadPool& pool, const Call& c, In q, In k, In v, In o, const float* lse, In dout, Out dq,
+                    Out dk, Out dv) {
+  const Dims d = c.d;
+  const bool ok = with_head_size(d.h, [&](auto a) {
+    in_two_halves(pool, d.b * d.k, [=](int64_t u0, int64_t u1) {
+      decltype(a)::backward(d, q, k, v, o, lse, dout, dq, dk, dv, u0, u1);
+    });
+  });
+  return ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(kUsage);
 }
 
-const char* kUsage = "jaxgpt_causal_attention: q [B, T, N, H], k and v [B, T, K, H] with N % K == 0, H in 16..128 by 16";
+bool backward_args_ok(const Call& c, const ffi::Buffer<ffi::F32>& o, const ffi::Buffer<ffi::F32>& lse,
+                      const ffi::Buffer<ffi::F32>& dout) {
+  return holds(o.dimensions(), c.d, c.d.n, 0) && holds(dout.dimensions(), c.d, c.d.n, 0) &&
+         lse.element_count() == (size_t)(c.d.b * c.d.n * c.d.t);
+}
 
 }  // namespace
 
 static ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                   ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
-                                  ffi::ResultBuffer<ffi::F32> lse) {
-  Dims d;
-  if (!read_dims(q.dimensions(), k.dimensions(), &d) || v.dimensions().size() != 4 || v.element_count() != k.element_count() ||
-      o->element_count() != q.element_count() || lse->element_count() != (size_t)(d.b * d.n * d.t))
+                                  ffi::ResultBuffer<ffi::F32> lse, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                  int64_t q_off, int64_t k_off, int64_t v_off) {
+  Call c;
+  if (!read_call(q.dimensions(), k.dimensions(), v.dimensions(), heads, kv_heads, head_dim, q_off, k_off, v_off, &c) ||
+      !holds(o->dimensions(), c.d, c.d.n, 0) || lse->element_count() != (size_t)(c.d.b * c.d.n * c.d.t))
     return ffi::Error::InvalidArgument(kUsage);
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  float *op = o->typed_data(), *lp = lse->typed_data();
+  const Dims d = c.d;
+  const In qv = in(q, q_off), kv = in(k, k_off), vv = in(v, v_off);
+  const Out ov = out(o, 0);
+  float* lp = lse->typed_data();
   const bool ok = with_head_size(d.h, [&](auto a) {
-    in_two_halves(pool, d.b * d.k, [=](int64_t u0, int64_t u1) { decltype(a)::forward(d, qp, kp, vp, op, lp, u0, u1); });
+    in_two_halves(pool, d.b * d.k, [=](int64_t u0, int64_t u1) { decltype(a)::forward(d, qv, kv, vv, ov, lp, u0, u1); });
   });
   return ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(kUsage);
 }
 
+// The gradients into three arrays: dq [B, T, heads H], dk and dv [B, T, kv_heads H].
 static ffi::Error CausalAttentionBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse,
                                           ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
-                                          ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
-  Dims d;
-  if (!read_dims(q.dimensions(), k.dimensions(), &d) || v.element_count() != k.element_count() ||
-      o.element_count() != q.element_count() || dout.element_count() != q.element_count() ||
-      lse.element_count() != (size_t)(d.b * d.n * d.t) || dq->element_count() != q.element_count() ||
-      dk->element_count() != k.element_count() || dv->element_count() != k.element_count())
+                                          ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv, int64_t heads,
+                                          int64_t kv_heads, int64_t head_dim, int64_t q_off, int64_t k_off,
+                                          int64_t v_off) {
+  Call c;
+  if (!read_call(q.dimensions(), k.dimensions(), v.dimensions(), heads, kv_heads, head_dim, q_off, k_off, v_off, &c) ||
+      !backward_args_ok(c, o, lse, dout) || !holds(dq->dimensions(), c.d, c.d.n, 0) ||
+      !holds(dk->dimensions(), c.d, c.d.k, 0) || !holds(dv->dimensions(), c.d, c.d.k, 0))
     return ffi::Error::InvalidArgument(kUsage);
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data(), *op = o.typed_data(),
-              *lp = lse.typed_data(), *gp = dout.typed_data();
-  float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
-  const bool ok = with_head_size(d.h, [&](auto a) {
-    in_two_halves(pool, d.b * d.k, [=](int64_t u0, int64_t u1) {
-      decltype(a)::backward(d, qp, kp, vp, op, lp, gp, dqp, dkp, dvp, u0, u1);
-    });
-  });
-  return ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(kUsage);
+  return Backward(pool, c, in(q, q_off), in(k, k_off), in(v, v_off), in(o, 0), lse.typed_data(), in(dout, 0),
+                  out(dq, 0), out(dk, 0), out(dv, 0));
 }
+
+// The gradients into one array laid out like a fused input: dq, dk, dv at q_off, k_off, v_off of [B, T, C].
+static ffi::Error CausalAttentionBackwardFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o,
+                                               ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                                               ffi::ResultBuffer<ffi::F32> dqkv, int64_t heads, int64_t kv_heads,
+                                               int64_t head_dim, int64_t q_off, int64_t k_off, int64_t v_off) {
+  Call c;
+  if (!read_call(q.dimensions(), k.dimensions(), v.dimensions(), heads, kv_heads, head_dim, q_off, k_off, v_off, &c) ||
+      !backward_args_ok(c, o, lse, dout) || !holds(dqkv->dimensions(), c.d, c.d.n, q_off) ||
+      !holds(dqkv->dimensions(), c.d, c.d.k, k_off) || !holds(dqkv->dimensions(), c.d, c.d.k, v_off) ||
+      dqkv->dimensions()[2] != (heads + 2 * kv_heads) * head_dim)  // every column written
+    return ffi::Error::InvalidArgument(kUsage);
+  return Backward(pool, c, in(q, q_off), in(k, k_off), in(v, v_off), in(o, 0), lse.typed_data(), in(dout, 0),
+                  out(dqkv, q_off), out(dqkv, k_off), out(dqkv, v_off));
+}
+
+#define JAXGPT_ATTRS                 \
+  .Attr<int64_t>("heads")            \
+      .Attr<int64_t>("kv_heads")     \
+      .Attr<int64_t>("head_dim")     \
+      .Attr<int64_t>("q_off")        \
+      .Attr<int64_t>("k_off")        \
+      .Attr<int64_t>("v_off")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttention, CausalAttention,
                               ffi::Ffi::Bind()
@@ -343,7 +415,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttention, CausalAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>() JAXGPT_ATTRS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionBackward, CausalAttentionBackward,
                               ffi::Ffi::Bind()
@@ -356,4 +428,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionBackward, CausalAttentionBack
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>() JAXGPT_ATTRS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionBackwardFused, CausalAttentionBackwardFused,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>() JAXGPT_ATTRS);

@@ -19,6 +19,7 @@ and attend through XLA as before: same results to float rounding.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -39,6 +40,7 @@ PACK_TARGET = "jaxgpt_pack"
 MAX_ROWS = 16
 ATTENTION_TARGET = "jaxgpt_causal_attention"
 ATTENTION_BWD_TARGET = "jaxgpt_causal_attention_bwd"
+ATTENTION_BWD_FUSED_TARGET = "jaxgpt_causal_attention_bwd_fused"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = tuple(os.path.join(_HERE, f) for f in ("rows.cc", "attention.cc"))
 HEADERS = (os.path.join(_HERE, "common.h"),)
@@ -109,6 +111,8 @@ def available() -> bool:
                                             platform="cpu")
                 jax.ffi.register_ffi_target(ATTENTION_BWD_TARGET,
                                             jax.ffi.pycapsule(lib.JaxgptCausalAttentionBackward), platform="cpu")
+                jax.ffi.register_ffi_target(ATTENTION_BWD_FUSED_TARGET,
+                                            jax.ffi.pycapsule(lib.JaxgptCausalAttentionBackwardFused), platform="cpu")
                 _state.update(ok=True, lib=lib)
             except Exception as e:  # no compiler, no headers, a failed build: decode through XLA instead
                 _state.update(ok=False, why=str(e))
@@ -159,12 +163,18 @@ def rows_matmul(x: jax.Array, panels: jax.Array, out: int) -> jax.Array:
     return call(x.astype(jnp.float32), panels.astype(jnp.float32))
 
 
+def _has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (attention.cc's register tiles assume its 32 vector registers)."""
+    return "avx512f" in _cpu_signature().split()
+
+
 def attention_supported(q_shape, k_shape) -> bool:
     """Whether `causal_attention` takes queries and keys of these shapes ([B, T, N, H], [B, T, K, H]): head
-    sizes 16..128 in steps of 16 (attention.cc compiles those), N a multiple of K, the kernels built."""
+    sizes 16..128 in steps of 16 (attention.cc compiles those), N a multiple of K, a CPU with AVX-512 (on
+    one without, its tiles would spill registers: not measured, so not used), the kernels built."""
     h = q_shape[-1]
     return (len(q_shape) == len(k_shape) == 4 and h % 16 == 0 and 16 <= h <= 128 and k_shape[-1] == h
-            and q_shape[2] % k_shape[2] == 0 and available())
+            and q_shape[2] % k_shape[2] == 0 and _has_avx512() and available())
 
 
 def _require() -> None:
@@ -172,13 +182,22 @@ def _require() -> None:
         raise RuntimeError(f"jaxgpt's native CPU kernels are unavailable: {_state.get('why', 'JAXGPT_NATIVE=0')}")
 
 
-def _attention_forward(q, k, v):
+def _attrs(heads, kv_heads, head_dim, fused):
+    """attention.cc's attributes: where each of q, k, v starts in its [B, T, C] array."""
+    q_off, k_off, v_off = (0, heads * head_dim, (heads + kv_heads) * head_dim) if fused else (0, 0, 0)
+    return dict(heads=np.int64(heads), kv_heads=np.int64(kv_heads), head_dim=np.int64(head_dim),
+                q_off=np.int64(q_off), k_off=np.int64(k_off), v_off=np.int64(v_off))
+
+
+def _forward(q3, k3, v3, attrs):
+    """o [B, T, N H] and lse [B, N, T] of q, k, v given as [B, T, C] arrays (float32)."""
     _require()
-    b, t, n, _ = q.shape
-    call = jax.ffi.ffi_call(ATTENTION_TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+    b, t, _ = q3.shape
+    n, h = int(attrs["heads"]), int(attrs["head_dim"])
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, (jax.ShapeDtypeStruct((b, t, n * h), jnp.float32),
                                                jax.ShapeDtypeStruct((b, n, t), jnp.float32)),
                             vmap_method="sequential")
-    return call(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    return call(q3, k3, v3, **attrs)
 
 
 @jax.custom_vjp
@@ -186,22 +205,60 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal self-attention of q [B,T,N,H] over k, v [B,T,K,H] (positions 0..T-1, scores scaled by
     1/sqrt(H)) in attention.cc, float32 inside; the backward is attention.cc's too. Check
     `attention_supported` first."""
-    return _attention_forward(q, k, v)[0].astype(q.dtype)
+    return _causal_attention_fwd(q, k, v)[0]
+
+
+def _separate(q, k, v):
+    b, t, n, h = q.shape
+    flat = [a.reshape(b, t, -1).astype(jnp.float32) for a in (q, k, v)]
+    return flat, _attrs(n, k.shape[2], h, fused=False)
 
 
 def _causal_attention_fwd(q, k, v):
-    out, lse = _attention_forward(q, k, v)
-    return out.astype(q.dtype), (q, k, v, out, lse)
+    (q3, k3, v3), attrs = _separate(q, k, v)
+    out, lse = _forward(q3, k3, v3, attrs)
+    return out.reshape(q.shape).astype(q.dtype), (q, k, v, out, lse)
 
 
 def _causal_attention_bwd(res, g):
     q, k, v, out, lse = res
     _require()
+    (q3, k3, v3), attrs = _separate(q, k, v)
     f32 = lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32)  # noqa: E731
-    call = jax.ffi.ffi_call(ATTENTION_BWD_TARGET, (f32(q), f32(k), f32(v)), vmap_method="sequential")
-    dq, dk, dv = call(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), out, lse,
-                      g.astype(jnp.float32))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    call = jax.ffi.ffi_call(ATTENTION_BWD_TARGET, (f32(q3), f32(k3), f32(v3)), vmap_method="sequential")
+    dq, dk, dv = call(q3, k3, v3, out, lse, g.reshape(out.shape).astype(jnp.float32), **attrs)
+    return dq.reshape(q.shape).astype(q.dtype), dk.reshape(k.shape).astype(k.dtype), dv.reshape(v.shape).astype(v.dtype)
 
 
 causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def causal_attention_qkv(qkv: jax.Array, heads: int, kv_heads: int) -> jax.Array:
+    """`causal_attention` of a fused projection qkv [B, T, (N + 2K) H] (q, then k, then v, heads in order)
+    -> [B, T, N H], read in place; its gradient comes back as one array like qkv, so neither the split
+    nor the gradients' concatenation is copied."""
+    return _qkv_fwd(qkv, heads, kv_heads)[0]
+
+
+def _qkv_attrs(qkv, heads, kv_heads):
+    return _attrs(heads, kv_heads, qkv.shape[-1] // (heads + 2 * kv_heads), fused=True)
+
+
+def _qkv_fwd(qkv, heads, kv_heads):
+    x = qkv.astype(jnp.float32)
+    out, lse = _forward(x, x, x, _qkv_attrs(qkv, heads, kv_heads))
+    return out.astype(qkv.dtype), (qkv, out, lse)
+
+
+def _qkv_bwd(heads, kv_heads, res, g):
+    qkv, out, lse = res
+    _require()
+    x = qkv.astype(jnp.float32)
+    call = jax.ffi.ffi_call(ATTENTION_BWD_FUSED_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                            vmap_method="sequential")
+    dqkv = call(x, x, x, out, lse, g.astype(jnp.float32), **_qkv_attrs(qkv, heads, kv_heads))
+    return (dqkv.astype(qkv.dtype),)
+
+
+causal_attention_qkv.defvjp(_qkv_fwd, _qkv_bwd)
