@@ -12,8 +12,8 @@
 // Block [lo, lo + MB) needs keys [0, lo + MB) only, and within it each tile of RT rows only the key columns
 // up to its last row (rounded up to CT): about half of the T x T work, as the masked part is skipped. Two
 // register-tiled matmuls do the work: scores = rows x columns (abt) and rows of probabilities x rows of
-// values (ab); the softmax's exponential is a vectorised polynomial. The units are split between the
-// calling thread and XLA's intra-op pool (in_two_halves, common.h). The tiles assume 32 vector registers
+// values (ab); the softmax's exponential is a vectorised polynomial. The units are taken in turns by the
+// calling thread and a task on XLA's intra-op pool (in_turns, common.h). The tiles assume 32 vector registers
 // (AVX-512); native.py uses this kernel only on such CPUs.
 
 #include <algorithm>
@@ -177,9 +177,13 @@ struct Attention {
         abt_tile<H>(a + rt * H, kt + c0, d.tp, s + rt * d.tp + c0, d.tp);
   }
 
-  static void forward(const Dims& d, In q, In k, In v, Out o, float* lse, int64_t u0, int64_t u1) {
+  // Units (b, kv head) as `next` gives them, until it gives b k or more.
+  template <typename Next>
+  static void forward(const Dims& d, In q, In k, In v, Out o, float* lse, Next next) {
+    int64_t u = next();
+    if (u >= d.b * d.k) return;
     std::vector<float> kt(d.tp * H), vr(d.tp * H), qs(MB * H), s(MB * d.tp), os(MB * H), inv(MB);
-    for (int64_t u = u0; u < u1; ++u) {
+    for (; u < d.b * d.k; u = next()) {
       const int64_t bi = u / d.k, kh = u % d.k;
       gather_kv<H>(d, k, bi, kh, nullptr, kt.data());
       gather_kv<H>(d, v, bi, kh, vr.data(), nullptr);
@@ -225,11 +229,14 @@ struct Attention {
     }
   }
 
+  template <typename Next>
   static void backward(const Dims& d, In q, In k, In v, In o, const float* lse, In dout, Out dq, Out dk, Out dv,
-                       int64_t u0, int64_t u1) {
+                       Next next) {
+    int64_t u = next();
+    if (u >= d.b * d.k) return;
     std::vector<float> kt(d.tp * H), vt(d.tp * H), kr(d.tp * H), qs(MB * H), dos(MB * H), dd(MB),
         p(MB * d.tp), ds(MB * d.tp), dqs(MB * H), dka(d.tp * H), dva(d.tp * H);
-    for (int64_t u = u0; u < u1; ++u) {
+    for (; u < d.b * d.k; u = next()) {
       const int64_t bi = u / d.k, kh = u % d.k;
       gather_kv<H>(d, k, bi, kh, kr.data(), kt.data());
       gather_kv<H>(d, v, bi, kh, nullptr, vt.data());
@@ -335,9 +342,7 @@ ffi::Error Backward(ffi::ThreadPool& pool, const Call& c, In q, In k, In v, In o
                     Out dk, Out dv) {
   const Dims d = c.d;
   const bool ok = with_head_size(d.h, [&](auto a) {
-    in_two_halves(pool, d.b * d.k, [=](int64_t u0, int64_t u1) {
-      decltype(a)::backward(d, q, k, v, o, lse, dout, dq, dk, dv, u0, u1);
-    });
+    in_turns(pool, d.b * d.k, [=](auto next) { decltype(a)::backward(d, q, k, v, o, lse, dout, dq, dk, dv, next); });
   });
   return ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(kUsage);
 }
@@ -363,7 +368,7 @@ static ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const Out ov = out(o, 0);
   float* lp = lse->typed_data();
   const bool ok = with_head_size(d.h, [&](auto a) {
-    in_two_halves(pool, d.b * d.k, [=](int64_t u0, int64_t u1) { decltype(a)::forward(d, qv, kv, vv, ov, lp, u0, u1); });
+    in_turns(pool, d.b * d.k, [=](auto next) { decltype(a)::forward(d, qv, kv, vv, ov, lp, next); });
   });
   return ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(kUsage);
 }

@@ -44,3 +44,27 @@ static void in_two_halves(ffi::ThreadPool& pool, int64_t n, Work work) {
     while (!second->done.load(std::memory_order_acquire)) {
     }
 }
+
+// Runs work(next) on the calling thread and on one task of XLA's intra-op pool: each calls next() for the
+// next unit of [0, n) to do until it returns n or more. A task that starts late (the pool busy with another
+// op) still takes what is left, one that finds nothing left costs nothing; returns when all n are done.
+template <typename Work>
+static void in_turns(ffi::ThreadPool& pool, int64_t n, Work work) {
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto run = [=] {
+    int64_t mine = 0;
+    work([&] {
+      const int64_t i = shared->next.fetch_add(1);
+      mine += i < n;
+      return i;
+    });
+    shared->done.fetch_add(mine, std::memory_order_release);
+  };
+  if (n > 1) pool.Schedule([run] { run(); });
+  run();
+  while (shared->done.load(std::memory_order_acquire) < n) {
+  }
+}
