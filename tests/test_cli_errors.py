@@ -114,3 +114,30 @@ def test_a_5_step_run_of_the_cpu_config_just_works_and_is_quiet(tmp_path):
     assert quiet[0] == verbose[0] == 0
     assert "nothing to train" in quiet[1] and not INFO_LINE.search(quiet[1])
     assert INFO_LINE.search(verbose[1])  # --verbosity=0 shows them
+
+
+@pytest.mark.slow
+def test_logged_throughput_is_timed_per_call_with_inline_dispatch(tmp_path):
+    """train.py dispatches CPU computations inline, so a call has finished when it returns: each logged
+    tokens/s must time the steps it covers, not the gap between two reads (which an eval can shrink to
+    nothing). Two steps per call, a log line per call, an eval forcing an early read at step 4."""
+    import json
+
+    out = tmp_path / "out"
+    # one device, as a user's run has (the suite's four fake devices make pmap calls, which JAX dispatches
+    # asynchronously whatever the setting)
+    env = dict(os.environ, JAXGPT_CACHE=str(tmp_path / "cache"), XLA_FLAGS="--xla_backend_optimization_level=0")
+    r = subprocess.run([sys.executable, "train.py", "--config=configs/shakespeare_char_cpu.py",
+                        f"--config.out_dir={out}", "--config.train.max_steps=8", "--config.train.steps_per_call=2",
+                        "--config.train.log_interval=2", "--config.train.eval_interval=4",
+                        "--config.train.eval_steps=2", "--config.train.warmup_steps=2"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "1 device(s)" in r.stdout and "CPU dispatch inline" in r.stdout
+    logged = [rec for rec in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+              if "tokens_per_s" in rec]
+    assert [rec["step"] for rec in logged] == [2, 4, 6, 8]
+    for rec in logged:  # an honest MFU is below 100%; a near-zero interval gives millions of percent
+        assert 0 < rec["mfu"] < 1, rec
+    seconds = [rec["elapsed_s"] for rec in logged]
+    assert seconds == sorted(seconds)

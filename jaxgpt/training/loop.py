@@ -299,7 +299,11 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
     per_call = cfg_t.steps_per_call
     prefetch = Prefetcher(sampler, size=max(2, per_call))
     summary = {"start_step": start_step, "out_dir": out_dir}
-    pending = None  # (first step, number of steps, metrics on device) of the call whose metrics are unread
+    # (first step, number of steps, metrics on device, when the call was seen finished or None) of the call
+    # whose metrics are unread: read after the next call is dispatched, so that an asynchronous dispatch
+    # keeps the device busy meanwhile. With inline dispatch (kernels.inline_cpu_dispatch) a call has finished
+    # when it returns, and the next one too by the time this is read: its finish time is taken at return.
+    pending = None
     last_log_time, last_log_step = time.time(), start_step
     last_val = None
     step = start_step
@@ -307,19 +311,19 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
     failed = False
 
     def read(pending):
-        first, count, metrics = pending
+        first, count, metrics, finished = pending
         host = {k: np.asarray(v).reshape(count) for k, v in runner.to_host(metrics).items()}
+        finished = time.time() if finished is None else finished
         for i in range(count):
-            read_step(first + i, {k: float(v[i]) for k, v in host.items()})
+            read_step(first + i, {k: float(v[i]) for k, v in host.items()}, finished)
 
-    def read_step(s, m):
+    def read_step(s, m, now):
         nonlocal last_log_time, last_log_step
         if not math.isfinite(m["loss"]):
             raise TrainingDiverged(f"loss is {m['loss']} at step {s}; stopping. Checkpoints already saved are "
                                    f"untouched (try a lower train.lr or train.grad_clip).")
         summary["last_loss"] = m["loss"]
         if s % cfg_t.log_interval == 0 or s == cfg_t.max_steps:
-            now = time.time()
             dt = max(now - last_log_time, 1e-9)
             tok_s = tokens_per_step * (s - last_log_step) / dt
             mfu = None if peak is None else flops_per_token * tok_s / peak
@@ -339,10 +343,11 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
                 else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
                     xs, ys = zip(*(next(prefetch) for _ in range(count)))
                     state, metrics = runner.steps(state, np.stack(xs), np.stack(ys))
+                finished = time.time() if _is_ready(metrics) else None
                 first, step = step + 1, step + count
                 if pending is not None:
                     read(pending)  # the previous call's metrics, read after dispatching this one
-                pending = (first, count, metrics)
+                pending = (first, count, metrics, finished)
                 if bar is not None:
                     bar.update(count)
                 last = step == cfg_t.max_steps
@@ -396,6 +401,11 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
     summary.update({"steps": step, "best_val_loss": best_val, "saved_step": saved_step,
                     "wall_time_s": time.time() - t0, "state": runner.get_state(state)})
     return summary
+
+
+def _is_ready(tree) -> bool:
+    """Whether every array of `tree` is computed (a computation dispatched inline is, once it returns)."""
+    return all(x.is_ready() for x in jax.tree.leaves(tree) if hasattr(x, "is_ready"))
 
 
 def _steps_to_run(step: int, cfg_t) -> int:
