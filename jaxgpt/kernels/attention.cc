@@ -405,43 +405,24 @@ static ffi::Error CausalAttentionBackwardFused(ffi::ThreadPool pool, ffi::Buffer
                   out(dqkv, q_off), out(dqkv, k_off), out(dqkv, v_off));
 }
 
-#define JAXGPT_ATTRS                 \
-  .Attr<int64_t>("heads")            \
-      .Attr<int64_t>("kv_heads")     \
-      .Attr<int64_t>("head_dim")     \
-      .Attr<int64_t>("q_off")        \
-      .Attr<int64_t>("k_off")        \
-      .Attr<int64_t>("v_off")
+// One float32 buffer argument or result; the attributes every handler takes.
+#define JAXGPT_IN .Arg<ffi::Buffer<ffi::F32>>()
+#define JAXGPT_OUT .Ret<ffi::Buffer<ffi::F32>>()
+#define JAXGPT_ATTRS                                                                                          \
+  .Attr<int64_t>("heads").Attr<int64_t>("kv_heads").Attr<int64_t>("head_dim").Attr<int64_t>("q_off")          \
+      .Attr<int64_t>("k_off").Attr<int64_t>("v_off")
 
+// q, k, v -> o, lse
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttention, CausalAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>() JAXGPT_ATTRS);
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() JAXGPT_IN JAXGPT_IN JAXGPT_IN JAXGPT_OUT
+                                  JAXGPT_OUT JAXGPT_ATTRS);
 
+// q, k, v, o, lse, dout -> dq, dk, dv
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionBackward, CausalAttentionBackward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>() JAXGPT_ATTRS);
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() JAXGPT_IN JAXGPT_IN JAXGPT_IN JAXGPT_IN
+                                  JAXGPT_IN JAXGPT_IN JAXGPT_OUT JAXGPT_OUT JAXGPT_OUT JAXGPT_ATTRS);
 
+// q, k, v, o, lse, dout -> dqkv
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionBackwardFused, CausalAttentionBackwardFused,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>() JAXGPT_ATTRS);
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() JAXGPT_IN JAXGPT_IN JAXGPT_IN JAXGPT_IN
+                                  JAXGPT_IN JAXGPT_IN JAXGPT_OUT JAXGPT_ATTRS);
