@@ -236,6 +236,13 @@ def native_kernel():
         pytest.skip(f"the native kernel cannot be built here: {native._state.get('why')}")
 
 
+@pytest.fixture
+def native_attention(native_kernel):
+    """The CPU kernels choose the native attention only where its tiles fit: CPUs with AVX-512."""
+    if not native._has_avx512():
+        pytest.skip("the native attention is used on CPUs with AVX-512 only")
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, native.MAX_ROWS])
 def test_native_rows_matmul_equals_a_float32_matmul_in_either_stored_layout(native_kernel, rows):
     kx, kw = jax.random.split(jax.random.key(rows))
@@ -348,7 +355,7 @@ def test_native_attention_equals_float64_attention_values_and_grads(native_kerne
 
 
 @pytest.mark.parametrize("n,kh,h", [(4, 2, 32), (2, 2, 64), (6, 1, 16)])
-def test_native_attention_of_a_fused_projection_equals_float64_attention(native_kernel, monkeypatch, n, kh, h):
+def test_native_attention_of_a_fused_projection_equals_float64_attention(native_attention, monkeypatch, n, kh, h):
     b, t = 2, 45
     q, k, v, dout = _attention_case(b, t, n, kh, h, seed=n)
     qkv = jnp.concatenate([a.reshape(b, t, -1) for a in (q, k, v)], axis=-1)
@@ -361,8 +368,9 @@ def test_native_attention_of_a_fused_projection_equals_float64_attention(native_
     # the CPU kernels' entry point: the same through the native kernel and through XLA's blocks
     for on in (True, False):
         monkeypatch.setenv("JAXGPT_NATIVE", "1" if on else "0")
-        got = jax.jit(cpu.causal_attention_qkv, static_argnums=(1, 2))(qkv, n, kh)
-        np.testing.assert_allclose(got, want_out, rtol=1e-5, atol=2e-5)
+        fn = jax.jit(lambda x: cpu.causal_attention_qkv(x, n, kh))  # a new function: traced again
+        assert ("jaxgpt_causal_attention" in fn.lower(qkv).as_text()) == on
+        np.testing.assert_allclose(fn(qkv), want_out.reshape(b, t, n, h), rtol=1e-5, atol=2e-5)
 
 
 def test_native_attention_is_causal_and_batched_rows_are_independent(native_kernel):
@@ -377,7 +385,7 @@ def test_native_attention_is_causal_and_batched_rows_are_independent(native_kern
     np.testing.assert_array_equal(stacked[1], out)
 
 
-def test_cpu_attention_runs_the_native_kernel_for_the_head_sizes_it_has(native_kernel, monkeypatch):
+def test_cpu_attention_runs_the_native_kernel_for_the_head_sizes_it_has(native_attention, monkeypatch):
     def targets(h, on=True):
         monkeypatch.setenv("JAXGPT_NATIVE", "1" if on else "0")
         q, k, v, dout = _attention_case(1, 12, 2, 1, h)
@@ -394,7 +402,7 @@ def test_cpu_attention_runs_the_native_kernel_for_the_head_sizes_it_has(native_k
 # a head size the native kernel takes (16), scanned layers and not; the attention custom calls are in the
 # compiled train step, so the native forward and backward are what is compared
 @pytest.mark.parametrize("scan", [False, True])
-def test_train_gradients_equal_between_kernel_sets_through_the_native_attention(native_kernel, scan):
+def test_train_gradients_equal_between_kernel_sets_through_the_native_attention(native_attention, scan):
     portable, on_cpu = _configs(n_embd=64, scan_layers=scan)
     params = init_params(portable, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (3, 30), 0, 40)

@@ -346,6 +346,8 @@ def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
                 finished = time.time() if _is_ready(metrics) else None
                 first, step = step + 1, step + count
                 if pending is not None:
+                    if pending[3] is None and finished is not None:  # it finished no later than this one
+                        pending = pending[:3] + (finished,)
                     read(pending)  # the previous call's metrics, read after dispatching this one
                 pending = (first, count, metrics, finished)
                 if bar is not None:
