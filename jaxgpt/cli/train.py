@@ -141,10 +141,10 @@ def _run(argv) -> None:
     from jaxgpt import distributed
     from jaxgpt.checkpoint import CheckpointError
     from jaxgpt.config import validate_config
+    from jaxgpt.kernels import inline_cpu_dispatch
     from jaxgpt.training import TrainingDiverged, train
     from jaxgpt.training.loop import StopNow
 
-    from jaxgpt.kernels import inline_cpu_dispatch
     inline_cpu_dispatch()  # before any computation: see its docstring
     try:
         validate_config(config)  # mistakes in the config stop here, before any process connects

@@ -77,13 +77,10 @@ def inline_cpu_dispatch() -> bool:
     if xla_bridge.backends_are_initialized():
         return False
     jax.config.update("jax_cpu_enable_async_dispatch", False)
-    _DISPATCH["inline"] = True
     return True
 
 
-_DISPATCH = {"inline": False}
-
-
 def cpu_dispatch() -> str:
-    """"inline" once `inline_cpu_dispatch` took effect in this process, else "async" (JAX's default)."""
-    return "inline" if _DISPATCH["inline"] else "async"
+    """"inline" where JAX's CPU client was set to run computations on the calling thread (by
+    `inline_cpu_dispatch` or by hand), else "async" (JAX's default)."""
+    return "async" if jax.config.values["jax_cpu_enable_async_dispatch"] else "inline"

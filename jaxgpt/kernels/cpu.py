@@ -213,7 +213,8 @@ def causal_attention_qkv(qkv: jax.Array, n_head: int, kv_heads: int) -> jax.Arra
     if native.attention_supported((b, t, n_head, h), (b, t, kv_heads, h)):
         return native.causal_attention_qkv(qkv, n_head, kv_heads).reshape(b, t, n_head, h)
     q, k, v = jnp.split(qkv, [n_head * h, (n_head + kv_heads) * h], axis=-1)
-    return causal_attention(q.reshape(b, t, n_head, h), k.reshape(b, t, kv_heads, h), v.reshape(b, t, kv_heads, h))
+    return blocked_causal_attention(q.reshape(b, t, n_head, h), k.reshape(b, t, kv_heads, h),
+                                    v.reshape(b, t, kv_heads, h))
 
 
 def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = 64) -> jax.Array:

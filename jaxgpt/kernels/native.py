@@ -163,6 +163,7 @@ def rows_matmul(x: jax.Array, panels: jax.Array, out: int) -> jax.Array:
     return call(x.astype(jnp.float32), panels.astype(jnp.float32))
 
 
+@functools.lru_cache(maxsize=None)
 def _has_avx512() -> bool:
     """Whether this CPU has AVX-512 (attention.cc's register tiles assume its 32 vector registers)."""
     return "avx512f" in _cpu_signature().split()
