@@ -26,8 +26,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxgpt import GPTConfig, cache_bytes, count_params, generate, init_params  # noqa: E402
-from jaxgpt.config import default_config  # noqa: E402
+from jaxgpt import GPTConfig, cache_bytes, count_params, generate, flops_per_token, init_params  # noqa: E402
+from jaxgpt.training.config import default_config  # noqa: E402
 from jaxgpt.training.step import create_train_state, make_optimizer, make_train_step  # noqa: E402
 
 # device_kind -> (dense bf16 FLOP/s, memory bytes/s), from the vendors' datasheets
@@ -75,7 +75,7 @@ def bench_train(cfg: GPTConfig, batch: int, steps: int, peak: float | None) -> d
 
     t = _median_seconds(one, steps)
     tok_s = batch * cfg.block_size / t
-    flops = cfg.flops_per_token(cfg.block_size) * tok_s
+    flops = flops_per_token(cfg, cfg.block_size) * tok_s
     return {"batch": batch, "context": cfg.block_size, "ms_per_step": 1e3 * t, "tokens_per_s": tok_s,
             "model_flops_per_s": flops, "mfu": flops / peak if peak else None, "compile_s": compile_s,
             "loss": float(metrics["loss"])}

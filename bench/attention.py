@@ -3,7 +3,7 @@
 python bench/attention.py [--configs baby 6l] [--reps 9] [--no-peer]
 
 For each config of bench/train.py (its batch, context, heads and head size), in float32: jaxgpt's
-attention under the CPU kernels, native (kernels/attention.cc, where it can be built) and in XLA
+attention under the CPU backend, native (backends/attention.cc, where it can be built) and in XLA
 (`cpu.blocked_causal_attention`: query blocks of 64 that skip the masked keys), and under the portable core (the registered "dot_product", `jax.nn.dot_product_attention`), each jitted as its own
 program, against `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` on the same values
 (the kernel nanoGPT's model calls). Reports the median ms and the rate of the causal work: 4*B*N*T*T*H/2
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from bench.common import machine, median_time, write_results  # noqa: E402
 from bench.train import CONFIGS  # noqa: E402
 from jaxgpt.attention import get_attention  # noqa: E402
-from jaxgpt.kernels import cpu, native  # noqa: E402
+from jaxgpt.backends import cpu, native  # noqa: E402
 
 
 def shapes(name: str) -> tuple[int, int, int, int]:
@@ -88,8 +88,10 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=9, help="timed calls per measurement (median)")
     p.add_argument("--no-peer", action="store_true", help="skip torch's scaled_dot_product_attention")
     args = p.parse_args(argv)
-    impls = {"cpu native": native.causal_attention, "cpu xla": cpu.blocked_causal_attention,
-             "portable": lambda q, k, v: get_attention("dot_product")(q, k, v, None, None)}
+    head_major = lambda a: a.swapaxes(1, 2)  # noqa: E731  [B, T, K, H] -> the registry's [B, K, T, H]
+    impls = {"cpu native": native.causal_attention,
+             "cpu xla": lambda q, k, v: cpu.blocked_causal_attention(q, head_major(k), head_major(v)),
+             "portable": lambda q, k, v: get_attention("dot_product")(q, head_major(k), head_major(v), None, None)}
     if not native.available():
         del impls["cpu native"]
     rows = []

@@ -21,7 +21,7 @@ from bench.common import machine, write_results  # noqa: E402
 from bench.train import CONFIGS, batches  # noqa: E402
 from jaxgpt import GPTConfig, count_params, init_params  # noqa: E402
 from jaxgpt.checkpoint import Checkpointer  # noqa: E402
-from jaxgpt.config import default_config  # noqa: E402
+from jaxgpt.training.config import default_config  # noqa: E402
 from jaxgpt.training import create_train_state, make_optimizer, make_runner  # noqa: E402
 
 

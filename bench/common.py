@@ -11,7 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.kernels import inline_cpu_dispatch
+from jaxgpt.backends.cpu import inline_cpu_dispatch
 
 # as the CLIs run (jaxgpt-train, jaxgpt-sample): computations on the calling thread; JAXGPT_CPU_ASYNC=1 for
 # JAX's default asynchronous CPU dispatch

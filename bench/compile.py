@@ -22,8 +22,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import machine, write_results  # noqa: E402
-from jaxgpt import GPTConfig, init_params, kernels as kernel_sets, sampling  # noqa: E402
-from jaxgpt.config import default_config  # noqa: E402
+from jaxgpt import GPTConfig, init_params, sampling  # noqa: E402
+from jaxgpt.backends import resolve_name  # noqa: E402
+from jaxgpt.training.config import default_config  # noqa: E402
 from jaxgpt.training import create_train_state, make_optimizer, make_schedule  # noqa: E402
 from jaxgpt.training.step import make_train_step  # noqa: E402
 
@@ -46,12 +47,8 @@ def train_compile_s(n_layer: int, scan: bool, kernels: str) -> float:
 def generate_compile_s(n_layer: int, new_tokens: int, scan: bool, kernels: str) -> float:
     cfg = GPTConfig(vocab_size=50257, block_size=512, n_layer=n_layer, n_head=4, n_embd=256, scan_layers=scan,
                     kernels=kernels)
-    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    prompts, lengths = jax.ShapeDtypeStruct((1, 16), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
-    sampler = sampling._Sampler(1.0, 50, None, None, 0)
     t0 = time.perf_counter()
-    sampling._generate.lower(params, prompts, lengths, jax.random.key(1), config=cfg, max_new_tokens=new_tokens,
-                             sampler=sampler).compile()
+    sampling.lower_generate(cfg, 1, 16, new_tokens, sampler=sampling.Sampler(1.0, 50, None, None, 0)).compile()
     return time.perf_counter() - t0
 
 
@@ -72,7 +69,7 @@ def main():
     args = p.parse_args()
     rows = []
     for kernels in args.kernels:
-        name = f"{kernels} ({kernel_sets.resolve(kernels)})"
+        name = f"{kernels} ({resolve_name(kernels)})"
         for depth in args.depths:
             row = {"kernels": kernels, "n_layer": depth,
                    "train_unrolled_s": train_compile_s(depth, False, kernels),

@@ -12,14 +12,15 @@ least 1.5x float32 on a CPU with AVX512_BF16 or AMX). Nothing else should run me
 are built, and the stand-in pair replaces the CPU kernels' causal attention by (q + k + v) / 3, which
 keeps the q/k/v projection and its gradients but does no attention. The difference is attention's cost
 inside the step, and the stand-in's time a floor no attention kernel can go below. `--attention-xla`
-likewise adds both dtypes with the CPU kernels' attention in XLA (`cpu.blocked_causal_attention`), the
-A/B of the native attention kernel (kernels/attention.cc) inside the step.
+likewise adds both dtypes with the CPU backend's attention in XLA (`cpu.blocked_causal_attention`), the
+A/B of the native attention kernel (backends/attention.cc) inside the step. Each variant is a Backend
+value handed to the runner (jaxgpt/backends/).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -31,53 +32,39 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxgpt import kernels  # noqa: E402
-from jaxgpt.kernels import cpu, native  # noqa: E402
+from jaxgpt.backends import cpu, resolve, resolve_name  # noqa: E402
 
 from bench.common import ceilings, machine, write_results  # noqa: E402
 from bench.train import CONFIGS  # noqa: E402
 from jaxgpt import GPTConfig, init_params  # noqa: E402
-from jaxgpt.config import default_config  # noqa: E402
+from jaxgpt.training.config import default_config  # noqa: E402
 from jaxgpt.training import create_train_state, make_optimizer, make_runner, make_schedule  # noqa: E402
 
 
-def standin_attention(q, k, v, block=64):
+def standin_attention(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, q_positions=None, kv_lengths=None):
     """Not attention: the ablation's stand-in, as cheap as a function of q, k and v can be."""
-    return (q + k + v) * (1.0 / 3.0)
+    g = q_BxTxNxH.shape[2] // k_BxKxTxH.shape[1]
+    k, v = (jnp.repeat(a.swapaxes(1, 2), g, axis=2) for a in (k_BxKxTxH, v_BxKxTxH))
+    return (q_BxTxNxH + k + v) * (1.0 / 3.0)
 
 
-def standin_attention_qkv(qkv, n_head, kv_heads):
-    """The stand-in for the fused projection's entry point."""
-    b, t, c = qkv.shape
-    h = c // (n_head + 2 * kv_heads)
-    q, k, v = jnp.split(qkv, [n_head * h, (n_head + kv_heads) * h], axis=-1)
-    g = n_head // kv_heads
-    k, v = (jnp.repeat(a.reshape(b, t, kv_heads, h), g, axis=2) for a in (k, v))
-    return standin_attention(q.reshape(b, t, n_head, h), k, v)
-
-
-@contextlib.contextmanager
-def attention_variant(name: str):
-    """The CPU kernels' attention as it is ("real"), in XLA only ("xla": the native kernel reported
-    unsupported), or replaced by the stand-in ("stand-in"), while a model is traced."""
-    saved = (cpu.causal_attention, cpu.causal_attention_qkv, native.attention_supported)
+def backend_variant(name: str, kernels: str):
+    """The backend as it is ("real"), with its attention in XLA only ("xla"), or with the stand-in."""
+    backend = resolve(kernels)
     if name == "stand-in":
-        cpu.causal_attention, cpu.causal_attention_qkv = standin_attention, standin_attention_qkv
-    elif name == "xla":
-        native.attention_supported = lambda q_shape, k_shape: False
-    try:
-        yield
-    finally:
-        cpu.causal_attention, cpu.causal_attention_qkv, native.attention_supported = saved
+        return dataclasses.replace(backend, attention_kernels=(("dot_product", standin_attention),))
+    if name == "xla":
+        return cpu.make_backend(native_decode=False, native_attention=False)
+    return backend
 
 
-def build(name: str, dtype: str, kernels: str):
+def build(name: str, dtype: str, kernels: str, attention: str = "real"):
     n_layer, n_head, n_embd, block, _, vocab = CONFIGS[name]
     cfg = GPTConfig(vocab_size=vocab, block_size=block, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                     dtype=dtype, kernels=kernels)
     train = default_config().train
     opt = make_optimizer(train)
-    runner = make_runner("pmap", cfg, opt, 1, make_schedule(train))
+    runner = make_runner("pmap", cfg, opt, 1, make_schedule(train), backend=backend_variant(attention, kernels))
     return runner, runner.init_state(lambda: create_train_state(init_params(cfg, jax.random.key(0)), opt,
                                                                  jax.random.key(1)))
 
@@ -94,7 +81,7 @@ def main():
                    help="also time both dtypes with the CPU kernels' attention in XLA, not native (CPU kernels only)")
     args = p.parse_args()
     for flag in ("standin", "xla"):
-        if getattr(args, f"attention_{flag}") and kernels.resolve(args.kernels) != "cpu":
+        if getattr(args, f"attention_{flag}") and resolve_name(args.kernels) != "cpu":
             p.error(f"--attention-{flag} replaces the CPU kernels' attention; it needs --kernels cpu (or auto on a CPU)")
     k = args.per_call or (10 if args.config == "baby" else 2)
     _, _, _, block, batch, vocab = CONFIGS[args.config]
@@ -104,11 +91,9 @@ def main():
     chosen = ["real"] + ["stand-in"] * args.attention_standin + ["xla"] * args.attention_xla
     for attention in chosen:
         for dtype in ("float32", "bfloat16"):
-            # the model looks the kernels up when it is traced, i.e. in the first (compiling) call
-            with attention_variant(attention):
-                runner, state = build(args.config, dtype, args.kernels)
-                state, metrics = runner.steps(state, xs, ys)  # compile
-                jax.block_until_ready(metrics)
+            runner, state = build(args.config, dtype, args.kernels, attention)
+            state, metrics = runner.steps(state, xs, ys)  # compile
+            jax.block_until_ready(metrics)
             key = dtype if attention == "real" else f"{dtype}, attention {attention}"
             variants[key] = {"runner": runner, "state": state, "ms": []}
     for _ in range(args.rounds):

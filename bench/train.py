@@ -30,8 +30,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import ceilings, machine, write_results  # noqa: E402
-from jaxgpt import GPTConfig, init_params  # noqa: E402
-from jaxgpt.config import default_config  # noqa: E402
+from jaxgpt import GPTConfig, flops_per_token, init_params  # noqa: E402
+from jaxgpt.training.config import default_config  # noqa: E402
 from jaxgpt.training import create_train_state, make_optimizer, make_runner, make_schedule  # noqa: E402
 from jaxgpt.training.metrics import measured_matmul_flops  # noqa: E402
 
@@ -252,7 +252,7 @@ def main(argv=None):
             tok_s = B * T / t
             row = {"config": name, "dtype": dtype, "kernels": kernels, "ms_per_step": 1e3 * t, "tokens_per_s": tok_s,
                    "mfu_peak_flops": peak, "mfu_peak_shape": [B * T, D, cfg.mlp_hidden],
-                   "compile_s": compile_s, "mfu": cfg.flops_per_token(T) * tok_s / peak, "peer": peer,
+                   "compile_s": compile_s, "mfu": flops_per_token(cfg, T) * tok_s / peak, "peer": peer,
                    "speedup_vs_peer": (tok_s / peer["tokens_per_s"]) if peer else None, "nanogpt": nano,
                    "speedup_vs_nanogpt": (tok_s / nano["tokens_per_s"]) if nano else None,
                    "all_ms": {str(k): [1e3 * x for x in v] for k, v in times.items()}}

@@ -4,7 +4,7 @@ init_from may be a GPT-2 name (downloads through huggingface_hub) or a local Hug
 The gpt2 tokenizer needs GPT-2's vocab.bpe and encoder.json offline (see README, Data).
 """
 
-from jaxgpt.config import default_config
+from jaxgpt.training.config import default_config
 
 
 def get_config():

@@ -4,7 +4,7 @@ Needs `pip install 'jaxgpt[hf]'`, network for the first prepare, and accelerator
 about 0.5M tokens per step (batch 480 x 1024 with gradient accumulation), 600k steps.
 """
 
-from jaxgpt.config import default_config
+from jaxgpt.training.config import default_config
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """nanoGPT's GPU run on character-level Shakespeare: 6 layers, 6 heads, 384 wide, context 256, batch 64."""
 
-from jaxgpt.config import default_config
+from jaxgpt.training.config import default_config
 
 
 def get_config():

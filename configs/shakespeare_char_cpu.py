@@ -1,6 +1,6 @@
 """nanoGPT's CPU "baby" run on character-level Shakespeare: 4 layers, 4 heads, 128 wide, context 64."""
 
-from jaxgpt.config import default_config
+from jaxgpt.training.config import default_config
 
 
 def get_config():

@@ -1,129 +1,137 @@
 """Causal attention as pure functions, and the registry that names them.
 
-Every implementation has one signature, `fn(q, k, v, q_positions, kv_lengths) -> out`:
-q [B, T, N, H], k and v [B, S, K, H] (N query heads share K key/value heads, N % K == 0), out [B, T, N, H].
-`q_positions` int [B, T] gives each query's absolute position and `kv_lengths` int [B] how many keys of each
-row are real; key s is visible to query t iff s <= q_positions[t] and s < kv_lengths. `q_positions=None`
-means plain causal self-attention (queries and keys both at 0..T-1), which lets an implementation use a
-fused causal kernel. A new variant is one such function plus `@register_attention("name")`; GPTConfig's
-`attention` field, the model's training path and its cached path all look it up here.
+Every implementation has one signature, `fn(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
+-> out_BxTxNxH`: N query heads share K key/value heads (N % K == 0), keys head-major as the KV cache holds
+them. Key s is visible to query t iff s <= q_positions[t] and s < kv_lengths. `q_positions=None` means
+plain causal self-attention (queries and keys at 0..T-1), where a fused causal kernel may be used. A new
+variant is one such function plus `@register_attention("name")`; the model calls it, through its backend,
+for training, prefill and decode alike.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-import einops
 import jax
 import jax.numpy as jnp
 
-# A large finite negative instead of -inf: a fully masked row then softmaxes to a uniform (finite)
-# distribution rather than NaN.
+from jaxgpt.registry import ATTENTION
+
+# A large finite negative instead of -inf: a fully masked row softmaxes to a finite uniform distribution.
 MASK_VALUE = -1e30
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, Optional[jax.Array], Optional[jax.Array]], jax.Array]
-_REGISTRY: dict[str, AttentionFn] = {}
 
 
 def register_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
     """Decorator: make `fn` available as `GPTConfig(attention=name)`."""
-    def register(fn: AttentionFn) -> AttentionFn:
-        _REGISTRY[name] = fn
-        return fn
-    return register
+    return ATTENTION.register(name)
 
 
 def attention_names() -> tuple[str, ...]:
-    """The registered implementation names."""
-    return tuple(sorted(_REGISTRY))
+    return ATTENTION.names()
 
 
 def get_attention(name: str) -> AttentionFn:
     """The implementation registered as `name` (ValueError listing the known ones otherwise)."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown attention implementation {name!r}; choose from {attention_names()}") from None
+    return ATTENTION.get(name)
 
 
-def causal_mask(q_positions: jax.Array, kv_lengths: Optional[jax.Array], num_keys: int) -> jax.Array:
-    """Boolean mask [B, 1, T, S] from q_positions [B, T]: key s is visible to query t iff s <= pos[t] and
-    s < kv_lengths (None: all keys). One rule serves training, prefill at an offset and one-token decode."""
+def split_heads(qkv_BxTxC: jax.Array, n_head: int, kv_heads: int):
+    """A fused projection [B, T, (N + 2K) H] (q, then k, then v) -> q [B,T,N,H], k and v [B,T,K,H]."""
+    b, t, c = qkv_BxTxC.shape
+    h = c // (n_head + 2 * kv_heads)
+    q, k, v = jnp.split(qkv_BxTxC, [n_head * h, (n_head + kv_heads) * h], axis=-1)
+    return q.reshape(b, t, n_head, h), k.reshape(b, t, kv_heads, h), v.reshape(b, t, kv_heads, h)
+
+
+def grouped_queries(q_BxTxNxH: jax.Array, kv_heads: int) -> jax.Array:
+    """q scaled by 1/sqrt(H) -> [B, K, G, T, H]: the G query heads that share each key/value head."""
+    b, t, n, h = q_BxTxNxH.shape
+    scale = (1.0 / jnp.sqrt(jnp.asarray(h, jnp.float32))).astype(q_BxTxNxH.dtype)
+    return (q_BxTxNxH * scale).reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
+
+
+def causal_mask(q_positions_BxT: jax.Array, kv_lengths_B: Optional[jax.Array], num_keys: int) -> jax.Array:
+    """bool [B, 1, T, S]: key s is visible to query t iff s <= q_positions[t] and s < kv_lengths (None:
+    all keys). One rule serves training, prefill at an offset and one-token decode."""
     k_pos = jnp.arange(num_keys, dtype=jnp.int32)
-    mask = k_pos[None, None, :] <= q_positions[:, :, None]
-    if kv_lengths is not None:
-        mask = mask & (k_pos[None, None, :] < kv_lengths[:, None, None])
+    mask = k_pos[None, None, :] <= q_positions_BxT[:, :, None]
+    if kv_lengths_B is not None:
+        mask = mask & (k_pos[None, None, :] < kv_lengths_B[:, None, None])
     return mask[:, None, :, :]
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """RoPE: x [B, T, N, H] with each token's vector turned by its absolute position `positions` [B, T].
+def self_positions(t: int) -> jax.Array:
+    """int32 [1, T]: the positions 0..T-1 of plain self-attention."""
+    return jnp.arange(t, dtype=jnp.int32)[None, :]
 
-    Hugging Face Llama's rotate-half layout: the pair (i, i + H/2) turns by positions / theta^(2i/H).
-    Computed in float32, returned in x's dtype.
-    """
-    h = x.shape[-1]
+
+def rotary_embedding(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+    """RoPE in Hugging Face Llama's rotate-half layout: the pair (i, i + H/2) turns by
+    position / theta^(2i/H). Computed in float32, returned in x's dtype."""
+    h = x_BxTxNxH.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
-    angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
+    angles = positions_BxT.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, H/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxNxH.dtype)
 
 
 def check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: Optional[jax.Array] = None) -> None:
-    """ValueError unless q [B,T,N,H], k = v [B,S,K,H] with K dividing N (and S == T without positions)."""
+    """ValueError unless q [B,T,N,H], k = v [B,K,S,H] with K dividing N (and S == T without positions)."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"attention expects [B, T, N, H] arrays, got q{q.shape} k{k.shape} v{v.shape}")
+        raise ValueError(f"attention expects q [B, T, N, H] and k, v [B, K, S, H], got q{q.shape} k{k.shape} "
+                         f"v{v.shape}")
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"k and v must both be [B, S, K, H] matching q{q.shape}, got k{k.shape} v{v.shape}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})")
-    if q_positions is None and k.shape[1] != q.shape[1]:
+        raise ValueError(f"k and v must both be [B, K, S, H] matching q{q.shape}, got k{k.shape} v{v.shape}")
+    if q.shape[2] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if q_positions is None and k.shape[2] != q.shape[1]:
         raise ValueError(f"causal self-attention (no q_positions) needs as many keys as queries, "
-                         f"got {q.shape[1]} and {k.shape[1]}")
+                         f"got {q.shape[1]} and {k.shape[2]}")
 
 
 @register_attention("einsum")
-def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: Optional[jax.Array] = None,
-                     kv_lengths: Optional[jax.Array] = None) -> jax.Array:
+def einsum_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None) -> jax.Array:
     """The reference: two einsums and a masked softmax, scores and softmax in float32."""
-    check_shapes(q, k, v, q_positions)
-    q_grouped = einops.rearrange(q, "b t (k g) h -> b t k g h", k=k.shape[2])
-    scale = 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], jnp.float32))
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_grouped, k, preferred_element_type=jnp.float32) * scale
-    if q_positions is None:
-        q_positions = jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
-    mask = causal_mask(q_positions, kv_lengths, k.shape[1])
-    scores = jnp.where(mask[:, :, None], scores, MASK_VALUE)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", weights, v, preferred_element_type=jnp.float32)
-    return einops.rearrange(out, "b t k g h -> b t (k g) h").astype(q.dtype)
+    check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT)
+    b, t, n, h = q_BxTxNxH.shape
+    if q_positions_BxT is None:
+        q_positions_BxT = self_positions(t)
+    q_BxKxGxTxH = grouped_queries(q_BxTxNxH, k_BxKxSxH.shape[1])
+    scores = jnp.einsum("bkgth,bksh->bkgts", q_BxKxGxTxH, k_BxKxSxH, preferred_element_type=jnp.float32)
+    mask = causal_mask(q_positions_BxT, kv_lengths_B, k_BxKxSxH.shape[2])[:, :, None]  # [B, 1, 1, T, S]
+    weights = jax.nn.softmax(jnp.where(mask, scores, MASK_VALUE), axis=-1).astype(v_BxKxSxH.dtype)
+    out = jnp.einsum("bkgts,bksh->btkgh", weights, v_BxKxSxH, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
 
 
 @register_attention("dot_product")
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: Optional[jax.Array] = None,
-                          kv_lengths: Optional[jax.Array] = None) -> jax.Array:
+def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None) -> jax.Array:
     """`jax.nn.dot_product_attention`: `is_causal=True` for self-attention, a position mask otherwise."""
-    check_shapes(q, k, v, q_positions)
-    if q_positions is None and kv_lengths is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    if q_positions is None:
-        q_positions = jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
-    return jax.nn.dot_product_attention(q, k, v, mask=causal_mask(q_positions, kv_lengths, k.shape[1]))
+    check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT)
+    k_BxSxKxH, v_BxSxKxH = k_BxKxSxH.swapaxes(1, 2), v_BxKxSxH.swapaxes(1, 2)  # its layout
+    if q_positions_BxT is None and kv_lengths_B is None:
+        return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, is_causal=True)
+    if q_positions_BxT is None:
+        q_positions_BxT = self_positions(q_BxTxNxH.shape[1])
+    mask = causal_mask(q_positions_BxT, kv_lengths_B, k_BxSxKxH.shape[1])
+    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask)
 
 
 @register_attention("cudnn")
-def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: Optional[jax.Array] = None,
-                    kv_lengths: Optional[jax.Array] = None) -> jax.Array:
-    """cuDNN's fused (flash) causal attention on NVIDIA GPUs (bf16/fp16), which JAX 0.10's default does not
-    pick; queries at other positions (prefill at an offset, decode) take the masked XLA path."""
-    check_shapes(q, k, v, q_positions)
-    if q_positions is None and kv_lengths is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    return dot_product_attention(q, k, v, q_positions, kv_lengths)
+def cudnn_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None) -> jax.Array:
+    """cuDNN's fused causal attention on NVIDIA GPUs (bf16/fp16) for self-attention; queries at other
+    positions (prefill at an offset, decode) take the masked XLA path."""
+    check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT)
+    if q_positions_BxT is None and kv_lengths_B is None:
+        return jax.nn.dot_product_attention(q_BxTxNxH, k_BxKxSxH.swapaxes(1, 2), v_BxKxSxH.swapaxes(1, 2),
+                                            is_causal=True, implementation="cudnn")
+    return dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: Optional[jax.Array] = None,
-              kv_lengths: Optional[jax.Array] = None, implementation: str = "dot_product") -> jax.Array:
-    """Causal (grouped-query) attention of q [B,T,N,H] over k/v [B,S,K,H] with a registered implementation."""
-    return get_attention(implementation)(q, k, v, q_positions, kv_lengths)
+def attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None,
+              implementation: str = "dot_product") -> jax.Array:
+    """Causal (grouped-query) attention with a registered implementation."""
+    return get_attention(implementation)(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)

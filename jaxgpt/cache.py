@@ -2,53 +2,75 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxgpt import kernels
+from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
-from jaxgpt.kernels import cpu
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """How one layer's keys (or values) are stored and written; it owns the buffer's shape.
+
+    This one is the portable layout: [B, K, S, H], head-major so that each (row, head) is one contiguous
+    [S, H] matrix that attention reads as it lies, written by one scatter whatever B. A backend may hand
+    the cache another layout (a subclass) that stores the same values differently.
+    """
+
+    def shape(self, batch: int, kv_heads: int, max_len: int, head_dim: int) -> tuple[int, ...]:
+        return (batch, kv_heads, max_len, head_dim)
+
+    def read(self, buf: jax.Array, batch: int) -> jax.Array:
+        """A stored buffer as [B, K, S, H]."""
+        return buf
+
+    def write(self, buf: jax.Array, new_BxKxTxH: jax.Array, lengths_B: jax.Array, layer=None) -> jax.Array:
+        """buf (or layer `layer` of stacked [L, ...] buffers) with new written at positions
+        lengths[b] .. lengths[b] + T - 1 of each row b."""
+        b, _, t, _ = new_BxKxTxH.shape
+        rows = jnp.arange(b)[:, None]
+        positions = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        new_BxTxKxH = new_BxKxTxH.swapaxes(1, 2).astype(buf.dtype)  # the scatter's update order
+        at = (rows, slice(None), positions) if layer is None else (layer, rows, slice(None), positions)
+        # (KVCache.overflow keeps positions inside the buffer)
+        return buf.at[at].set(new_BxTxKxH, mode="promise_in_bounds")
 
 
 @struct.dataclass
 class KVCache:
     """Keys and values of every layer for B rows of up to `max_len` positions; `lengths` int32 [B].
 
-    `lengths[b]` counts the positions of row b that hold real keys; the next token of row b is written at
-    position `lengths[b]`. The model takes a cache and returns an updated one; nothing is mutated.
-
-    `k` and `v` hold one [B, K, S, H] buffer per layer (S = max_len): a tuple of L arrays, or one stacked
-    [L, B, K, S, H] array for a model with `scan_layers` (the layer scan carries it). Head-major, so that
-    each (row, head) is one contiguous [S, H] matrix: attention's matmuls read the cache as it is laid out,
-    with no transposing copy per step (bench/README.md), and a NamedSharding can split it by batch or head.
-    The CPU kernels store each buffer with B and K merged, [B*K, S, H] (`merged`; see kernels/cpu.py);
-    `layer(i)` shows either as [B, K, S, H].
+    `lengths[b]` counts the positions of row b that hold real keys; row b's next token goes to position
+    `lengths[b]`. `k` and `v` hold one buffer per layer in `layout`'s form: a tuple of L arrays, or one
+    stacked [L, ...] array for a model with `scan_layers`. `layer(i)` shows layer i as [B, K, S, H].
     """
 
     k: Any
     v: Any
     lengths: jax.Array
-    merged: bool = struct.field(pytree_node=False, default=False)
+    layout: CacheLayout = struct.field(pytree_node=False, default=CacheLayout())
 
     @classmethod
-    def create(cls, config: GPTConfig, batch_size: int, max_len: int, dtype=None) -> "KVCache":
+    def create(cls, config: GPTConfig, batch_size: int, max_len: int, dtype=None,
+               layout: Optional[CacheLayout] = None) -> "KVCache":
         """An empty cache for `batch_size` rows of up to `max_len` positions, in the compute dtype."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len <= config.block_size:
+        if not is_int(max_len) or not 1 <= max_len <= config.block_size:
             raise ValueError(f"max_len must be an integer in [1, block_size={config.block_size}], got {max_len!r}")
+        layout = CacheLayout() if layout is None else layout
         dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
-        merged = kernels.resolve(config.kernels) == "cpu"
-        rows = (batch_size * config.n_kv_head,) if merged else (batch_size, config.n_kv_head)
-        shape = rows + (max_len, config.head_dim)
+        shape = layout.shape(int(batch_size), config.n_kv_head, int(max_len), config.head_dim)
         if config.scan_layers:
             k, v = (jnp.zeros((config.n_layer,) + shape, dtype) for _ in range(2))
         else:
             k, v = (tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer)) for _ in range(2))
-        return cls(k=k, v=v, lengths=jnp.zeros((batch_size,), jnp.int32), merged=merged)
+        return cls(k=k, v=v, lengths=jnp.zeros((batch_size,), jnp.int32), layout=layout)
 
     @property
     def batch_size(self) -> int:
@@ -65,19 +87,17 @@ class KVCache:
 
     def layer(self, i) -> tuple[jax.Array, jax.Array]:
         """Layer i's keys and values, each [B, K, S, H]."""
-        k, v = self.k[i], self.v[i]
-        if self.merged:
-            k, v = (a.reshape(self.batch_size, -1, *a.shape[1:]) for a in (k, v))
-        return k, v
+        return self.layout.read(self.k[i], self.batch_size), self.layout.read(self.v[i], self.batch_size)
 
-    def write(self, i, k_new: jax.Array, v_new: jax.Array) -> "KVCache":
-        """Write layer i's new keys/values [B, T, K, H] at each row's `lengths`.
+    def write(self, i, k_BxKxTxH: jax.Array, v_BxKxTxH: jax.Array) -> "KVCache":
+        """Layer i's new keys and values written at each row's `lengths`; `i` is a Python int, or a
+        traced index into stacked buffers."""
+        def put(layers, new):
+            if isinstance(layers, tuple):
+                return layers[:i] + (self.layout.write(layers[i], new, self.lengths),) + layers[i + 1:]
+            return self.layout.write(layers, new, self.lengths, i)
 
-        `i` is a Python int, or a traced index into stacked buffers. One scatter per buffer whatever B.
-        """
-        write_rows = cpu.write_rows if self.merged else _write_rows  # XLA:CPU: kernels/cpu.py
-        return self.replace(k=_write_layer(self.k, i, lambda buf, at: write_rows(buf, k_new, self.lengths, at)),
-                            v=_write_layer(self.v, i, lambda buf, at: write_rows(buf, v_new, self.lengths, at)))
+        return self.replace(k=put(self.k, k_BxKxTxH), v=put(self.v, v_BxKxTxH))
 
     def advance(self, n: jax.Array) -> "KVCache":
         """Mark `n` (int or int [B]) more positions of each row as filled."""
@@ -86,8 +106,8 @@ class KVCache:
     def overflow(self, num_tokens: int) -> jax.Array:
         """bool [B]: rows where writing `num_tokens` more positions would pass `max_len`.
 
-        Raises ValueError when that is known here: `num_tokens` > max_len, or concrete lengths (outside
-        jit) that overflow. Under jit the caller gets the mask (the model turns those rows' logits to NaN).
+        Raises ValueError when that is known here (too many tokens, or concrete lengths outside jit); under
+        jit the caller gets the mask, and the model turns those rows' logits to NaN.
         """
         if num_tokens > self.max_len:
             raise ValueError(f"{num_tokens} tokens do not fit a KV cache of max_len {self.max_len}")
@@ -98,24 +118,6 @@ class KVCache:
                              f"row(s) {rows} with lengths {[int(self.lengths[r]) for r in rows]}; create a "
                              "larger cache")
         return over
-
-
-def _write_rows(buf: jax.Array, new: jax.Array, lengths: jax.Array, layer=None) -> jax.Array:
-    """buf [B,K,S,H] (or layer `layer` of a stacked [L,B,K,S,H] buf) with new [B,T,K,H] written at
-    positions lengths[b] .. lengths[b] + T - 1 of each row b, as one scatter."""
-    b, t = new.shape[:2]
-    rows = jnp.arange(b)[:, None]
-    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    at = (rows, slice(None), positions) if layer is None else (layer, rows, slice(None), positions)
-    # (the overflow check above keeps positions inside the buffer)
-    return buf.at[at].set(new.astype(buf.dtype), mode="promise_in_bounds")
-
-
-def _write_layer(layers: Any, i, write: Callable) -> Any:
-    """`write(buffer, layer_index)` applied to layer i of a tuple of buffers or of one stacked array."""
-    if isinstance(layers, tuple):
-        return layers[:i] + (write(layers[i], None),) + layers[i + 1:]
-    return write(layers, i)
 
 
 def cache_bytes(config: GPTConfig, batch_size: int, max_len: int, dtype=None) -> int:

@@ -25,9 +25,26 @@ import sys
 import traceback
 from typing import Iterator, Optional
 
+from jaxgpt.checks import is_int
+
 # JAX's own cluster detectors that auto mode consults; the Kubernetes one calls the cluster's API and
 # mpi4py's is opt-in, so those run only with enabled=True (inside jax.distributed.initialize itself).
 _AUTO_SKIP = ("K8sCluster", "Mpi4pyCluster")
+
+
+def default_section():
+    """The training config's `distributed` section with its defaults (None: auto)."""
+    from ml_collections import config_dict
+
+    placeholder = config_dict.placeholder
+    d = config_dict.ConfigDict()
+    d.enabled = placeholder(bool)             # None: auto (the keys below, or a detected cluster)
+    d.coordinator_address = placeholder(str)  # "HOST:PORT" of process 0
+    d.num_processes = placeholder(int)
+    d.process_id = placeholder(int)
+    d.initialization_timeout_s = 300          # how long processes wait for each other at start
+    d.heartbeat_timeout_s = 100               # a silent process is dead after this; the rest stop
+    return d
 
 
 def check_config(dist) -> None:
@@ -35,9 +52,6 @@ def check_config(dist) -> None:
     def need(ok, key, msg):
         if not ok:
             raise ValueError(f"config.distributed.{key}: {msg}")
-
-    def is_int(v):
-        return isinstance(v, int) and not isinstance(v, bool)
 
     need(dist.enabled in (None, True, False), "enabled", f"must be None (auto), True or False, got {dist.enabled!r}")
     addr = dist.coordinator_address
@@ -85,10 +99,7 @@ def wanted(dist) -> bool:
 
 def _section(config):
     """The config's `distributed` section (the defaults for a config built without one)."""
-    if "distributed" in config:
-        return config.distributed
-    from jaxgpt.config import default_config
-    return default_config().distributed
+    return config.distributed if "distributed" in config else default_section()
 
 
 def initialize(config) -> bool:

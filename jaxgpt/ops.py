@@ -24,10 +24,11 @@ def _contract(a: jax.Array, b: jax.Array, a_axes: tuple, b_axes: tuple) -> jax.A
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _dense(x, w, b, compute_dtype, out_dtype, w_out_in):
-    return _dense_fwd(x, w, b, compute_dtype, out_dtype, w_out_in)[0]
+    return linear_fwd(x, w, b, compute_dtype, out_dtype, w_out_in)[0]
 
 
-def _dense_fwd(x, w, b, compute_dtype, out_dtype, w_out_in):
+def linear_fwd(x, w, b, compute_dtype, out_dtype, w_out_in):
+    """`linear`'s forward and its residuals (a building block for a backend's own custom VJP)."""
     xc, wc = x.astype(compute_dtype), w.astype(compute_dtype)
     y = _contract(xc, wc, (x.ndim - 1,), (1 if w_out_in else 0,))  # float32
     if b is not None:
@@ -37,7 +38,8 @@ def _dense_fwd(x, w, b, compute_dtype, out_dtype, w_out_in):
     return y.astype(out_dtype), (xc, wc, protos)
 
 
-def _dense_bwd(compute_dtype, out_dtype, w_out_in, res, g):
+def linear_bwd(compute_dtype, out_dtype, w_out_in, res, g):
+    """`linear`'s backward from `linear_fwd`'s residuals: both gradient matmuls in the compute dtype."""
     xc, wc, (x_proto, w_proto, b_proto) = res
     lead = tuple(range(g.ndim - 1))
     db = None if b_proto is None else jnp.sum(g.astype(jnp.float32), axis=lead).astype(b_proto.dtype)
@@ -48,7 +50,7 @@ def _dense_bwd(compute_dtype, out_dtype, w_out_in, res, g):
     return dx.astype(x_proto.dtype), dw.astype(w_proto.dtype), db
 
 
-_dense.defvjp(_dense_fwd, _dense_bwd)
+_dense.defvjp(linear_fwd, linear_bwd)
 
 
 def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, b: Optional[jax.Array] = None,

@@ -403,6 +403,9 @@ def save_pretrained(params, config: GPTConfig, out_dir: PathLike) -> Path:
     """
     from safetensors.numpy import save_file
 
+    if config.block != "gpt2":
+        raise ValueError(f"block={config.block!r} has no Hugging Face equivalent: save_pretrained exports the "
+                         "pre-norm 'gpt2' block (GPT-2 and Llama) only")
     if hf_architecture(config) == "llama":
         named, hf = _llama_tensors(params, config), config_to_hf_llama(config)
     else:

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import functools
-import math
-import weakref
 from typing import Iterator, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpt import kernels
+from jaxgpt.backends import Backend, DecodeWeights, resolve
+from jaxgpt.backends.base import cast_floats
 from jaxgpt.cache import KVCache
+from jaxgpt.checks import is_int, is_real
 from jaxgpt.config import GPTConfig
-from jaxgpt.kernels import cpu
 from jaxgpt.model import GPT
 
 NEG_INF = -jnp.inf
@@ -74,18 +73,16 @@ class GenerateOutput(NamedTuple):
 
 def validate_sampler(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
     """Raise ValueError for sampler settings outside their domain."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.number)) \
-            or not math.isfinite(temperature) or temperature < 0:
+    if not is_real(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.number))
-                              or not 0.0 < top_p <= 1.0):  # (NaN fails the comparison)
+    if top_p is not None and (not is_real(top_p) or not 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
 
 
 def _check_token(name: str, value, config: GPTConfig) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < config.vocab_size:
+    if not is_int(value) or not 0 <= value < config.vocab_size:
         raise ValueError(f"{name} must be a token id in [0, {config.vocab_size}), got {value!r}")
 
 
@@ -108,7 +105,7 @@ def _prepare(config: GPTConfig, prompts, max_new_tokens, prompt_lengths, tempera
     if not np.issubdtype(prompts.dtype, np.integer):
         raise ValueError(f"prompts must hold integer token ids, got dtype {prompts.dtype}")
     b, p = prompts.shape
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if p + max_new_tokens > config.block_size:
         raise ValueError(f"prompt length ({p}) + max_new_tokens ({max_new_tokens}) = "
@@ -134,20 +131,26 @@ def _prepare(config: GPTConfig, prompts, max_new_tokens, prompt_lengths, tempera
         _check_token("eos_id", eos_id, config)
     _check_token("pad_id", pad_id, config)
     _check_rng(rng)
-    if kernels.resolve(config.kernels) == "cpu":
-        cpu.tune_allocator()  # XLA:CPU: kernels/cpu.py
     return np.where(valid, prompts, pad_id).astype(np.int32), prompt_lengths.astype(np.int32), int(max_new_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------
-# The decode loop, shared by generate (one compiled call) and generate_stream (a call per chunk)
+# The decode loop, shared by generate (one compiled call) and stream (a call per chunk)
 
-class _Sampler(NamedTuple):  # static: part of the compiled program's key
+class Sampler(NamedTuple):
+    """Sampler settings; static, so part of the compiled program's key."""
+
     temperature: float
     top_k: Optional[int]
     top_p: Optional[float]
     eos_id: Optional[int]
     pad_id: int
+
+    @classmethod
+    def of(cls, temperature, top_k, top_p, eos_id, pad_id) -> "Sampler":
+        """Settings already checked by `_prepare`, as plain Python values."""
+        return cls(float(temperature), None if top_k is None else int(top_k), None if top_p is None else float(top_p),
+                   None if eos_id is None else int(eos_id), int(pad_id))
 
 
 class DecodeState(NamedTuple):
@@ -161,66 +164,16 @@ class DecodeState(NamedTuple):
     step: jax.Array
 
 
-def _model_and_params(params, config: GPTConfig, batch_size: int, decode: bool = True,
-                      layout: Optional[str] = None):
-    """The model and parameters to run with: the compute dtype cast once per call (not per step), and for
-    the CPU kernels' decode steps their layout (kernels/cpu.py: decode_params; `layout` if given); the
-    prefill (`decode=False`) keeps the stored one."""
-    dtype = config.compute_dtype
-    params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    if decode and kernels.resolve(config.kernels) == "cpu":
-        params, layout = cpu.decode_params(params, batch_size, dtype, config.tie_embeddings, layout)
-    return GPT(config.replace(remat="none"), kernel_layout=layout or "in_out"), params
-
-
-_decode_params_jit = jax.jit(lambda params, *, config, batch_size, layout: _model_and_params(
-    params, config, batch_size, layout=layout)[1], static_argnames=("config", "batch_size", "layout"))
-
-
-_DECODE_PARAMS: dict = {}  # at most one entry: (key, weak references to the arrays it was made from, params)
-
-
-def _decode_params(params, config: GPTConfig, batch_size: int):
-    """(decode params or None, layout) for `_generate`/`_decode_jit`: None where the decode steps run on the
-    stored layout, else the CPU kernels' decode parameters, made by one compiled call and kept for the
-    next call with the same arrays. Packing costs GPT-2 124M ~0.2 s per call, most of it page faults on
-    its fresh 0.5 GB. The entry goes as soon as one of its source arrays is freed (or other ones come)."""
-    layout = cpu.decode_layout(batch_size, config.compute_dtype) if kernels.resolve(config.kernels) == "cpu" \
-        else "in_out"
-    if layout == "in_out":
-        return None, layout
-    leaves = jax.tree.leaves(params)
-    key = (tuple(map(id, leaves)), config, batch_size, layout)
-    entry = _DECODE_PARAMS.get("entry")
-    if entry is not None and entry[0] == key and all(ref() is x for ref, x in zip(entry[1], leaves)):
-        return entry[2], layout
-    _DECODE_PARAMS.clear()
-    made = _decode_params_jit(params, config=config, batch_size=batch_size, layout=layout)
-    try:
-        refs = [weakref.ref(x, lambda _: _DECODE_PARAMS.clear()) for x in leaves]
-    except TypeError:  # (leaves that cannot be referenced weakly: nothing kept)
-        return made, layout
-    _DECODE_PARAMS["entry"] = (key, refs, made)
-    return made, layout
-
-
-def _decode_model_and_params(params, decode_params, layout: Optional[str], config: GPTConfig, batch_size: int):
-    """The decode steps' model and parameters: made here, or the ones `_decode_params` made."""
-    if decode_params is None:
-        return _model_and_params(params, config, batch_size)
-    return GPT(config.replace(remat="none"), kernel_layout=layout), decode_params
-
-
-def _prefill(model, params, prompts, prompt_lengths, max_len) -> DecodeState:
+def _prefill(model: GPT, params, prompts_BxP, prompt_lengths_B, max_len: int) -> DecodeState:
     """The whole (padded) prompt at once, logits only at each row's last prompt token."""
-    b = prompts.shape[0]
-    cache = KVCache.create(model.config, b, max_len)
-    logits, cache = model.apply({"params": params}, prompts, cache, token_lengths=prompt_lengths,
-                                logits_index=prompt_lengths - 1)
-    return DecodeState(cache, logits[:, 0], prompt_lengths, jnp.zeros((b,), bool), jnp.zeros((), jnp.int32))
+    b = prompts_BxP.shape[0]
+    cache = KVCache.create(model.config, b, max_len, layout=model.backend.cache_layout)
+    logits, cache = model.apply({"params": params}, prompts_BxP, cache, token_lengths=prompt_lengths_B,
+                                logits_index=prompt_lengths_B - 1)
+    return DecodeState(cache, logits[:, 0], prompt_lengths_B, jnp.zeros((b,), bool), jnp.zeros((), jnp.int32))
 
 
-def _emit(state: DecodeState, rng, s: _Sampler) -> tuple[DecodeState, jax.Array]:
+def _emit(state: DecodeState, rng, s: Sampler) -> tuple[DecodeState, jax.Array]:
     """Draw each row's next token from the state's logits (pad_id for finished rows)."""
     tok = sample_logits(jax.random.fold_in(rng, state.step), state.logits, s.temperature, s.top_k, s.top_p)
     tok = jnp.where(state.done, s.pad_id, tok)
@@ -229,11 +182,11 @@ def _emit(state: DecodeState, rng, s: _Sampler) -> tuple[DecodeState, jax.Array]
     return state._replace(lengths=lengths, done=done, step=state.step + 1), tok
 
 
-def _decode(model, params, state: DecodeState, rng, n: int, s: _Sampler, last: bool):
+def _decode(model: GPT, variables: dict, state: DecodeState, rng, n: int, s: Sampler, last: bool):
     """n tokens per row [B, n]; each is fed back through the model, except the very last one (`last`)."""
     def step(state, _):
         state, tok = _emit(state, rng, s)
-        logits, cache = model.apply({"params": params}, tok[:, None], state.cache)
+        logits, cache = model.apply(variables, tok[:, None], state.cache)
         return state._replace(cache=cache, logits=logits[:, 0]), tok
 
     state, toks = jax.lax.scan(step, state, None, length=n - 1 if last else n)
@@ -243,24 +196,100 @@ def _decode(model, params, state: DecodeState, rng, n: int, s: _Sampler, last: b
     return state, toks.T
 
 
+def _cast(weights: DecodeWeights, config: GPTConfig) -> DecodeWeights:
+    """The params in the compute dtype, once per call (not per step)."""
+    return weights.replace(params=cast_floats(weights.params, config.compute_dtype))
+
+
 # Incremented each time `_generate` is traced; tests use it to check that new prompts don't recompile.
 TRACE_COUNT = 0
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampler", "layout"))
-def _generate(params, prompts, prompt_lengths, rng, *, config: GPTConfig, max_new_tokens: int, sampler: _Sampler,
-              decode_params=None, layout: Optional[str] = None):
+@functools.partial(jax.jit, static_argnames=("config", "backend", "max_new_tokens", "sampler"))
+def _generate(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, rng, *, config: GPTConfig, backend: Backend,
+              max_new_tokens: int, sampler: Sampler) -> GenerateOutput:
     global TRACE_COUNT
     TRACE_COUNT += 1
-    b, p = prompts.shape
-    state = _prefill(*_model_and_params(params, config, b, decode=False), prompts, prompt_lengths, p + max_new_tokens)
-    model, params = _decode_model_and_params(params, decode_params, layout, config, b)
-    state, new = _decode(model, params, state, rng, max_new_tokens, sampler, last=True)
+    b, p = prompts_BxP.shape
+    model, weights = GPT(config, backend), _cast(weights, config)
+    state = _prefill(model, weights.params, prompts_BxP, prompt_lengths_B, p + max_new_tokens)
+    state, new_BxN = _decode(model, weights.variables(), state, rng, max_new_tokens, sampler, last=True)
     # row b's new tokens go right after its prompt (ragged rows: over the padding)
-    tokens = jnp.concatenate([prompts, jnp.full((b, max_new_tokens), sampler.pad_id, jnp.int32)], axis=1)
-    at = prompt_lengths[:, None] + jnp.arange(max_new_tokens)[None, :]
-    tokens = tokens.at[jnp.arange(b)[:, None], at].set(new)
+    tokens = jnp.concatenate([prompts_BxP, jnp.full((b, max_new_tokens), sampler.pad_id, jnp.int32)], axis=1)
+    at = prompt_lengths_B[:, None] + jnp.arange(max_new_tokens)[None, :]
+    tokens = tokens.at[jnp.arange(b)[:, None], at].set(new_BxN)
     return GenerateOutput(tokens, state.lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "max_len"))
+def _prefill_jit(params, prompts_BxP, prompt_lengths_B, *, config, backend, max_len):
+    return _prefill(GPT(config, backend), cast_floats(params, config.compute_dtype), prompts_BxP, prompt_lengths_B,
+                    max_len)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "n", "sampler", "last"), donate_argnums=(1,))
+def _decode_jit(weights: DecodeWeights, state, rng, *, config, backend, n, sampler, last):
+    return _decode(GPT(config, backend), _cast(weights, config).variables(), state, rng, n, sampler, last)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "batch_size"))
+def _prepare_jit(params, *, config: GPTConfig, backend: Backend, batch_size: int):
+    return backend.prepare_decode(cast_floats(params, config.compute_dtype), batch_size, config.compute_dtype,
+                                  config.tie_embeddings)
+
+
+class Decoder:
+    """A model ready to decode: the backend chosen once, and the decode steps' weights (`DecodeWeights`,
+    the backend's prepared kernels) made once per batch size and kept while this object lives.
+
+    `Decoder(params, config).generate(...)` equals `generate(params, config, ...)`; hold a Decoder to
+    decode repeatedly without preparing the weights again.
+    """
+
+    def __init__(self, params, config: GPTConfig, backend: Optional[Backend] = None):
+        self.params = params
+        self.config = config.replace(remat="none")
+        self.backend = backend or resolve(config)
+        self.backend.setup()
+        self._weights: dict = {}  # batch size -> DecodeWeights (the latest one only)
+
+    def weights(self, batch_size: int) -> DecodeWeights:
+        """The decode steps' weights for `batch_size` rows (the backend's prepared forms, made once)."""
+        if batch_size not in self._weights:
+            prepared = _prepare_jit(self.params, config=self.config, backend=self.backend, batch_size=batch_size)
+            self._weights = {batch_size: DecodeWeights(self.params, prepared)}
+        return self._weights[batch_size]
+
+    def generate(self, prompts, max_new_tokens: int, rng: jax.Array, *, prompt_lengths=None,
+                 temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 eos_id: Optional[int] = None, pad_id: int = 0) -> GenerateOutput:
+        """See `generate`."""
+        prompts, prompt_lengths, n = _prepare(self.config, prompts, max_new_tokens, prompt_lengths, temperature,
+                                              top_k, top_p, eos_id, pad_id, rng)
+        return _generate(self.weights(prompts.shape[0]), jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng,
+                         config=self.config, backend=self.backend, max_new_tokens=n,
+                         sampler=Sampler.of(temperature, top_k, top_p, eos_id, pad_id))
+
+    def stream(self, prompts, max_new_tokens: int, rng: jax.Array, *, chunk_size: int = 32, prompt_lengths=None,
+               temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+               eos_id: Optional[int] = None, pad_id: int = 0) -> Iterator[np.ndarray]:
+        """See `generate_stream`."""
+        prompts, prompt_lengths, total = _prepare(self.config, prompts, max_new_tokens, prompt_lengths,
+                                                  temperature, top_k, top_p, eos_id, pad_id, rng)
+        if not is_int(chunk_size) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+        sampler = Sampler.of(temperature, top_k, top_p, eos_id, pad_id)
+        static = dict(config=self.config, backend=self.backend)
+        state = _prefill_jit(self.params, jnp.asarray(prompts), jnp.asarray(prompt_lengths),
+                             max_len=prompts.shape[1] + total, **static)
+        weights, done = self.weights(prompts.shape[0]), 0
+        while done < total:
+            n = min(chunk_size, total - done)
+            done += n
+            state, toks = _decode_jit(weights, state, rng, n=n, sampler=sampler, last=done == total, **static)
+            yield np.asarray(toks)
+            if eos_id is not None and bool(np.asarray(state.done).all()):
+                return
 
 
 def generate(params, config: GPTConfig, prompts, max_new_tokens: int, rng: jax.Array, *,
@@ -269,27 +298,13 @@ def generate(params, config: GPTConfig, prompts, max_new_tokens: int, rng: jax.A
     """Continue each prompt row by up to `max_new_tokens` tokens, with a KV cache and lax.scan.
 
     prompts int [B, P]; row b's prompt is its first `prompt_lengths[b]` tokens (default all P). Rows that
-    emit `eos_id` stop: their later tokens are `pad_id` and their length stops growing.
-    Compiled once per (B, P, max_new_tokens, sampler settings); new prompt values reuse the program.
+    emit `eos_id` stop: their later tokens are `pad_id` and their length stops growing. Compiled once per
+    (B, P, max_new_tokens, sampler settings). Each call prepares the decode weights: hold a `Decoder`
+    to decode repeatedly.
     """
-    prompts, prompt_lengths, n = _prepare(config, prompts, max_new_tokens, prompt_lengths, temperature, top_k,
-                                          top_p, eos_id, pad_id, rng)
-    sampler = _Sampler(float(temperature), None if top_k is None else int(top_k),
-                       None if top_p is None else float(top_p), None if eos_id is None else int(eos_id), int(pad_id))
-    decode_params, layout = _decode_params(params, config, prompts.shape[0])
-    return _generate(params, jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng, config=config,
-                     max_new_tokens=n, sampler=sampler, decode_params=decode_params, layout=layout)
-
-
-_prefill_jit = jax.jit(lambda params, prompts, lengths, *, config, max_len: _prefill(
-    *_model_and_params(params, config, prompts.shape[0], decode=False), prompts, lengths, max_len),
-    static_argnames=("config", "max_len"))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "n", "sampler", "last", "layout"), donate_argnums=(1,))
-def _decode_jit(params, state, rng, *, config, n, sampler, last, decode_params=None, layout=None):
-    model, params = _decode_model_and_params(params, decode_params, layout, config, state.lengths.shape[0])
-    return _decode(model, params, state, rng, n, sampler, last)
+    return Decoder(params, config).generate(prompts, max_new_tokens, rng, prompt_lengths=prompt_lengths,
+                                            temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
+                                            pad_id=pad_id)
 
 
 def generate_stream(params, config: GPTConfig, prompts, max_new_tokens: int, rng: jax.Array, *,
@@ -297,23 +312,34 @@ def generate_stream(params, config: GPTConfig, prompts, max_new_tokens: int, rng
                     top_k: Optional[int] = None, top_p: Optional[float] = None, eos_id: Optional[int] = None,
                     pad_id: int = 0) -> Iterator[np.ndarray]:
     """`generate`, yielding the new tokens chunk by chunk (int32 [B, n], n <= chunk_size) as they are
-    decoded; finished rows yield `pad_id`. The same rng gives the same tokens as `generate`. Each chunk is
-    one compiled lax.scan (compiled once per chunk size), and the cache stays on the device between them."""
-    prompts, prompt_lengths, total = _prepare(config, prompts, max_new_tokens, prompt_lengths, temperature,
-                                              top_k, top_p, eos_id, pad_id, rng)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    sampler = _Sampler(float(temperature), None if top_k is None else int(top_k),
-                       None if top_p is None else float(top_p), None if eos_id is None else int(eos_id), int(pad_id))
-    state = _prefill_jit(params, jnp.asarray(prompts), jnp.asarray(prompt_lengths), config=config,
-                         max_len=prompts.shape[1] + total)
-    decode_params, layout = _decode_params(params, config, prompts.shape[0])
-    done = 0
-    while done < total:
-        n = min(chunk_size, total - done)
-        done += n
-        state, toks = _decode_jit(params, state, rng, config=config, n=n, sampler=sampler, last=done == total,
-                                  decode_params=decode_params, layout=layout)
-        yield np.asarray(toks)
-        if eos_id is not None and bool(np.asarray(state.done).all()):
-            return
+    decoded; finished rows yield `pad_id`. The same rng gives the same tokens as `generate`. One compiled
+    lax.scan per chunk size; the cache stays on the device between chunks."""
+    return Decoder(params, config).stream(prompts, max_new_tokens, rng, chunk_size=chunk_size,
+                                          prompt_lengths=prompt_lengths, temperature=temperature, top_k=top_k,
+                                          top_p=top_p, eos_id=eos_id, pad_id=pad_id)
+
+
+def lower_generate(config: GPTConfig, batch_size: int, prompt_len: int, max_new_tokens: int, *,
+                   backend: Optional[Backend] = None, sampler: Optional[Sampler] = None, sharding=None,
+                   params=None):
+    """`generate`'s program lowered for abstract inputs (nothing allocated): `.compile()` it to check it
+    ahead of time, e.g. for another platform's devices with `sharding` (placed on every input).
+    `params` default: the config's abstract parameters."""
+    from jaxgpt.model import abstract_params
+
+    backend = backend or resolve(config)
+    config = config.replace(remat="none")
+    sampler = sampler or Sampler(1.0, None, None, None, 0)
+    params = abstract_params(config) if params is None else params
+    prepared = jax.eval_shape(lambda p: backend.prepare_decode(cast_floats(p, config.compute_dtype), batch_size,
+                                                               config.compute_dtype, config.tie_embeddings), params)
+
+    def place(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    weights = jax.tree.map(place, DecodeWeights(params, prepared))
+    prompts = place(jax.ShapeDtypeStruct((batch_size, prompt_len), jnp.int32))
+    lengths = place(jax.ShapeDtypeStruct((batch_size,), jnp.int32))
+    rng = place(jax.eval_shape(lambda: jax.random.key(0)))
+    return _generate.lower(weights, prompts, lengths, rng, config=config, backend=backend,
+                           max_new_tokens=max_new_tokens, sampler=sampler)

@@ -16,7 +16,7 @@ if __name__ == "__main__":  # before JAX is first imported: two fake CPU devices
 
 
 def get_config():
-    from jaxgpt.config import default_config
+    from jaxgpt.training.config import default_config
 
     c = default_config()
     with open(os.environ["JAXGPT_TEST_CONFIG"]) as f:

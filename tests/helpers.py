@@ -2,7 +2,7 @@
 
 import random
 
-from jaxgpt.config import default_config
+from jaxgpt.training.config import default_config
 
 _WORDS = ("the king is dead long live the queen my lord what say you of this night and day to be or not "
           "that is the question whether tis nobler in the mind to suffer slings arrows").split()

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt.attention import (_REGISTRY, MASK_VALUE, attention, attention_names, causal_mask, dot_product_attention,
-                              einsum_attention, get_attention, register_attention)
+from jaxgpt.attention import (MASK_VALUE, attention, attention_names, causal_mask, einsum_attention, get_attention,
+                              register_attention)
+from jaxgpt.registry import ATTENTION
 
 PORTABLE = [name for name in attention_names() if name != "cudnn"]  # cudnn needs an NVIDIA GPU
 
@@ -14,8 +15,8 @@ PORTABLE = [name for name in attention_names() if name != "cudnn"]  # cudnn need
 def _qkv(key, b=2, t=6, s=None, n=4, k=4, h=8, dtype=jnp.float32):
     s = t if s is None else s
     kq, kk, kv = jax.random.split(key, 3)
-    return (jax.random.normal(kq, (b, t, n, h), dtype), jax.random.normal(kk, (b, s, k, h), dtype),
-            jax.random.normal(kv, (b, s, k, h), dtype))
+    return (jax.random.normal(kq, (b, t, n, h), dtype), jax.random.normal(kk, (b, k, s, h), dtype),
+            jax.random.normal(kv, (b, k, s, h), dtype))
 
 
 def _positions(b, t, start=0):
@@ -23,16 +24,16 @@ def _positions(b, t, start=0):
 
 
 def _loop_reference(q, k, v, q_positions, kv_lengths):
-    """Attention written out query by query, head by head, in float64 numpy."""
+    """Attention written out query by query, head by head, in float64 numpy (k, v [B, K, S, H])."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     b, t, n, h = q.shape
-    g = n // k.shape[2]
+    g = n // k.shape[1]
     out = np.zeros_like(q)
     for r in range(b):
         for i in range(t):
-            visible = [s for s in range(k.shape[1]) if s <= q_positions[r, i] and s < kv_lengths[r]]
+            visible = [s for s in range(k.shape[2]) if s <= q_positions[r, i] and s < kv_lengths[r]]
             for head in range(n):
-                kk, vv = k[r, visible, head // g], v[r, visible, head // g]
+                kk, vv = k[r, head // g, visible], v[r, head // g, visible]
                 scores = kk @ q[r, i, head] / np.sqrt(h)
                 w = np.exp(scores - scores.max())
                 out[r, i, head] = (w / w.sum()) @ vv
@@ -74,7 +75,7 @@ def test_every_implementation_equals_a_loop_reference(name, kv_heads):
 def test_gqa_equals_repeated_kv_heads():
     q, k, v = _qkv(jax.random.key(1), n=4, k=2)
     gqa = attention(q, k, v)
-    full = attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2))
+    full = attention(q, jnp.repeat(k, 2, axis=1), jnp.repeat(v, 2, axis=1))
     np.testing.assert_allclose(np.asarray(gqa), np.asarray(full), atol=1e-6)
 
 
@@ -97,8 +98,8 @@ def float32_softmax_case():
     implementation that rounds scores to bf16 before the softmax gets weights up to 0.2 off."""
     h = 64
     q = jnp.ones((1, 1, 1, h))  # scale 1/sqrt(64): score = sum(k) / 8
-    k = jnp.zeros((1, 4, 1, h)).at[0, :, 0, 0].set(2048.0).at[0, :, 0, 1].set(8.0 * jnp.arange(4))
-    v = jnp.eye(4, h)[None, :, None, :]  # output [:4] = the attention weights
+    k = jnp.zeros((1, 1, 4, h)).at[0, 0, :, 0].set(2048.0).at[0, 0, :, 1].set(8.0 * jnp.arange(4))
+    v = jnp.eye(4, h)[None, None]  # output [:4] = the attention weights
     weights = np.asarray(jax.nn.softmax(jnp.arange(4.0)))
     return q, k, v, weights
 
@@ -143,6 +144,6 @@ def test_a_new_variant_is_one_function_and_one_registry_entry():
         np.testing.assert_allclose(np.asarray(logits), np.asarray(full), atol=1e-5)
         assert True in calls and False in calls  # the training path and the cached path both used it
     finally:
-        _REGISTRY.pop("test_recorded")
+        ATTENTION.unregister("test_recorded")
     with pytest.raises(ValueError, match="attention"):
         GPTConfig(attention="test_recorded")

@@ -30,7 +30,7 @@ def test_attention_benchmark_smoke(tmp_path, monkeypatch):
     results = attention.main(["--configs", "baby", "--reps", "1", "--no-peer"])
     assert written == {"attention": results}
     rows = {r["impl"]: r for r in results["runs"]}
-    from jaxgpt.kernels import native
+    from jaxgpt.backends import native
     assert set(rows) == {"cpu xla", "portable"} | ({"cpu native"} if native.available() else set())
     b, t, n, h = attention.shapes("baby")
     assert rows["portable"]["shape"] == [b, t, n, h] and rows["portable"]["max_abs_diff"] == 0.0

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import GPT, GPTConfig, KVCache, cache_bytes
+from jaxgpt import GPT, GPTConfig, KVCache, cache_bytes, resolve
 from tests.helpers import STYLES
 
 KERNELS = ["portable", "cpu"]
@@ -17,6 +17,11 @@ def _setup(attention="dot_product", n_kv_head=None, block_size=24, kernels="port
                     attention=attention, kernels=kernels, scan_layers=scan_layers, **STYLES[style])
     variables = jax.jit(GPT(cfg).init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     return cfg, Compiled(GPT(cfg)), variables
+
+
+def _cache(cfg, batch_size, max_len):
+    """An empty cache in the layout of the config's backend (as generate makes it)."""
+    return KVCache.create(cfg, batch_size, max_len, layout=resolve(cfg).cache_layout)
 
 
 class Compiled:
@@ -34,7 +39,7 @@ def _decode_all(model, variables, cfg, tokens, prompt_lengths):
     """
     b, t = tokens.shape
     p = int(max(prompt_lengths))
-    cache = KVCache.create(cfg, b, 2 * t - int(min(prompt_lengths)))
+    cache = _cache(cfg, b, 2 * t - int(min(prompt_lengths)))
     prompt = jnp.where(jnp.arange(p)[None] < jnp.asarray(prompt_lengths)[:, None], tokens[:, :p], 0)
     logits, cache = model.apply(variables, prompt, cache, token_lengths=jnp.asarray(prompt_lengths))
     got = {(r, i): logits[r, i] for r in range(b) for i in range(prompt_lengths[r])}
@@ -96,7 +101,7 @@ def test_logits_index_selects_last_prompt_position():
 def test_cache_is_a_pytree_and_immutable(kernels, scan_layers):
     cfg, model, _ = _setup(n_kv_head=2, kernels=kernels, scan_layers=scan_layers)
     variables = {"params": jax.jit(lambda k: GPT(cfg).init(k, jnp.zeros((1, 4), jnp.int32)))(jax.random.key(0))["params"]}
-    cache = KVCache.create(cfg, 2, 10)
+    cache = _cache(cfg, 2, 10)
     leaves = jax.tree_util.tree_leaves(cache)
     assert len(leaves) == (3 if scan_layers else 2 * cfg.n_layer + 1)  # k, v (per layer or stacked); lengths
     _, new = model.apply(variables, jnp.ones((2, 3), jnp.int32), cache)
@@ -134,13 +139,13 @@ def test_create_rejects_bad_sizes():
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_write_puts_each_row_at_its_length(kernels, scan_layers):
     cfg = _setup(n_kv_head=2, kernels=kernels, scan_layers=scan_layers)[0]  # 2 layers, 2 kv heads of 8
-    cache = KVCache.create(cfg, 3, 6).advance(jnp.array([0, 2, 4]))
-    k_new = jax.random.normal(jax.random.key(4), (3, 2, 2, 8))  # two new positions per row
+    cache = _cache(cfg, 3, 6).advance(jnp.array([0, 2, 4]))
+    k_new = jax.random.normal(jax.random.key(4), (3, 2, 2, 8))  # [B, K, T, H]: two new positions per row
     new = cache.write(1, k_new, k_new + 1.0)
     k_view, v_view = new.layer(1)  # [B, K, S, H]
     want = np.zeros((3, 2, 6, 8), np.float32)
     for r, pos in enumerate([0, 2, 4]):
-        want[r, :, pos:pos + 2] = np.asarray(k_new[r]).swapaxes(0, 1)
+        want[r, :, pos:pos + 2] = np.asarray(k_new[r])
     np.testing.assert_array_equal(np.asarray(k_view), want)
     np.testing.assert_array_equal(np.asarray(v_view), np.where(want != 0, want + 1.0, 0.0))
     assert float(jnp.abs(new.layer(0)[0]).sum()) == 0.0  # other layers untouched
@@ -154,7 +159,7 @@ def test_portable_write_is_one_op_whatever_the_batch():
 
     def ops(b):
         cache = KVCache.create(cfg, b, 6)
-        new = jnp.zeros((b, 1, 2, 8))
+        new = jnp.zeros((b, 2, 1, 8))
         return len(jax.make_jaxpr(lambda c: c.write(0, new, new))(cache).jaxpr.eqns)
 
     assert ops(1) == ops(8)
@@ -165,7 +170,7 @@ def test_overflow_is_an_error_outside_jit_and_nan_logits_inside(kernels):
     cfg, _, variables = _setup(kernels=kernels)
     model = GPT(cfg)  # called op by op: the overflow check needs concrete lengths
     tokens = jnp.ones((2, 3), jnp.int32)
-    cache = KVCache.create(cfg, 2, 4)
+    cache = _cache(cfg, 2, 4)
     with pytest.raises(ValueError, match="do not fit"):
         model.apply(variables, jnp.ones((2, 5), jnp.int32), cache)
     _, cache = model.apply(variables, tokens, cache.replace(lengths=jnp.array([0, 0])))

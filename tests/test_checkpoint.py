@@ -12,7 +12,7 @@ import pytest
 from jaxgpt import GPTConfig, init_params
 from jaxgpt.checkpoint import CheckpointError, Checkpointer, abstract_like, existing_steps, load_model
 from jaxgpt.training import MeshRunner, PmapRunner, create_train_state, make_optimizer, make_train_step, train
-from jaxgpt.config import default_config
+from jaxgpt.training.config import default_config
 from tests.helpers import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxgpt import GPTConfig, init_params
 from jaxgpt.checkpoint import Checkpointer, existing_steps
-from jaxgpt.config import default_config, validate_config
+from jaxgpt.training.config import default_config, validate_config
 from jaxgpt.distributed import initialize, wanted
 from jaxgpt.training import create_train_state, make_optimizer, train
 from jaxgpt.training.parallel import fsdp_spec

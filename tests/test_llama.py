@@ -7,11 +7,13 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import jaxgpt
 import pytest
 
 from jaxgpt import GPT, GPTConfig, generate, init_params
 from jaxgpt.attention import rotary_embedding
-from jaxgpt.config import default_config
+from jaxgpt.training.config import default_config
 from jaxgpt.model import count_params
 from jaxgpt.training import MeshRunner, PmapRunner, create_train_state, make_optimizer, train
 from tests.helpers import LLAMA, tiny_config
@@ -47,9 +49,9 @@ def test_llama_parameter_tree_and_counts():
     assert layer["mlp"]["c_gate"]["kernel"].shape == (64, CFG.mlp_hidden) and CFG.mlp_hidden == 192
     d, kv, f = 64, 2 * 16, CFG.mlp_hidden
     per_layer = d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d
-    assert count_params(params) == CFG.num_params(non_embedding=False) == 2 * 256 * d + 2 * per_layer + d
-    assert CFG.num_params() == 256 * d + 2 * per_layer + d  # the token table is only looked up
-    assert CFG.flops_per_token(64) == 6 * CFG.num_params() + 12 * 2 * 64 * 64
+    assert count_params(params) == jaxgpt.num_params(CFG, non_embedding=False) == 2 * 256 * d + 2 * per_layer + d
+    assert jaxgpt.num_params(CFG) == 256 * d + 2 * per_layer + d  # the token table is only looked up
+    assert jaxgpt.flops_per_token(CFG, 64) == 6 * jaxgpt.num_params(CFG) + 12 * 2 * 64 * 64
 
 
 @pytest.mark.parametrize("kw,match", [

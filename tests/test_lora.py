@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxgpt import GPT, GPTConfig, init_params
-from jaxgpt.config import default_config
+from jaxgpt.training.config import default_config
 from jaxgpt.lora import LoraSpec, init_adapters, merge
 from jaxgpt.model import convert_layers
 from jaxgpt.training.step import create_train_state, make_optimizer, make_train_step, model_variables
@@ -183,7 +183,7 @@ def test_a_lora_run_fine_tunes_resumes_exactly_and_samples(tmp_path, base_run):
 
 def test_lora_needs_a_base_and_init_from_checks_the_tokenizer(tmp_path, base_run):
     from jaxgpt.checkpoint import CheckpointError
-    from jaxgpt.config import validate_config
+    from jaxgpt.training.config import validate_config
     from jaxgpt.training import train
 
     c = _lora_config(tmp_path / "a", base_run, max_steps=2)

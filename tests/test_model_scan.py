@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxgpt import GPT, GPTConfig, KVCache, generate, init_params
-from jaxgpt.config import default_config, model_config_from, validate_config
+from jaxgpt.training.config import default_config, model_config_from, validate_config
 from jaxgpt.model import convert_layers
 from tests.helpers import STYLES
 from jaxgpt.training.step import create_train_state, cross_entropy, make_optimizer, make_train_step

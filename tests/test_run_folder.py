@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from jaxgpt.checkpoint import existing_steps
-from jaxgpt.config import validate_config
+from jaxgpt.training.config import validate_config
 from jaxgpt.training import loop, run_dir, train
 from jaxgpt.training.metrics import MetricsLog, read_records
 from tests.helpers import tiny_config

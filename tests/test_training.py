@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxgpt import GPTConfig, init_params
-from jaxgpt.config import default_config, validate_config
+from jaxgpt.training.config import default_config, validate_config
 from jaxgpt.training import (MeshRunner, PmapRunner, TrainingDiverged, create_train_state, decay_mask,
                              lr_schedule, make_optimizer, make_schedule, make_train_step, train)
 from tests.helpers import tiny_config
@@ -217,9 +217,12 @@ def _metrics(out_dir):
 
 @pytest.mark.parametrize("has_bf16", [False, True])
 def test_bf16_on_a_cpu_without_bf16_instructions_computes_in_float32(tmp_path, monkeypatch, capsys, has_bf16):
-    from jaxgpt.kernels import cpu
+    import dataclasses
 
-    monkeypatch.setattr(cpu, "has_bf16_matmul", lambda: has_bf16)
+    from jaxgpt.training import loop
+
+    real = loop.resolve
+    monkeypatch.setattr(loop, "resolve", lambda cfg: dataclasses.replace(real(cfg), fast_bf16=has_bf16))
     c = tiny_config(tmp_path, max_steps=2, warmup_steps=1, eval_interval=2, checkpoint_interval=2)
     c.model.dtype = "bfloat16"
     train(c)
@@ -229,11 +232,12 @@ def test_bf16_on_a_cpu_without_bf16_instructions_computes_in_float32(tmp_path, m
 
 
 def test_cpu_flags_are_read_from_proc_cpuinfo():
-    from jaxgpt.kernels import cpu
+    from jaxgpt.backends import cpu, resolve
 
     with open("/proc/cpuinfo") as f:
         flags = set(f.read().split())
     assert cpu.has_bf16_matmul() == bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert resolve("cpu").fast_bf16 == cpu.has_bf16_matmul()
 
 
 @pytest.mark.parametrize("kind", ["pmap", "mesh"])

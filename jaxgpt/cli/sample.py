@@ -51,12 +51,13 @@ def _stream(params, config, tok, ids, args, top_k):
     import jax
     import numpy as np
 
-    from jaxgpt.sampling import generate_stream
+    from jaxgpt.sampling import Decoder
 
     n = args.num_samples
     seqs, new, done = [list(ids) for _ in range(n)], [[] for _ in range(n)], [False] * n
     rng, remaining = jax.random.key(args.seed), args.max_new_tokens
     keep = max(1, config.block_size // 2)
+    decoder = Decoder(params, config)  # its decode weights are made once, for every window
     while remaining > 0 and not all(done):
         ctx = [s if len(s) < config.block_size else s[-keep:] for s in seqs]
         plen = np.array([len(c) for c in ctx], np.int32)
@@ -65,9 +66,8 @@ def _stream(params, config, tok, ids, args, top_k):
             prompts[r, :len(c)] = c
         count = min(remaining, config.block_size - prompts.shape[1])
         rng, key = jax.random.split(rng)
-        chunks = generate_stream(params, config, prompts, count, key, chunk_size=args.chunk_size,
-                                 prompt_lengths=plen, temperature=args.temperature, top_k=top_k, top_p=args.top_p,
-                                 eos_id=tok.eos_id)
+        chunks = decoder.stream(prompts, count, key, chunk_size=args.chunk_size, prompt_lengths=plen,
+                                temperature=args.temperature, top_k=top_k, top_p=args.top_p, eos_id=tok.eos_id)
         for chunk in chunks:
             for r in range(n):
                 if done[r]:
@@ -118,10 +118,10 @@ def _check_writable(path: str) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from jaxgpt.checkpoint import CheckpointError
-    from jaxgpt.kernels import inline_cpu_dispatch
+    from jaxgpt.backends.cpu import inline_cpu_dispatch
     from jaxgpt.report import one_line
 
-    inline_cpu_dispatch()  # as jaxgpt-train and the benchmarks run (before any computation; kernels/__init__.py)
+    inline_cpu_dispatch()  # as jaxgpt-train and the benchmarks run (before any computation; backends/cpu.py)
 
     def fail(e) -> int:
         print(f"jaxgpt-sample: {one_line(str(e))}", file=sys.stderr)

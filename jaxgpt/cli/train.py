@@ -45,7 +45,7 @@ def _unknown_overrides(argv) -> list[str]:
     """Messages for --config.KEY overrides that name no key of the training schema."""
     from ml_collections import config_dict
 
-    from jaxgpt.config import default_config
+    from jaxgpt.training.config import default_config
 
     schema = default_config()
     bad = []
@@ -106,7 +106,7 @@ def _load_config():
     """The parsed --config (default_config() when none is given), checked to be a ConfigDict."""
     from ml_collections import config_dict
 
-    from jaxgpt.config import default_config
+    from jaxgpt.training.config import default_config
 
     if not flags.FLAGS["config"].present:
         return default_config()
@@ -140,8 +140,8 @@ def _run(argv) -> None:
     config = _load_config()
     from jaxgpt import distributed
     from jaxgpt.checkpoint import CheckpointError
-    from jaxgpt.config import validate_config
-    from jaxgpt.kernels import inline_cpu_dispatch
+    from jaxgpt.training.config import validate_config
+    from jaxgpt.backends.cpu import inline_cpu_dispatch
     from jaxgpt.training import TrainingDiverged, train
     from jaxgpt.training.loop import StopNow
 

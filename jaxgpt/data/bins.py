@@ -115,23 +115,7 @@ def prepare_dataset(
     when the tokenizer has one. The cache is keyed by these settings and checked against a hash of
     the source; force=True prepares again regardless.
     """
-    if tokenizer not in TOKENIZERS:
-        raise ValueError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
-    if not isinstance(val_fraction, (int, float)) or not 0.0 < float(val_fraction) < 1.0:
-        raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction!r}")
-    val_fraction = float(val_fraction)
-    if tokenizer == "bpe":
-        if vocab_size is None or int(vocab_size) < 257:
-            raise ValueError(f"the bpe tokenizer needs vocab_size >= 257 (e.g. 1024), got {vocab_size}")
-        vocab_size = int(vocab_size)
-    elif vocab_size is not None:
-        raise ValueError(
-            f"vocab_size applies to the bpe tokenizer only; the {tokenizer} tokenizer's vocabulary is "
-            f"fixed by {'the corpus' if tokenizer == 'char' else 'the tokenizer'}: leave vocab_size unset"
-        )
-    if bpe_dir is not None and tokenizer != "gpt2":
-        raise ValueError("bpe_dir applies to the gpt2 tokenizer only")
-
+    vocab_size, val_fraction = _check_arguments(tokenizer, vocab_size, val_fraction, bpe_dir)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     src = get_corpus(
         corpus,
@@ -172,6 +156,28 @@ def prepare_dataset(
         raise
     ds = load_prepared(target)
     return ds
+
+
+def _check_arguments(tokenizer: str, vocab_size, val_fraction, bpe_dir) -> tuple[int | None, float]:
+    """prepare_dataset's tokenizer settings checked: (vocab_size, val_fraction) as numbers."""
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+    if not isinstance(val_fraction, (int, float)) or not 0.0 < float(val_fraction) < 1.0:
+        raise ValueError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction!r}")
+    val_fraction = float(val_fraction)
+    if tokenizer == "bpe":
+        if vocab_size is None or int(vocab_size) < 257:
+            raise ValueError(f"the bpe tokenizer needs vocab_size >= 257 (e.g. 1024), got {vocab_size}")
+        vocab_size = int(vocab_size)
+    elif vocab_size is not None:
+        raise ValueError(
+            f"vocab_size applies to the bpe tokenizer only; the {tokenizer} tokenizer's vocabulary is "
+            f"fixed by {'the corpus' if tokenizer == 'char' else 'the tokenizer'}: leave vocab_size unset"
+        )
+    if bpe_dir is not None and tokenizer != "gpt2":
+        raise ValueError("bpe_dir applies to the gpt2 tokenizer only")
+
+    return vocab_size, val_fraction
 
 
 def load_prepared(path: str | os.PathLike, verify: bool = True) -> Dataset:
@@ -251,124 +257,118 @@ def _open_if_current(target: Path, source_hash: str, warn_damaged: bool = True) 
     return ds
 
 
-def _build(
-    src: Corpus,
-    out: Path,
-    tokenizer: str,
-    vocab_size: int | None,
-    val_fraction: float,
-    bpe_dir: Any,
-    progress: bool,
-) -> dict:
-    t0 = time.perf_counter()
-    bar_total, bar_unit = _bar_size(src)
-
-    def bar(desc: str) -> Any:
-        return tqdm(
-            total=bar_total, unit=bar_unit, unit_scale=True, desc=desc, disable=None if progress else True
-        )
-
-    def pieces(desc: str) -> Iterator[Piece]:
-        with bar(desc) as b:
-            for p in src.pieces(val_fraction):
-                yield p
-                b.update(len(p[1]) if bar_unit == "char" else int(p[2]))
-
-    tok: Tokenizer
+def _make_tokenizer(tokenizer: str, vocab_size: int | None, bpe_dir: Any, pieces) -> Tokenizer:
+    """The tokenizer, learnt from the corpus where it needs to be (`pieces(desc)` streams it)."""
     if tokenizer == "char":
-        tok = CharTokenizer.from_texts(iter_texts(pieces("char vocabulary")))
-    elif tokenizer == "byte":
-        tok = ByteTokenizer()
-    elif tokenizer == "bpe":
-        tok = BPETokenizer.train(iter_texts(pieces("bpe training"), "train"), vocab_size)
-    else:
-        tok = GPT2Tokenizer(bpe_dir=bpe_dir)
-    t_tok = time.perf_counter() - t0
+        return CharTokenizer.from_texts(iter_texts(pieces("char vocabulary")))
+    if tokenizer == "byte":
+        return ByteTokenizer()
+    if tokenizer == "bpe":
+        return BPETokenizer.train(iter_texts(pieces("bpe training"), "train"), vocab_size)
+    return GPT2Tokenizer(bpe_dir=bpe_dir)
 
-    dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-    counts = {s: {"file": f"{s}.bin", "tokens": 0, "chars": 0, "bytes": 0} for s in SPLITS}
-    files = {s: open(out / f"{s}.bin", "wb") for s in SPLITS}
-    hashes = {s: hashlib.sha256() for s in SPLITS}
-    id_range = [None, None]  # smallest and largest id written: equal means a single distinct token
 
-    def put(split: str, ids: np.ndarray) -> None:
-        data = ids.astype(dtype).tobytes()
-        files[split].write(data)
-        hashes[split].update(data)
+class _BinWriter:
+    """Token ids appended to train.bin / val.bin, counted and hashed as they are written; each document
+    of a multi-document corpus closed by the tokenizer's eos token (when it has one)."""
+
+    def __init__(self, out: Path, tok: Tokenizer):
+        self.tok = tok
+        self.dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
+        self.counts = {s: {"file": f"{s}.bin", "tokens": 0, "chars": 0, "bytes": 0} for s in SPLITS}
+        self.files = {s: open(out / f"{s}.bin", "wb") for s in SPLITS}
+        self.hashes = {s: hashlib.sha256() for s in SPLITS}
+        self.id_range = [None, None]  # smallest and largest id written: equal means a single distinct token
+        self.eos = None if tok.eos_id is None else np.array([tok.eos_id], dtype=self.dtype)
+        self.in_document = False  # the current document has tokens not yet closed by eos
+
+    def put(self, split: str, ids: np.ndarray) -> None:
+        data = ids.astype(self.dtype).tobytes()
+        self.files[split].write(data)
+        self.hashes[split].update(data)
         lo, hi = int(ids.min()), int(ids.max())
-        id_range[0] = lo if id_range[0] is None else min(id_range[0], lo)
-        id_range[1] = hi if id_range[1] is None else max(id_range[1], hi)
+        self.id_range[0] = lo if self.id_range[0] is None else min(self.id_range[0], lo)
+        self.id_range[1] = hi if self.id_range[1] is None else max(self.id_range[1], hi)
+        self.counts[split]["tokens"] += int(ids.size)
 
-    try:
-        eos = None if tok.eos_id is None else np.array([tok.eos_id], dtype=dtype)
-        batch: list[Piece] = []
-        size = 0
-        in_document = False  # the current document has tokens not yet closed by eos
+    def write(self, batch: list[Piece]) -> None:
+        """Encode a batch of pieces (split, text, ends a document) and append their ids."""
+        for (split, text, end), ids in zip(batch, self.tok.encode_batch([p[1] for p in batch])):
+            c = self.counts[split]
+            if ids.size:
+                self.put(split, ids)
+                self.in_document = True
+            c["chars"] += len(text)
+            c["bytes"] += len(text.encode("utf-8", "surrogatepass"))
+            if end and self.in_document:
+                self.in_document = False
+                if self.eos is not None:
+                    self.put(split, self.eos)
 
-        def flush() -> None:
-            nonlocal in_document
-            texts = [p[1] for p in batch]
-            for (split, text, end), ids in zip(batch, tok.encode_batch(texts)):
-                c = counts[split]
-                if ids.size:
-                    put(split, ids)
-                    in_document = True
-                c["tokens"] += int(ids.size)
-                c["chars"] += len(text)
-                c["bytes"] += len(text.encode("utf-8", "surrogatepass"))
-                if end and in_document:
-                    in_document = False
-                    if eos is not None:
-                        put(split, eos)
-                        c["tokens"] += 1
-            batch.clear()
-
-        for p in pieces("tokenizing"):
-            batch.append(p)
-            size += len(p[1])
-            if size >= _BATCH_CHARS:
-                flush()
-                size = 0
-        flush()
-    finally:
-        for f in files.values():
+    def close(self) -> None:
+        for f in self.files.values():
             f.close()
 
-    chars = counts["train"]["chars"] + counts["val"]["chars"]
+
+def _check_counts(src: Corpus, w: _BinWriter, val_fraction: float) -> None:
+    """ValueError for a corpus that gives nothing to train or validate on."""
+    chars = w.counts["train"]["chars"] + w.counts["val"]["chars"]
     if chars == 0:
         raise ValueError(f"corpus {src.describe()} is empty: it has no text to train on")
     for split, fix in (("train", "lower val_fraction"), ("val", "raise val_fraction")):
-        if counts[split]["tokens"] == 0:
+        if w.counts[split]["tokens"] == 0:
             raise ValueError(
                 f"the {split} split is empty: the corpus ({chars} characters) is too small to split with "
                 f"val_fraction={val_fraction} at a line break; {fix} or use a larger corpus"
             )
-    if id_range[0] == id_range[1]:
-        only = tok.decode([id_range[0]])
+    if w.id_range[0] == w.id_range[1]:
+        only = w.tok.decode([w.id_range[0]])
         raise ValueError(
-            f"corpus {src.describe()} has a single distinct token ({only!r}, id {id_range[0]}): there is "
+            f"corpus {src.describe()} has a single distinct token ({only!r}, id {w.id_range[0]}): there is "
             f"nothing to learn from it; check the corpus (all NUL bytes? a wrong file?)"
         )
-    for s, c in counts.items():
+
+
+def _build(src: Corpus, out: Path, tokenizer: str, vocab_size: int | None, val_fraction: float, bpe_dir: Any,
+           progress: bool) -> dict:
+    """Tokenize `src` into out/train.bin, out/val.bin and out/tokenizer.json; returns their meta."""
+    t0 = time.perf_counter()
+    bar_total, bar_unit = _bar_size(src)
+
+    def pieces(desc: str) -> Iterator[Piece]:
+        with tqdm(total=bar_total, unit=bar_unit, unit_scale=True, desc=desc,
+                  disable=None if progress else True) as b:
+            for p in src.pieces(val_fraction):
+                yield p
+                b.update(len(p[1]) if bar_unit == "char" else int(p[2]))
+
+    tok = _make_tokenizer(tokenizer, vocab_size, bpe_dir, pieces)
+    t_tok = time.perf_counter() - t0
+    w = _BinWriter(out, tok)
+    try:
+        batch, size = [], 0
+        for p in pieces("tokenizing"):
+            batch.append(p)
+            size += len(p[1])
+            if size >= _BATCH_CHARS:
+                w.write(batch)
+                batch, size = [], 0
+        w.write(batch)
+    finally:
+        w.close()
+    _check_counts(src, w, val_fraction)
+    for s, c in w.counts.items():
         c["bytes_per_token"] = c["bytes"] / max(c["tokens"], 1)
-        c["file_bytes"] = c["tokens"] * dtype.itemsize
-        c["sha256"] = hashes[s].hexdigest()
+        c["file_bytes"] = c["tokens"] * w.dtype.itemsize
+        c["sha256"] = w.hashes[s].hexdigest()
     save_tokenizer(tok, out / "tokenizer.json")
     seconds = time.perf_counter() - t0
-    n_tokens = sum(c["tokens"] for c in counts.values())
+    n_tokens = sum(c["tokens"] for c in w.counts.values())
     return {
-        "format": FORMAT,
-        "source": src.describe(),
-        "tokenizer": tok.spec(),
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        "dtype": dtype.name,
-        "val_fraction": val_fraction,
-        "train": counts["train"],
-        "val": counts["val"],
-        "tokenizer_seconds": t_tok,
-        "prepare_seconds": seconds,
-        "tokens_per_second": n_tokens / max(seconds, 1e-9),
+        "format": FORMAT, "source": src.describe(), "tokenizer": tok.spec(), "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id, "dtype": w.dtype.name, "val_fraction": val_fraction,
+        "train": w.counts["train"], "val": w.counts["val"], "tokenizer_seconds": t_tok,
+        "prepare_seconds": seconds, "tokens_per_second": n_tokens / max(seconds, 1e-9),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -15,14 +16,14 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxgpt import checkpoint as ckpt_lib
-from jaxgpt import kernels
-from jaxgpt.kernels import cpu as cpu_kernels
-from jaxgpt.config import model_config_from, validate_config
+from jaxgpt.backends import resolve
+from jaxgpt.backends.cpu import cpu_dispatch
 from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset, tokenizer_difference, tokenizer_fingerprint
 from jaxgpt.lora import LoraSpec, init_adapters
-from jaxgpt.model import convert_layers, init_params
+from jaxgpt.model import convert_layers, flops_per_token, init_params, num_params
 from jaxgpt.report import warn
 from jaxgpt.training import run_dir
+from jaxgpt.training.config import model_config_from, validate_config
 from jaxgpt.training.metrics import MetricsLog, peak_flops
 from jaxgpt.training.parallel import make_runner
 from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
@@ -122,287 +123,317 @@ def train(config) -> dict:
 
 
 def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
-    cfg_t = config.train
-    from jaxgpt import distributed
-    process_index, process_count = jax.process_index(), jax.process_count()
-    is_main = process_index == 0
-    multiprocess = process_count > 1
+    run = _Run(config, out_dir, n_devices, t0)
+    run.settle_out_dir()
+    run.build()
+    done = run.restore_or_init()
+    return done if done is not None else run.train()
 
-    def note(msg):  # process 0's lines before the progress bar exists
-        if is_main:
-            print(f"jaxgpt: {msg}", flush=True)
 
-    if is_main:
-        settled = run_dir.settle_overwrite(out_dir)  # left by an overwrite=True start that was killed
-        if settled:
-            note(settled)
-        if cfg_t.warmup_steps > cfg_t.max_steps:
-            end = float(make_schedule(cfg_t)(cfg_t.max_steps - 1))
-            warn(f"train.warmup_steps ({cfg_t.warmup_steps}) > train.max_steps ({cfg_t.max_steps}): the "
-                 f"learning rate never reaches its peak train.lr={cfg_t.lr:g} (it ends at {end:.3g})")
-    if multiprocess:
-        distributed.barrier("jaxgpt-out-dir-settled")
-    resume = config.init_from == "resume"
-    existing = ckpt_lib.existing_steps(out_dir)
-    if resume and not existing:
-        raise ckpt_lib.CheckpointError(f"init_from='resume' but there is no checkpoint in "
-                                       f"{ckpt_lib.checkpoint_dir(out_dir)}; train with init_from='scratch' first")
-    if not resume and existing and not config.overwrite:
-        raise ValueError(f"{ckpt_lib.checkpoint_dir(out_dir)} already holds checkpoints (steps {existing}); "
-                         "use --config.init_from=resume to continue, or --config.overwrite=True to start over")
-    # the old checkpoints survive until this run has written its first one (jaxgpt/training/run_dir.py)
-    awaiting_first = not resume and bool(config.overwrite)  # a config fact: the same on every process
-    if awaiting_first and existing and is_main:
-        note(f"overwrite=True: the previous checkpoints wait in {run_dir.set_aside(out_dir)} until this run "
-             "writes its first checkpoint")
-    if multiprocess:  # nobody opens the checkpoint folder while process 0 may still be moving it
-        distributed.barrier("jaxgpt-out-dir")
+class _Run:
+    """One training run through its phases: settle the out_dir, build data/model/runner, restore or
+    initialise the state, then train (evaluating, logging and checkpointing)."""
 
-    ds, sampler = _load_data(config, process_index, process_count)
-    tokenizer = ds.tokenizer
-    lora_spec = LoraSpec.from_config(cfg_t.lora)  # None: every parameter trains
-    params, base_ref = None, None  # pretrained or base weights, and where they came from
-    if config.init_from not in ("scratch", "resume"):
-        gcfg, params, base_ref = _load_init(config, tokenizer)
-    else:
-        gcfg = model_config_from(config, tokenizer.vocab_size)
-        if resume and lora_spec is not None:  # the base model a LoRA run adapts is not in its checkpoints
-            base_ref = _saved_lora_base(out_dir)
-            gcfg, params = ckpt_lib.load_base(base_ref, gcfg)
+    def __init__(self, config, out_dir: str, n_devices: int, t0: float):
+        self.config, self.cfg_t, self.out_dir, self.n_devices, self.t0 = config, config.train, out_dir, n_devices, t0
+        self.process_index, self.process_count = jax.process_index(), jax.process_count()
+        self.is_main = self.process_index == 0
+        self.multiprocess = self.process_count > 1
+        self.resume = config.init_from == "resume"
+        self.bar = None
+        self.start_step, self.best_val = 0, math.inf
 
-    if gcfg.dtype == "bfloat16" and kernels.resolve(gcfg.kernels) == "cpu" and not cpu_kernels.has_bf16_matmul():
-        note("model.dtype=bfloat16, but this CPU has neither AVX512_BF16 nor AMX: computing in float32, "
-             "which is faster here (parameters and checkpoints are float32 either way)")
-        gcfg = gcfg.replace(dtype="float32")
-    optimizer, schedule = make_optimizer(cfg_t), make_schedule(cfg_t)
-    runner = make_runner(cfg_t.parallel, gcfg, optimizer, cfg_t.grad_accum, schedule, fsdp=cfg_t.fsdp)
-    seed = config.seed
+    def note(self, msg: str) -> None:
+        """A line from process 0 (above the progress bar once there is one)."""
+        if self.is_main:
+            (self.bar.write if self.bar is not None else functools.partial(print, flush=True))(msg)
 
-    def make_state(*pretrained):
-        p = pretrained[0] if pretrained else init_params(gcfg, jax.random.key(seed))
-        if lora_spec is not None:  # adapters train; the base rides along frozen
-            adapters = init_adapters(p, gcfg, lora_spec, jax.random.key(seed + 2))
-            return create_train_state(adapters, optimizer, jax.random.key(seed + 1), frozen=p)
-        return create_train_state(p, optimizer, jax.random.key(seed + 1))
+    def barrier(self, name: str) -> None:
+        if self.multiprocess:
+            from jaxgpt import distributed
+            distributed.barrier(name)
 
-    args = () if params is None else (params,)
-    del params
+    def settle_out_dir(self) -> None:
+        """Refuse a start that would clobber or miss checkpoints; set aside the old ones of an overwrite."""
+        cfg_t, out_dir = self.cfg_t, self.out_dir
+        if self.is_main:
+            settled = run_dir.settle_overwrite(out_dir)  # left by an overwrite=True start that was killed
+            if settled:
+                self.note(f"jaxgpt: {settled}")
+            if cfg_t.warmup_steps > cfg_t.max_steps:
+                end = float(make_schedule(cfg_t)(cfg_t.max_steps - 1))
+                warn(f"train.warmup_steps ({cfg_t.warmup_steps}) > train.max_steps ({cfg_t.max_steps}): the "
+                     f"learning rate never reaches its peak train.lr={cfg_t.lr:g} (it ends at {end:.3g})")
+        self.barrier("jaxgpt-out-dir-settled")
+        existing = ckpt_lib.existing_steps(out_dir)
+        if self.resume and not existing:
+            raise ckpt_lib.CheckpointError(f"init_from='resume' but there is no checkpoint in "
+                                           f"{ckpt_lib.checkpoint_dir(out_dir)}; train with init_from='scratch' first")
+        if not self.resume and existing and not self.config.overwrite:
+            raise ValueError(f"{ckpt_lib.checkpoint_dir(out_dir)} already holds checkpoints (steps {existing}); "
+                             "use --config.init_from=resume to continue, or --config.overwrite=True to start over")
+        # the old checkpoints survive until this run has written its first one (jaxgpt/training/run_dir.py)
+        self.awaiting_first = not self.resume and bool(self.config.overwrite)  # the same on every process
+        if self.awaiting_first and existing and self.is_main:
+            self.note(f"jaxgpt: overwrite=True: the previous checkpoints wait in {run_dir.set_aside(out_dir)} until "
+                      "this run writes its first checkpoint")
+        self.barrier("jaxgpt-out-dir")  # nobody opens the checkpoint folder while process 0 may move it
 
-    checkpointer = ckpt_lib.Checkpointer(out_dir, keep=cfg_t.keep_checkpoints)
-    start_step, best_val = 0, math.inf
-    try:
-        if resume:
-            saved_layers = {}  # step -> whether that checkpoint stores the blocks stacked (scan_layers)
-
-            def attempt(step):
-                meta = checkpointer.restore_meta(step)
-                _check_resume_meta(meta, gcfg, tokenizer)  # clear words before orbax's
-                # restored in the layer layout it was saved in, straight into the runner's sharding (on any
-                # device count), then converted to this config's layout below
-                saved = gcfg.replace(scan_layers=bool(meta.get("model", {}).get("scan_layers", False)))
-                saved_layers[step] = saved.scan_layers
-                abstract = runner.abstract_state(lambda *a: convert_layers(make_state(*a), saved), *args)
-                return checkpointer.restore(abstract.replace(frozen=None), step)  # (LoRA: no base in it)
-
-            # the newest checkpoint that restores; damaged newer ones are moved aside, never deleted
-            start_step, (state, meta), skipped = checkpointer.restore_newest(attempt)
-            if skipped:
-                if multiprocess:
-                    distributed.barrier("jaxgpt-restored")
-                for e in skipped:
-                    if is_main:
-                        warn(f"{e}; moved it to {checkpointer.move_aside(e.step, out_dir)} and resuming from "
-                             f"checkpoint {start_step}")
-                if multiprocess:
-                    distributed.barrier("jaxgpt-moved-aside")
-                checkpointer.reload()
-            sampler.load_state_dict(meta["sampler"])
-            start_step = int(state.step)  # replicated: readable on every process
-            best_val = meta.get("best_val_loss", math.inf)
-            if saved_layers[start_step] != gcfg.scan_layers:
-                state = jax.jit(lambda s: convert_layers(s, gcfg))(state)
-            if lora_spec is not None:
-                state = state.replace(frozen=args[0])
-            state = runner.put_state(state)
-            if start_step >= cfg_t.max_steps:
-                note(f"the checkpoint is at step {start_step} and train.max_steps is {cfg_t.max_steps}: nothing "
-                     "to train; raise --config.train.max_steps to continue")
-                checkpointer.close()
-                return {"start_step": start_step, "out_dir": out_dir, "steps": start_step, "nothing_to_do": True,
-                        "best_val_loss": best_val, "saved_step": start_step, "wall_time_s": time.time() - t0,
-                        "state": runner.get_state(state)}
+    def build(self) -> None:
+        """The data, the model's GPTConfig and backend, the optimizer and the runner."""
+        config, cfg_t = self.config, self.cfg_t
+        self.ds, self.sampler = _load_data(config, self.process_index, self.process_count)
+        self.tokenizer = self.ds.tokenizer
+        self.lora_spec = LoraSpec.from_config(cfg_t.lora)  # None: every parameter trains
+        params, self.base_ref = None, None  # pretrained or base weights, and where they came from
+        if config.init_from not in ("scratch", "resume"):
+            gcfg, params, self.base_ref = _load_init(config, self.tokenizer)
         else:
-            state = runner.init_state(make_state, *args)
-    except BaseException:
-        if not multiprocess:  # (closing is collective on several processes; see the end of the loop)
-            checkpointer.close()
-        raise
-    del args
+            gcfg = model_config_from(config, self.tokenizer.vocab_size)
+            if self.resume and self.lora_spec is not None:  # a LoRA run's base is not in its checkpoints
+                self.base_ref = _saved_lora_base(self.out_dir)
+                gcfg, params = ckpt_lib.load_base(self.base_ref, gcfg)
+        self.backend = resolve(gcfg)
+        if gcfg.dtype == "bfloat16" and not self.backend.fast_bf16:
+            self.note("jaxgpt: model.dtype=bfloat16, but this CPU has neither AVX512_BF16 nor AMX: computing in "
+                      "float32, which is faster here (parameters and checkpoints are float32 either way)")
+            gcfg = gcfg.replace(dtype="float32")
+        self.gcfg = gcfg
+        self.optimizer, self.schedule = make_optimizer(cfg_t), make_schedule(cfg_t)
+        self.runner = make_runner(cfg_t.parallel, gcfg, self.optimizer, cfg_t.grad_accum, self.schedule,
+                                  fsdp=cfg_t.fsdp, backend=self.backend)
+        self.init_args = () if params is None else (params,)
 
-    log = MetricsLog(out_dir, enabled=is_main, truncate_after_step=start_step if resume else None)
-    val_sampler = BatchSampler(ds.val, cfg_t.batch_size, gcfg.block_size, config.seed + 1, process_index,
-                               process_count)
-    eval_train = BatchSampler(ds.train, cfg_t.batch_size, gcfg.block_size, config.seed + 2, process_index,
-                              process_count)
-    # the same batches at every evaluation, both splits stacked [2 * eval_steps, b, T]: one call evaluates all
-    eval_x, eval_y = (np.stack(a) for a in zip(*[s.batch(i) for s in (eval_train, val_sampler)
-                                                  for i in range(cfg_t.eval_steps)]))
-    bytes_per_token = ds.bytes_per_token("val")
+    def make_state(self, *pretrained):
+        """A step-0 TrainState: fresh or given params, or LoRA adapters over them (the base frozen)."""
+        seed, gcfg = self.config.seed, self.gcfg
+        p = pretrained[0] if pretrained else init_params(gcfg, jax.random.key(seed))
+        if self.lora_spec is not None:
+            adapters = init_adapters(p, gcfg, self.lora_spec, jax.random.key(seed + 2))
+            return create_train_state(adapters, self.optimizer, jax.random.key(seed + 1), frozen=p)
+        return create_train_state(p, self.optimizer, jax.random.key(seed + 1))
 
-    tokens_per_step = cfg_t.batch_size * gcfg.block_size
-    flops_per_token = gcfg.flops_per_token(gcfg.block_size)
-    rows = cfg_t.batch_size // (cfg_t.grad_accum * n_devices) * gcfg.block_size  # one device's matmul rows
-    peak, peak_source = peak_flops(gcfg.dtype, cfg_t.peak_flops, matmul_shape=(rows, gcfg.n_embd, gcfg.mlp_hidden))
-    if peak is not None:
-        peak *= process_count  # peak_flops counts this process's devices; tokens/s counts the global batch
+    def restore_or_init(self) -> Optional[dict]:
+        """The state, restored from the newest readable checkpoint or initialised; a summary instead when
+        the checkpoint is already at max_steps."""
+        self.checkpointer = ckpt_lib.Checkpointer(self.out_dir, keep=self.cfg_t.keep_checkpoints)
+        try:
+            if not self.resume:
+                self.state = self.runner.init_state(self.make_state, *self.init_args)
+            elif self._restore():
+                self.checkpointer.close()
+                return {"start_step": self.start_step, "out_dir": self.out_dir, "steps": self.start_step,
+                        "nothing_to_do": True, "best_val_loss": self.best_val, "saved_step": self.start_step,
+                        "wall_time_s": time.time() - self.t0, "state": self.runner.get_state(self.state)}
+        except BaseException:
+            if not self.multiprocess:  # (closing is collective on several processes; see train())
+                self.checkpointer.close()
+            raise
+        self.init_args = ()
+        return None
 
-    def say(msg):
-        if is_main:
-            (bar.write if bar is not None else print)(msg)
+    def _restore(self) -> bool:
+        """Restore the newest checkpoint that reads (damaged newer ones moved aside, never deleted) into
+        the runner's layout; True when it is already at train.max_steps."""
+        gcfg, runner, checkpointer = self.gcfg, self.runner, self.checkpointer
+        saved_layers = {}  # step -> whether that checkpoint stores the blocks stacked (scan_layers)
 
-    if is_main:
-        print(f"jaxgpt: {gcfg.num_params(non_embedding=False) / 1e6:.2f}M parameters, "
-              f"{n_devices} device(s) via {runner.name}"
-              f"{f' on {process_count} processes' if multiprocess else ''}, tokens/step {tokens_per_step}, "
-              f"vocab {gcfg.vocab_size} ({config.data.tokenizer}), dtype {gcfg.dtype}; "
-              + (f"MFU against {peak / 1e9:.0f} GFLOP/s ({peak_source})" if peak is not None
-                 else f"MFU unknown: {peak_source}")
-              + f", {flops_per_token / 1e6:.2f} MFLOP/token (6N + 12*L*T*D, attention not halved)"
-              + (f"; CPU dispatch {kernels.cpu_dispatch()}" if jax.default_backend() == "cpu" else ""), flush=True)
-        if resume:
-            print(f"jaxgpt: resumed from step {start_step} in {checkpointer.directory}", flush=True)
+        def attempt(step):
+            meta = checkpointer.restore_meta(step)
+            _check_resume_meta(meta, gcfg, self.tokenizer)  # clear words before orbax's
+            # restored in the layer layout it was saved in, on any device count, converted below
+            saved = gcfg.replace(scan_layers=bool(meta.get("model", {}).get("scan_layers", False)))
+            saved_layers[step] = saved.scan_layers
+            abstract = runner.abstract_state(lambda *a: convert_layers(self.make_state(*a), saved), *self.init_args)
+            return checkpointer.restore(abstract.replace(frozen=None), step)  # (LoRA: no base in it)
 
-    bar = None
-    if is_main and cfg_t.progress:
-        bar = tqdm(total=cfg_t.max_steps, initial=start_step, dynamic_ncols=True, desc="train",
-                   disable=not sys.stderr.isatty())
-        if bar.disable:
-            bar = None
+        start_step, (state, meta), skipped = checkpointer.restore_newest(attempt)
+        if skipped:
+            self.barrier("jaxgpt-restored")
+            for e in skipped:
+                if self.is_main:
+                    warn(f"{e}; moved it to {checkpointer.move_aside(e.step, self.out_dir)} and resuming from "
+                         f"checkpoint {start_step}")
+            self.barrier("jaxgpt-moved-aside")
+            checkpointer.reload()
+        self.sampler.load_state_dict(meta["sampler"])
+        self.start_step = int(state.step)  # replicated: readable on every process
+        self.best_val = meta.get("best_val_loss", math.inf)
+        if saved_layers[self.start_step] != gcfg.scan_layers:
+            state = jax.jit(lambda s: convert_layers(s, gcfg))(state)
+        if self.lora_spec is not None:
+            state = state.replace(frozen=self.init_args[0])
+        self.state = runner.put_state(state)
+        if self.start_step >= self.cfg_t.max_steps:
+            self.note(f"jaxgpt: the checkpoint is at step {self.start_step} and train.max_steps is "
+                      f"{self.cfg_t.max_steps}: nothing to train; raise --config.train.max_steps to continue")
+            return True
+        return False
 
-    def evaluate(state, step):
-        losses = np.asarray(runner.to_host(runner.eval(state, eval_x, eval_y)), np.float64)
-        out = {"step": step, "train_loss": float(losses[:cfg_t.eval_steps].mean()),
-               "val_loss": float(losses[cfg_t.eval_steps:].mean())}
+    def prepare_eval(self) -> None:
+        """The fixed evaluation batches (both splits stacked [2 * eval_steps, b, T]: one call evaluates
+        all), the throughput figures, and process 0's start-up lines."""
+        cfg_t, gcfg, config = self.cfg_t, self.gcfg, self.config
+        samplers = [BatchSampler(split, cfg_t.batch_size, gcfg.block_size, config.seed + seed, self.process_index,
+                                 self.process_count) for split, seed in ((self.ds.train, 2), (self.ds.val, 1))]
+        self.eval_x, self.eval_y = (np.stack(a) for a in zip(*[s.batch(i) for s in samplers
+                                                               for i in range(cfg_t.eval_steps)]))
+        self.bytes_per_token = self.ds.bytes_per_token("val")
+        self.tokens_per_step = cfg_t.batch_size * gcfg.block_size
+        self.flops_per_token = flops_per_token(gcfg, gcfg.block_size)
+        rows = cfg_t.batch_size // (cfg_t.grad_accum * self.n_devices) * gcfg.block_size  # one device's rows
+        self.peak, peak_source = peak_flops(gcfg.dtype, cfg_t.peak_flops,
+                                            matmul_shape=(rows, gcfg.n_embd, gcfg.mlp_hidden))
+        if self.peak is not None:
+            self.peak *= self.process_count  # peak_flops counts this process's devices, tokens/s all of them
+        procs = f" on {self.process_count} processes" if self.multiprocess else ""
+        self.note(f"jaxgpt: {num_params(gcfg, non_embedding=False) / 1e6:.2f}M parameters, {self.n_devices} "
+                  f"device(s) via {self.runner.name}{procs}, tokens/step {self.tokens_per_step}, vocab "
+                  f"{gcfg.vocab_size} ({config.data.tokenizer}), dtype {gcfg.dtype}, backend {self.backend.name}; "
+                  + (f"MFU against {self.peak / 1e9:.0f} GFLOP/s ({peak_source})" if self.peak is not None
+                     else f"MFU unknown: {peak_source}")
+                  + f", {self.flops_per_token / 1e6:.2f} MFLOP/token (6N + 12*L*T*D, attention not halved)"
+                  + (f"; CPU dispatch {cpu_dispatch()}" if jax.default_backend() == "cpu" else ""))
+        if self.resume:
+            self.note(f"jaxgpt: resumed from step {self.start_step} in {self.checkpointer.directory}")
+
+    def evaluate(self, step: int) -> dict:
+        losses = np.asarray(self.runner.to_host(self.runner.eval(self.state, self.eval_x, self.eval_y)), np.float64)
+        n = self.cfg_t.eval_steps
+        out = {"step": step, "train_loss": float(losses[:n].mean()), "val_loss": float(losses[n:].mean())}
         out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
-        out["val_bpb"] = out["val_loss"] / math.log(2) / bytes_per_token
+        out["val_bpb"] = out["val_loss"] / math.log(2) / self.bytes_per_token
         return out
 
-    def meta_for(step, best):
-        meta = {"step": step, "config": config.to_dict(), "model": gcfg.to_dict(), "tokenizer": tokenizer.to_dict(),
-                "tokenizer_sha256": tokenizer_fingerprint(tokenizer.to_dict()),
-                "sampler": {**sampler.state_dict(), "step": step}, "best_val_loss": best,
-                "dataset": {k: ds.meta[k] for k in ds.meta if k != "tokenizer"}}
-        if lora_spec is not None:  # the checkpoint holds the adapters; this says which base they adapt
-            meta["lora"] = {**lora_spec.to_dict(), "base": base_ref}
+    def meta_for(self, step: int) -> dict:
+        tok = self.tokenizer.to_dict()
+        meta = {"step": step, "config": self.config.to_dict(), "model": self.gcfg.to_dict(), "tokenizer": tok,
+                "tokenizer_sha256": tokenizer_fingerprint(tok), "sampler": {**self.sampler.state_dict(), "step": step},
+                "best_val_loss": self.best_val, "dataset": {k: v for k, v in self.ds.meta.items() if k != "tokenizer"}}
+        if self.lora_spec is not None:  # the checkpoint holds the adapters; this says which base they adapt
+            meta["lora"] = {**self.lora_spec.to_dict(), "base": self.base_ref}
         return meta
 
-    per_call = cfg_t.steps_per_call
-    prefetch = Prefetcher(sampler, size=max(2, per_call))
-    summary = {"start_step": start_step, "out_dir": out_dir}
-    # (first step, number of steps, metrics on device, when the call was seen finished or None) of the call
-    # whose metrics are unread: read after the next call is dispatched, so that an asynchronous dispatch
-    # keeps the device busy meanwhile. With inline dispatch (kernels.inline_cpu_dispatch) a call has finished
-    # when it returns, and the next one too by the time this is read: its finish time is taken at return.
-    pending = None
-    last_log_time, last_log_step = time.time(), start_step
-    last_val = None
-    step = start_step
-    saved_step = start_step if resume else None
-    failed = False
+    def train(self) -> dict:
+        """Steps until max_steps or a stop signal; the checkpointer and logs are closed whatever happens."""
+        self.prepare_eval()
+        self.log = MetricsLog(self.out_dir, enabled=self.is_main,
+                              truncate_after_step=self.start_step if self.resume else None)
+        if self.is_main and self.cfg_t.progress:
+            bar = tqdm(total=self.cfg_t.max_steps, initial=self.start_step, dynamic_ncols=True, desc="train",
+                       disable=not sys.stderr.isatty())
+            self.bar = None if bar.disable else bar
+        self.prefetch = Prefetcher(self.sampler, size=max(2, self.cfg_t.steps_per_call))
+        self.summary = {"start_step": self.start_step, "out_dir": self.out_dir}
+        self.last_log = (time.time(), self.start_step)
+        self.step, self.saved_step = self.start_step, self.start_step if self.resume else None
+        failed = False
+        try:
+            with _Preemption(self.multiprocess) as preempt:
+                self._steps(preempt)
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            self.prefetch.close()
+            if self.bar is not None:
+                self.bar.close()
+            # async saves always finish, on errors too; but on several processes finishing is collective,
+            # and after an error the others may never join: leave that save unfinished (earlier ones are whole)
+            if not (failed and self.multiprocess):
+                self.checkpointer.close()
+            self.log.close()
+        self.summary.update({"steps": self.step, "best_val_loss": self.best_val, "saved_step": self.saved_step,
+                             "wall_time_s": time.time() - self.t0, "state": self.runner.get_state(self.state)})
+        return self.summary
 
-    def read(pending):
+    def _steps(self, preempt: "_Preemption") -> None:
+        """The loop proper. A call's metrics are read after the next call is dispatched, so that an
+        asynchronous dispatch keeps the device busy meanwhile; with inline dispatch a call has finished
+        when it returns, and its finish time is taken then."""
+        cfg_t, pending, last_val = self.cfg_t, None, None
+        while self.step < cfg_t.max_steps:
+            count = _steps_to_run(self.step, cfg_t)
+            if count == 1:
+                self.state, metrics = self.runner.step(self.state, *next(self.prefetch))
+            else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
+                xs, ys = zip(*(next(self.prefetch) for _ in range(count)))
+                self.state, metrics = self.runner.steps(self.state, np.stack(xs), np.stack(ys))
+            finished = time.time() if _is_ready(metrics) else None
+            first, self.step = self.step + 1, self.step + count
+            if pending is not None:
+                if pending[3] is None and finished is not None:  # it finished no later than this one
+                    pending = pending[:3] + (finished,)
+                self._read(pending)
+            pending = (first, count, metrics, finished)
+            if self.bar is not None:
+                self.bar.update(count)
+            last, stop = self.step == cfg_t.max_steps, preempt.stop(self.step)
+            do_eval = self.step % cfg_t.eval_interval == 0 or last
+            # a stop before an overwrite=True run's first checkpoint saves nothing: the old ones come back
+            do_save = self.step % cfg_t.checkpoint_interval == 0 or last or (stop and not self.awaiting_first)
+            if do_eval or do_save:
+                self._read(pending)
+                pending = None
+            if do_eval:
+                last_val = self._eval_and_log()
+            if do_save:
+                self._save(last_val if do_eval else None)
+            if stop:
+                self._stopped(preempt, do_save)
+                break
+        if pending is not None:
+            self._read(pending)
+
+    def _eval_and_log(self) -> float:
+        ev = self.evaluate(self.step)
+        self.best_val = min(self.best_val, ev["val_loss"])
+        ev["best_val_loss"] = self.best_val
+        self.log.write(ev)
+        self.note(f"eval {self.step:6d} | train {ev['train_loss']:.4f} | val {ev['val_loss']:.4f} | val ppl "
+                  f"{ev['val_ppl']:.2f} | val bits/byte {ev['val_bpb']:.3f} | best val {self.best_val:.4f}")
+        self.summary.update(ev)
+        return ev["val_loss"]
+
+    def _save(self, val_loss: Optional[float]) -> None:
+        state = self.runner.get_state(self.state).replace(frozen=None)
+        self.checkpointer.save(self.step, state, self.meta_for(self.step), val_loss=val_loss)
+        self.saved_step = self.step
+        if self.awaiting_first:  # the previous run's checkpoints go once this one is on disk
+            self.checkpointer.wait()
+            self.awaiting_first = False
+            settled = run_dir.settle_overwrite(self.out_dir) if self.is_main else None
+            if settled:
+                self.note(f"jaxgpt: {settled}")
+
+    def _stopped(self, preempt: "_Preemption", saved: bool) -> None:
+        name = signal.Signals(preempt.signal).name
+        self.summary.update(preempted=True, stopped_by=name, signal=int(preempt.signal))
+        self.note(f"jaxgpt: stopped by {name} at step {self.step}, " +
+                  ("checkpoint saved; resume with --config.init_from=resume" if saved else
+                   "before this overwrite=True run's first checkpoint: nothing saved"))
+
+    def _read(self, pending) -> None:
         first, count, metrics, finished = pending
-        host = {k: np.asarray(v).reshape(count) for k, v in runner.to_host(metrics).items()}
+        host = {k: np.asarray(v).reshape(count) for k, v in self.runner.to_host(metrics).items()}
         finished = time.time() if finished is None else finished
         for i in range(count):
-            read_step(first + i, {k: float(v[i]) for k, v in host.items()}, finished)
+            self._read_step(first + i, {k: float(v[i]) for k, v in host.items()}, finished)
 
-    def read_step(s, m, now):
-        nonlocal last_log_time, last_log_step
+    def _read_step(self, s: int, m: dict, now: float) -> None:
         if not math.isfinite(m["loss"]):
             raise TrainingDiverged(f"loss is {m['loss']} at step {s}; stopping. Checkpoints already saved are "
                                    f"untouched (try a lower train.lr or train.grad_clip).")
-        summary["last_loss"] = m["loss"]
-        if s % cfg_t.log_interval == 0 or s == cfg_t.max_steps:
-            dt = max(now - last_log_time, 1e-9)
-            tok_s = tokens_per_step * (s - last_log_step) / dt
-            mfu = None if peak is None else flops_per_token * tok_s / peak
-            last_log_time, last_log_step = now, s
-            rec = {"step": s, **m, "tokens_per_s": tok_s, "mfu": mfu, "elapsed_s": now - t0}
-            log.write(rec)
-            say(f"step {s:6d} | loss {m['loss']:.4f} | lr {m.get('lr', 0):.2e} | grad norm {m['grad_norm']:.3f} | "
-                f"{tok_s:,.0f} tok/s | MFU {'unknown' if mfu is None else f'{100 * mfu:.1f}%'} | {now - t0:.1f}s")
-
-    try:
-        with _Preemption(multiprocess) as preempt:
-            while step < cfg_t.max_steps:
-                count = _steps_to_run(step, cfg_t)
-                if count == 1:
-                    x, y = next(prefetch)
-                    state, metrics = runner.step(state, x, y)
-                else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
-                    xs, ys = zip(*(next(prefetch) for _ in range(count)))
-                    state, metrics = runner.steps(state, np.stack(xs), np.stack(ys))
-                finished = time.time() if _is_ready(metrics) else None
-                first, step = step + 1, step + count
-                if pending is not None:
-                    if pending[3] is None and finished is not None:  # it finished no later than this one
-                        pending = pending[:3] + (finished,)
-                    read(pending)  # the previous call's metrics, read after dispatching this one
-                pending = (first, count, metrics, finished)
-                if bar is not None:
-                    bar.update(count)
-                last = step == cfg_t.max_steps
-                stop = preempt.stop(step)
-                do_eval = step % cfg_t.eval_interval == 0 or last
-                # a stop before an overwrite=True run's first checkpoint saves nothing: the old ones come back
-                do_save = step % cfg_t.checkpoint_interval == 0 or last or (stop and not awaiting_first)
-                if do_eval or do_save:
-                    read(pending)
-                    pending = None
-                if do_eval:
-                    ev = evaluate(state, step)
-                    last_val = ev["val_loss"]
-                    best_val = min(best_val, last_val)
-                    ev["best_val_loss"] = best_val
-                    log.write(ev)
-                    say(f"eval {step:6d} | train {ev['train_loss']:.4f} | val {ev['val_loss']:.4f} | "
-                        f"val ppl {ev['val_ppl']:.2f} | val bits/byte {ev['val_bpb']:.3f} | best val {best_val:.4f}")
-                    summary.update(ev)
-                if do_save:
-                    checkpointer.save(step, runner.get_state(state).replace(frozen=None), meta_for(step, best_val),
-                                      val_loss=last_val if do_eval else None)
-                    saved_step = step
-                    if awaiting_first:  # the previous run's checkpoints go once this one is on disk
-                        checkpointer.wait()
-                        awaiting_first = False
-                        settled = run_dir.settle_overwrite(out_dir) if is_main else None
-                        if settled:
-                            say(f"jaxgpt: {settled}")
-                if stop:
-                    name = signal.Signals(preempt.signal).name
-                    summary.update(preempted=True, stopped_by=name, signal=int(preempt.signal))
-                    say(f"jaxgpt: stopped by {name} at step {step}, " +
-                        ("checkpoint saved; resume with --config.init_from=resume" if do_save else
-                         "before this overwrite=True run's first checkpoint: nothing saved"))
-                    break
-            if pending is not None:
-                read(pending)
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        prefetch.close()
-        if bar is not None:
-            bar.close()
-        # async saves always finish, on errors too; but on several processes finishing is collective, and
-        # after an error the others may never join: leave the save unfinished (earlier ones are whole)
-        if not (failed and multiprocess):
-            checkpointer.close()
-        log.close()
-    summary.update({"steps": step, "best_val_loss": best_val, "saved_step": saved_step,
-                    "wall_time_s": time.time() - t0, "state": runner.get_state(state)})
-    return summary
+        self.summary["last_loss"] = m["loss"]
+        if s % self.cfg_t.log_interval == 0 or s == self.cfg_t.max_steps:
+            last_time, last_step = self.last_log
+            tok_s = self.tokens_per_step * (s - last_step) / max(now - last_time, 1e-9)
+            mfu = None if self.peak is None else self.flops_per_token * tok_s / self.peak
+            self.last_log = (now, s)
+            self.log.write({"step": s, **m, "tokens_per_s": tok_s, "mfu": mfu, "elapsed_s": now - self.t0})
+            self.note(f"step {s:6d} | loss {m['loss']:.4f} | lr {m.get('lr', 0):.2e} | grad norm "
+                      f"{m['grad_norm']:.3f} | {tok_s:,.0f} tok/s | MFU "
+                      f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'} | {now - self.t0:.1f}s")
 
 
 def _is_ready(tree) -> bool:

@@ -16,15 +16,14 @@ each process hands its runner only its own rows of the global batch, and the sta
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgpt import kernels
+from jaxgpt.backends import Backend, resolve
 from jaxgpt.config import GPTConfig
-from jaxgpt.kernels import cpu
 from jaxgpt.training.step import make_eval_step, make_train_step, map_batches, repeat_steps
 
 AXIS = "data"
@@ -103,7 +102,8 @@ class PmapRunner:
 
     name = "pmap"
 
-    def __init__(self, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, devices=None):
+    def __init__(self, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, devices=None,
+                 backend: Optional[Backend] = None):
         # Without explicit devices pmap maps over the local devices (on several processes its axis, and
         # so pmean, still spans all of them); explicit devices are for single-process subsets.
         self.devices = list(devices) if devices is not None else jax.local_devices()
@@ -114,8 +114,9 @@ class PmapRunner:
         # the layout pmap returns: one copy per local device along the leading axis
         self._layout = NamedSharding(Mesh(np.array(self.devices), (AXIS,)), P(AXIS))
         kw = {} if devices is None else {"devices": self.devices}
-        step = make_train_step(config, optimizer, grad_accum, axis_name=AXIS, schedule=schedule)
-        self._once = kernels.run_once_options(config)  # for init_state
+        backend = backend or resolve(config)
+        step = make_train_step(config, optimizer, grad_accum, axis_name=AXIS, schedule=schedule, backend=backend)
+        self._once = backend.compile_once_options()  # for init_state
         self._impls = None  # the key implementation of each state leaf (None: not a key), from put_state
 
         def raw(fn):
@@ -126,7 +127,8 @@ class PmapRunner:
 
         self._step = jax.pmap(raw(step), axis_name=AXIS, donate_argnums=(0,), **kw)
         self._steps = jax.pmap(raw(repeat_steps(step)), axis_name=AXIS, donate_argnums=(0,), **kw)
-        self._eval = jax.pmap(map_batches(make_eval_step(config, axis_name=AXIS)), axis_name=AXIS, **kw)
+        self._eval = jax.pmap(map_batches(make_eval_step(config, axis_name=AXIS, backend=backend)), axis_name=AXIS,
+                              **kw)
 
     def state_shardings(self, state):
         """Shardings of the state as get_state returns it (and checkpoints hold it): replicated."""
@@ -211,7 +213,7 @@ class MeshRunner:
     name = "mesh"
 
     def __init__(self, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, devices=None,
-                 fsdp: bool = False):
+                 fsdp: bool = False, backend: Optional[Backend] = None):
         self.mesh = Mesh(np.array(devices if devices is not None else jax.devices()), (AXIS,))
         self.n = self.mesh.size
         self.fsdp = bool(fsdp)
@@ -219,9 +221,11 @@ class MeshRunner:
             self.name = "mesh (fsdp)"
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P(AXIS))
-        self._train_step = make_train_step(config, optimizer, grad_accum, axis_name=None, schedule=schedule)
-        self._once = kernels.run_once_options(config)  # for init_state
-        self._eval_step = make_eval_step(config)
+        backend = backend or resolve(config)
+        self._train_step = make_train_step(config, optimizer, grad_accum, axis_name=None, schedule=schedule,
+                                           backend=backend)
+        self._once = backend.compile_once_options()  # for init_state
+        self._eval_step = make_eval_step(config, backend=backend)
         self._stack_sharding = NamedSharding(self.mesh, P(None, AXIS))  # [K, rows, T]: rows over the data axis
         self._step = self._steps = self._eval = None  # jitted on first use, when the state's structure is known
 
@@ -292,18 +296,20 @@ class MeshRunner:
         return tree_map(_local_value, tree)
 
 
-def make_runner(kind: str, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, fsdp: bool = False):
-    """A PmapRunner or MeshRunner by name ('pmap' | 'mesh'); `fsdp` applies to the mesh only."""
-    if kernels.resolve(config.kernels) == "cpu":
-        cpu.tune_allocator()  # XLA:CPU: kernels/cpu.py
+def make_runner(kind: str, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, fsdp: bool = False,
+                backend: Optional[Backend] = None):
+    """A PmapRunner or MeshRunner by name ('pmap' | 'mesh'); `fsdp` applies to the mesh only. The backend
+    (default `resolve(config)`) is chosen here, once, for every program the runner compiles."""
+    backend = backend or resolve(config)
+    backend.setup()
     if kind == "pmap":
         if fsdp:
             raise ValueError("train.fsdp needs train.parallel='mesh' (pmap keeps a full copy per device)")
         if jax.device_count() == 1:  # nothing to map over: plain jit skips pmap's per-call overhead
-            runner = MeshRunner(config, optimizer, grad_accum, schedule)
+            runner = MeshRunner(config, optimizer, grad_accum, schedule, backend=backend)
             runner.name = "pmap (one device: jit)"
             return runner
-        return PmapRunner(config, optimizer, grad_accum, schedule)
+        return PmapRunner(config, optimizer, grad_accum, schedule, backend=backend)
     if kind == "mesh":
-        return MeshRunner(config, optimizer, grad_accum, schedule, fsdp=fsdp)
+        return MeshRunner(config, optimizer, grad_accum, schedule, fsdp=fsdp, backend=backend)
     raise ValueError(f"train.parallel must be one of ['mesh', 'pmap'], got {kind!r}")

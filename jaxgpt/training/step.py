@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxgpt.backends import Backend, resolve
 from jaxgpt.config import GPTConfig
 from jaxgpt.lora import trainable_labels
 from jaxgpt.model import GPT
@@ -85,13 +86,15 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, grad_accum: int = 1,
-                    axis_name: Optional[str] = None, schedule: Optional[optax.Schedule] = None):
+                    axis_name: Optional[str] = None, schedule: Optional[optax.Schedule] = None,
+                    backend: Optional[Backend] = None):
     """Build `train_step(state, x, y) -> (state, metrics)` for x, y int [b, T].
 
     The b rows are split into `grad_accum` micro-batches whose gradients are averaged, which equals one
     step on all b rows. With `axis_name` (under pmap) gradients and metrics are averaged over that axis.
+    `backend` None: `resolve(config)`, once, here.
     """
-    model = GPT(config)
+    model = GPT(config, backend or resolve(config))
     deterministic = config.dropout == 0.0
 
     def loss_fn(params, frozen, x, y, rng):
@@ -158,9 +161,9 @@ def map_batches(eval_step):
     return evals
 
 
-def make_eval_step(config: GPTConfig, axis_name: Optional[str] = None):
+def make_eval_step(config: GPTConfig, axis_name: Optional[str] = None, backend: Optional[Backend] = None):
     """Build `eval_step(params, x, y, frozen=None) -> mean loss` (deterministic, float32)."""
-    model = GPT(config)
+    model = GPT(config, backend or resolve(config))
 
     def eval_step(params, x, y, frozen=None):
         loss = cross_entropy(model.apply(model_variables(params, frozen), x), y)

@@ -1,25 +1,16 @@
-"""The CPU kernels' native kernels, XLA FFI calls compiled from C++ on first use: the decode step's matmul
-at 1..16 rows (rows.cc) and causal self-attention for training, forward and backward (attention.cc).
+"""Native CPU kernels, XLA FFI calls compiled from C++ on first use: the decode step's matmul at 1..16 rows
+(rows.cc, over weights packed in panels of 16 outputs by `pack`) and causal self-attention for training,
+forward and backward (attention.cc).
 
-At a decode step every weight is read once for a handful of rows, so the step is as fast as the weights
-stream from memory. XLA:CPU's matmul and fusions read them at 19-27 GB/s on the 2-core machine of
-bench/README.md, whose memory gives 32; rows.cc reads them at 27-30. It multiplies weights packed in
-panels of 16 outputs ([ceil(out/16), in, 16], `pack`), which `cpu.decode_params` makes once per
-`generate` call. Causal attention (`causal_attention`) skips the masked half of the scores and never
-materialises them beyond a block of 64 queries; XLA's batched matmuls for it ran at 76-92 GFLOP/s there.
-
-The sources are compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`) for this CPU
-(`-march=native`), against the FFI headers of the installed jaxlib, into
-`kernels/` of `$JAXGPT_CACHE` (default `~/.cache/jaxgpt`, the data cache's), once per source, jaxlib and
-CPU (about 10 s). With no compiler, or
-`JAXGPT_NATIVE=0`, or any failure (logged once), `available()` is False and the CPU kernels decode
-and attend through XLA as before: same results to float rounding.
+The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`, `-march=native`) against the
+installed jaxlib's FFI headers into `kernels/` of `$JAXGPT_CACHE` (default `~/.cache/jaxgpt`), once per
+source, jaxlib and CPU (about 10 s). With no compiler or any failure (logged once) `available()` is False
+and the CPU backend runs XLA's forms instead: same results to float rounding. Measurements: bench/README.md.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -40,7 +31,6 @@ PACK_TARGET = "jaxgpt_pack"
 MAX_ROWS = 16
 ATTENTION_TARGET = "jaxgpt_causal_attention"
 ATTENTION_BWD_TARGET = "jaxgpt_causal_attention_bwd"
-ATTENTION_BWD_FUSED_TARGET = "jaxgpt_causal_attention_bwd_fused"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = tuple(os.path.join(_HERE, f) for f in ("rows.cc", "attention.cc"))
 HEADERS = (os.path.join(_HERE, "common.h"),)
@@ -99,8 +89,6 @@ def _build() -> str:
 
 def available() -> bool:
     """Whether the native kernel is built and registered with XLA in this process (built on first call)."""
-    if os.environ.get("JAXGPT_NATIVE", "1") == "0":
-        return False
     with _lock:
         if "ok" not in _state:
             try:
@@ -111,8 +99,6 @@ def available() -> bool:
                                             platform="cpu")
                 jax.ffi.register_ffi_target(ATTENTION_BWD_TARGET,
                                             jax.ffi.pycapsule(lib.JaxgptCausalAttentionBackward), platform="cpu")
-                jax.ffi.register_ffi_target(ATTENTION_BWD_FUSED_TARGET,
-                                            jax.ffi.pycapsule(lib.JaxgptCausalAttentionBackwardFused), platform="cpu")
                 _state.update(ok=True, lib=lib)
             except Exception as e:  # no compiler, no headers, a failed build: decode through XLA instead
                 _state.update(ok=False, why=str(e))
@@ -163,31 +149,23 @@ def rows_matmul(x: jax.Array, panels: jax.Array, out: int) -> jax.Array:
     return call(x.astype(jnp.float32), panels.astype(jnp.float32))
 
 
-@functools.lru_cache(maxsize=None)
-def _has_avx512() -> bool:
-    """Whether this CPU has AVX-512 (attention.cc's register tiles assume its 32 vector registers)."""
-    return "avx512f" in _cpu_signature().split()
-
-
 def attention_supported(q_shape, k_shape) -> bool:
-    """Whether `causal_attention` takes queries and keys of these shapes ([B, T, N, H], [B, T, K, H]): head
-    sizes 16..128 in steps of 16 (attention.cc compiles those), N a multiple of K, a CPU with AVX-512 (on
-    one without, its tiles would spill registers: not measured, so not used), the kernels built."""
+    """Whether `causal_attention` takes q [B, T, N, H] and k [B, T, K, H]: head sizes 16..128 in steps of
+    16 (attention.cc compiles those), N a multiple of K, the kernels built."""
     h = q_shape[-1]
     return (len(q_shape) == len(k_shape) == 4 and h % 16 == 0 and 16 <= h <= 128 and k_shape[-1] == h
-            and q_shape[2] % k_shape[2] == 0 and _has_avx512() and available())
+            and q_shape[2] % k_shape[2] == 0 and available())
 
 
 def _require() -> None:
     if not available():
-        raise RuntimeError(f"jaxgpt's native CPU kernels are unavailable: {_state.get('why', 'JAXGPT_NATIVE=0')}")
+        raise RuntimeError(f"jaxgpt's native CPU kernels are unavailable: {_state.get('why', 'not built')}")
 
 
-def _attrs(heads, kv_heads, head_dim, fused):
-    """attention.cc's attributes: where each of q, k, v starts in its [B, T, C] array."""
-    q_off, k_off, v_off = (0, heads * head_dim, (heads + kv_heads) * head_dim) if fused else (0, 0, 0)
+def _attrs(heads, kv_heads, head_dim):
+    """attention.cc's attributes (q, k and v each start at column 0 of their own [B, T, C] array)."""
     return dict(heads=np.int64(heads), kv_heads=np.int64(kv_heads), head_dim=np.int64(head_dim),
-                q_off=np.int64(q_off), k_off=np.int64(k_off), v_off=np.int64(v_off))
+                q_off=np.int64(0), k_off=np.int64(0), v_off=np.int64(0))
 
 
 def _forward(q3, k3, v3, attrs):
@@ -210,9 +188,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def _separate(q, k, v):
+    """q [B,T,N,H], k, v [B,T,K,H] as [B, T, C] float32 arrays, and attention.cc's attributes."""
     b, t, n, h = q.shape
     flat = [a.reshape(b, t, -1).astype(jnp.float32) for a in (q, k, v)]
-    return flat, _attrs(n, k.shape[2], h, fused=False)
+    return flat, _attrs(n, k.shape[2], h)
 
 
 def _causal_attention_fwd(q, k, v):
@@ -232,34 +211,3 @@ def _causal_attention_bwd(res, g):
 
 
 causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def causal_attention_qkv(qkv: jax.Array, heads: int, kv_heads: int) -> jax.Array:
-    """`causal_attention` of a fused projection qkv [B, T, (N + 2K) H] (q, then k, then v, heads in order)
-    -> [B, T, N H], read in place; its gradient comes back as one array like qkv, so neither the split
-    nor the gradients' concatenation is copied."""
-    return _qkv_fwd(qkv, heads, kv_heads)[0]
-
-
-def _qkv_attrs(qkv, heads, kv_heads):
-    return _attrs(heads, kv_heads, qkv.shape[-1] // (heads + 2 * kv_heads), fused=True)
-
-
-def _qkv_fwd(qkv, heads, kv_heads):
-    x = qkv.astype(jnp.float32)
-    out, lse = _forward(x, x, x, _qkv_attrs(qkv, heads, kv_heads))
-    return out.astype(qkv.dtype), (qkv, out, lse)
-
-
-def _qkv_bwd(heads, kv_heads, res, g):
-    qkv, out, lse = res
-    _require()
-    x = qkv.astype(jnp.float32)
-    call = jax.ffi.ffi_call(ATTENTION_BWD_FUSED_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
-                            vmap_method="sequential")
-    dqkv = call(x, x, x, out, lse, g.astype(jnp.float32), **_qkv_attrs(qkv, heads, kv_heads))
-    return (dqkv.astype(qkv.dtype),)
-
-
-causal_attention_qkv.defvjp(_qkv_fwd, _qkv_bwd)

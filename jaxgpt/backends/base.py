@@ -1,0 +1,94 @@
+"""The backend interface: what the model, cache and sampler need from the hardware they run on.
+
+The core (model.py, cache.py, sampling.py, attention.py) is written against one `Backend` value and
+never names an implementation; `jaxgpt.backends.resolve` picks the value once per model, step or decoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxgpt.attention import AttentionFn, get_attention
+from jaxgpt.cache import CacheLayout
+from jaxgpt.ops import linear as portable_linear
+
+
+def _no_prepared(params, batch_size: int, compute_dtype, tie_embeddings: bool) -> dict:
+    return {}
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A backend's answers to the model's questions, all of them pure functions or plain values.
+
+    - `linear(x, w, compute_dtype, *, b=None, w_out_in=False, out_dtype=None)`: the dense matmul
+      (`ops.linear`'s contract); `w` may also be a kernel that `prepare_decode` made.
+    - `attention_kernels`: (registered name, function) pairs this backend computes its own way, with the
+      registry's signature; every other registered attention runs as written in attention.py.
+    - `cache_layout`: how the KV cache stores and writes each layer (cache.CacheLayout).
+    - `prepare_decode(params, batch_size, compute_dtype, tie_embeddings) -> dict`: kernels in a form for
+      the decode steps, as a "prepared" variable collection laid out like the params ({}: none).
+    - `float32_activations`: keep activations float32 between matmuls whatever the compute dtype.
+    - `fast_bf16`: whether bfloat16 matmuls are faster than float32 here (a bf16 run says so if not).
+    - `run_once_options`: XLA options for programs run once (parameter init), as (key, value) pairs.
+    - `setup()`: process-wide preparation, called when a step or decoder is built.
+    """
+
+    name: str
+    linear: Callable = portable_linear
+    attention_kernels: tuple = ()
+    cache_layout: CacheLayout = CacheLayout()
+    prepare_decode: Callable = _no_prepared
+    float32_activations: bool = False
+    fast_bf16: bool = True
+    run_once_options: tuple = ()
+    setup: Callable[[], None] = _nothing
+
+    def attention(self, name: str) -> AttentionFn:
+        """The function that computes the registered attention `name` on this backend."""
+        return dict(self.attention_kernels).get(name) or get_attention(name)
+
+    def activation_dtype(self, compute_dtype) -> jnp.dtype:
+        """The dtype activations travel in between matmuls."""
+        return jnp.dtype(jnp.float32) if self.float32_activations else jnp.dtype(compute_dtype)
+
+    def compile_once_options(self) -> dict:
+        return dict(self.run_once_options)
+
+
+@struct.dataclass
+class DecodeWeights:
+    """What a decoder applies at each decode step: the params in the compute dtype and the backend's
+    prepared forms of some of them (the "prepared" collection; empty when the backend has none)."""
+
+    params: Any
+    prepared: Any
+
+    def variables(self) -> dict:
+        return {"params": self.params, **({"prepared": self.prepared} if self.prepared else {})}
+
+
+def cast_floats(tree: Any, dtype) -> Any:
+    """Every floating leaf of `tree` in `dtype` (once per call, not per step)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def decode_weights(backend: Backend, params: Any, batch_size: int, compute_dtype,
+                   tie_embeddings: bool) -> DecodeWeights:
+    """The params cast to the compute dtype plus `backend.prepare_decode`'s forms for `batch_size` rows."""
+    params = cast_floats(params, compute_dtype)
+    return DecodeWeights(params, backend.prepare_decode(params, batch_size, compute_dtype, tie_embeddings))
+
+
+PORTABLE = Backend(name="portable")
+
+

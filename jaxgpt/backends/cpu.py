@@ -1,0 +1,298 @@
+"""The CPU backend: the core's functions in the forms XLA's CPU backend runs fastest, and native kernels.
+
+Each piece equals its portable counterpart to float rounding (tests/test_backends.py); why each exists,
+with the measurements, is in bench/README.md. Native kernels (native.py) are used only on CPUs where
+they measured faster: AVX-512 ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct, traverse_util
+
+from jaxgpt.attention import MASK_VALUE, causal_mask, check_shapes, grouped_queries
+from jaxgpt.backends import native
+from jaxgpt.backends.base import Backend
+from jaxgpt.cache import CacheLayout
+from jaxgpt.ops import linear_bwd, linear_fwd
+
+SMALL_ROWS = 16  # up to this many rows, [out, in] kernels are multiplied by `_few_rows`
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset:
+    """This CPU's feature flags from /proc/cpuinfo (empty off Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_bf16_matmul(flags: Optional[frozenset] = None) -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware (AVX512_BF16 or AMX-BF16); off Linux, True (no
+    change made on a guess). Without them a bf16 step is slower than a float32 one."""
+    flags = cpu_flags() if flags is None else flags
+    return not flags or bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+def native_kernels_pay(flags: frozenset) -> bool:
+    """Whether the native kernels beat XLA's forms on a CPU with these flags: with AVX-512 only (their
+    register tiles assume 32 vector registers; on AVX2 + FMA the decode matmul measured 13x slower at
+    batch 8, bench/README.md)."""
+    return "avx512f" in flags
+
+
+_ALLOCATOR_TUNED = False
+
+
+def tune_allocator() -> None:
+    """Make glibc's malloc keep freed memory in the process (once; a no-op elsewhere), so that XLA:CPU's
+    per-call temporaries do not fault in fresh pages at every call."""
+    global _ALLOCATOR_TUNED
+    if _ALLOCATOR_TUNED:
+        return
+    _ALLOCATOR_TUNED = True
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    m_trim_threshold, m_mmap_max = -1, -4  # mallopt parameters (malloc.h)
+    libc.mallopt(m_mmap_max, 0)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
+def inline_cpu_dispatch() -> bool:
+    """Run CPU computations on the calling thread (`jax_cpu_enable_async_dispatch=False`) unless
+    JAXGPT_CPU_ASYNC=1; only before JAX's first computation (the CLIs call it first). Returns whether it
+    did. JAX's async threads re-fault large temporaries at every call (bench/README.md)."""
+    if os.environ.get("JAXGPT_CPU_ASYNC", "0") == "1":
+        return False
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return False
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    return True
+
+
+def cpu_dispatch() -> str:
+    """"inline" where JAX's CPU client runs computations on the calling thread, else "async"."""
+    return "async" if jax.config.values["jax_cpu_enable_async_dispatch"] else "inline"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dense layers
+
+@struct.dataclass
+class PreparedKernel:
+    """A dense kernel in a decode form: "panels" (native.pack's [ceil(out/16), in, 16]) or "out_in"."""
+
+    w: jax.Array
+    features: int = struct.field(pytree_node=False)
+    form: str = struct.field(pytree_node=False)
+
+
+def _few_rows(x2: jax.Array, w_out_in: jax.Array, compute_dtype) -> jax.Array:
+    """x [b, in] times w [out, in].T as one multiply-and-sum in float32: each weight row read once."""
+    xc = x2.astype(compute_dtype).astype(jnp.float32)
+    wc = w_out_in.astype(compute_dtype).astype(jnp.float32)
+    return jnp.sum(wc[None, :, :] * xc[:, None, :], axis=-1)
+
+
+def _row_major_transpose(a: jax.Array) -> jax.Array:
+    """a [m, n] -> a.T [n, m] as a real copy: XLA:CPU's bf16 matmul runs in float32 on a folded transpose."""
+    m, n = a.shape
+    return jnp.transpose(a.reshape(m, n, 1), (1, 0, 2)).reshape(n, m)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dense(x2, w, b, compute_dtype, out_dtype, w_out_in):
+    return linear_fwd(x2, w, b, compute_dtype, out_dtype, w_out_in)[0]
+
+
+def _dense_bwd(compute_dtype, out_dtype, w_out_in, res, g):
+    """`ops.linear`'s backward on 2-D operands; in bf16 the weight gradient multiplies a row-major copy."""
+    if compute_dtype == jnp.float32:
+        return linear_bwd(compute_dtype, out_dtype, w_out_in, res, g)
+    xc, wc, (x_proto, w_proto, b_proto) = res
+    db = None if b_proto is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(b_proto.dtype)
+    dy = g.astype(compute_dtype)
+    dx = jax.lax.dot_general(dy, wc, (((1,), (0 if w_out_in else 1,)), ((), ())), preferred_element_type=jnp.float32)
+    a, c = (dy, xc) if w_out_in else (xc, dy)  # dw = a.T @ c: [out, in] or [in, out]
+    dw = jnp.matmul(_row_major_transpose(a), c, preferred_element_type=jnp.float32)
+    return dx.astype(x_proto.dtype), dw.astype(w_proto.dtype), db
+
+
+_dense.defvjp(linear_fwd, _dense_bwd)
+
+
+def linear(x: jax.Array, w, compute_dtype=jnp.float32, *, b=None, w_out_in: bool = False, out_dtype=None):
+    """`ops.linear` on a 2-D view of x; 2..16 float32 rows against [out, in] take `_few_rows`, and a
+    `PreparedKernel` its own multiply (no gradient: decoding only)."""
+    compute_dtype = jnp.dtype(compute_dtype)
+    out_dtype = jnp.dtype(out_dtype or compute_dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(w, PreparedKernel):
+        features = w.features
+        if w.form == "panels":
+            y = native.rows_matmul(x2.astype(compute_dtype).astype(jnp.float32), w.w, features)
+        else:
+            y = _few_rows(x2, w.w, compute_dtype)
+        y = (y if b is None else y + b.astype(jnp.float32)).astype(out_dtype)
+    else:
+        features = w.shape[0] if w_out_in else w.shape[1]
+        if w_out_in and 1 < x2.shape[0] <= SMALL_ROWS and compute_dtype == jnp.float32:
+            y = _few_rows(x2, w, compute_dtype)
+            y = (y if b is None else y + b.astype(jnp.float32)).astype(out_dtype)
+        else:
+            y = _dense(x2, w, b, compute_dtype, out_dtype, w_out_in)
+    return y.reshape(*x.shape[:-1], features)
+
+
+def decode_form(batch_size: int, compute_dtype, native_decode: bool) -> Optional[str]:
+    """The decode steps' kernel form for `batch_size` rows: float32 and 1..16 rows only, "panels" with
+    the native multiply, else "out_in" for 2..16 rows; None keeps the stored [in, out] (XLA's matmul is
+    faster in bf16 and at more rows)."""
+    if not 1 <= batch_size <= SMALL_ROWS or jnp.dtype(compute_dtype) != jnp.float32:
+        return None
+    if native_decode and native.available():
+        return "panels"
+    return "out_in" if batch_size > 1 else None
+
+
+def _prepare(w: jax.Array, form: str, w_out_in: bool = False) -> PreparedKernel:
+    features = w.shape[-2] if w_out_in else w.shape[-1]
+    if form == "panels":
+        return PreparedKernel(native.pack(w, w_out_in=w_out_in), features, form)
+    return PreparedKernel(w if w_out_in else w.swapaxes(-1, -2), features, form)
+
+
+def prepare_decode(params: dict, batch_size: int, compute_dtype, tie_embeddings: bool, *,
+                   native_decode: bool) -> dict:
+    """The "prepared" collection for decode steps of `batch_size` rows: every dense kernel ([in, out], or
+    stacked [L, in, out] under `h`) in `decode_form`, and a tied head's table as `head`."""
+    form = decode_form(batch_size, compute_dtype, native_decode)
+    if form is None:
+        return {}
+    prepared = {}
+    for path, leaf in traverse_util.flatten_dict(params).items():
+        if path[-1] == "kernel" and leaf.ndim == 2 + (path[0] == "h"):
+            prepared[path] = _prepare(leaf, form)
+    if tie_embeddings and "wte" in params:
+        prepared[("head",)] = _prepare(params["wte"]["embedding"], form, w_out_in=True)
+    return traverse_util.unflatten_dict(prepared)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention
+
+def _attend(q, k, v, visible):
+    """Scaled queries [..., M, H] over keys/values [..., S, H]; `visible` broadcasts to [..., M, S]. One
+    batched GEMM per matmul with no transposes; float32 scores, softmax and output."""
+    scores = jnp.einsum("...mh,...sh->...ms", q, k, preferred_element_type=jnp.float32)
+    weights = jax.nn.softmax(jnp.where(visible, scores, MASK_VALUE), axis=-1).astype(v.dtype)
+    return jnp.einsum("...ms,...sh->...mh", weights, v, preferred_element_type=jnp.float32)
+
+
+def blocked_causal_attention(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, block: int = 64) -> jax.Array:
+    """Causal self-attention in XLA in query blocks: block i attends to keys [0, (i+1) * block) only,
+    about (n+1)/(2n) of the full work for n blocks (a Python loop: right for XLA:CPU only)."""
+    check_shapes(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH)
+    b, t, n, h = q_BxTxNxH.shape
+    kh = k_BxKxTxH.shape[1]
+    g = n // kh
+    q_BxKxGxTxH = grouped_queries(q_BxTxNxH, kh)
+    outs = []
+    for lo in range(0, t, block):
+        hi = min(lo + block, t)
+        q_pos = jnp.tile(jnp.arange(lo, hi, dtype=jnp.int32), g)  # row m is query lo + m % (hi - lo)
+        visible = jnp.arange(hi, dtype=jnp.int32)[None, :] <= q_pos[:, None]
+        out = _attend(q_BxKxGxTxH[:, :, :, lo:hi].reshape(b, kh, g * (hi - lo), h), k_BxKxTxH[:, :, :hi],
+                      v_BxKxTxH[:, :, :hi], visible)
+        outs.append(out.reshape(b, kh, g, hi - lo, h))
+    out = jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
+
+
+def cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B) -> jax.Array:
+    """Attention over a cache with the G query heads of each kv head stacked into one taller matrix:
+    one batched GEMM per (row, kv head)."""
+    b, t, n, h = q_BxTxNxH.shape
+    kh, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
+    g = n // kh
+    mask = jnp.tile(causal_mask(q_positions_BxT, kv_lengths_B, s), (1, 1, g, 1))  # [B, 1, G*T, S]
+    mask = jnp.broadcast_to(mask, (b, kh, g * t, s)).reshape(b * kh, g * t, s)
+    out = _attend(grouped_queries(q_BxTxNxH, kh).reshape(b * kh, g * t, h), k_BxKxSxH.reshape(b * kh, s, h),
+                  v_BxKxSxH.reshape(b * kh, s, h), mask)
+    return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
+
+
+def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None, *,
+                          native_attention: bool = True) -> jax.Array:
+    """The registry's "dot_product" attention for XLA:CPU: self-attention through the native kernel where
+    it takes the shapes (else `blocked_causal_attention`), attention over a cache by `cached_attention`."""
+    check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT)
+    if q_positions_BxT is not None or kv_lengths_B is not None:
+        if q_positions_BxT is None:
+            q_positions_BxT = jnp.arange(q_BxTxNxH.shape[1], dtype=jnp.int32)[None, :]
+        return cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
+    k_BxTxKxH, v_BxTxKxH = k_BxKxSxH.swapaxes(1, 2), v_BxKxSxH.swapaxes(1, 2)
+    if native_attention and native.attention_supported(q_BxTxNxH.shape, k_BxTxKxH.shape):
+        return native.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
+    return blocked_causal_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The KV cache
+
+@dataclasses.dataclass(frozen=True)
+class RowsCacheLayout(CacheLayout):
+    """Each layer stored [B*K, S, H] and written with one dynamic_update_slice per row, in place: with
+    [B, K, S, H] XLA:CPU copies the buffer around the update at batch 1, and its scatter is slower.
+    16-bit floats are written as their uint16 bits (XLA:CPU would convert the whole buffer to float32)."""
+
+    def shape(self, batch, kv_heads, max_len, head_dim):
+        return (batch * kv_heads, max_len, head_dim)
+
+    def read(self, buf, batch):
+        return buf.reshape(batch, -1, *buf.shape[1:])
+
+    def write(self, buf, new_BxKxTxH, lengths_B, layer=None):
+        if jnp.issubdtype(buf.dtype, jnp.floating) and buf.dtype.itemsize == 2:
+            bits = lambda a: jax.lax.bitcast_convert_type(a.astype(buf.dtype), jnp.uint16)  # noqa: E731
+            return jax.lax.bitcast_convert_type(self.write(bits(buf), bits(new_BxKxTxH), lengths_B, layer), buf.dtype)
+        b, kh, t, h = new_BxKxTxH.shape
+        new = new_BxKxTxH.reshape(b * kh, t, h).astype(buf.dtype)
+        zero = jnp.zeros((), jnp.int32)
+        for r in range(b):
+            rows, start = new[r * kh:(r + 1) * kh], (jnp.int32(r * kh), lengths_B[r], zero)
+            if layer is not None:
+                rows, start = rows[None], (jnp.asarray(layer, jnp.int32),) + start
+            buf = jax.lax.dynamic_update_slice(buf, rows, start)
+        return buf
+
+
+@functools.lru_cache(maxsize=None)
+def make_backend(native_decode: bool, native_attention: bool) -> Backend:
+    """The CPU backend, with or without each native kernel (one value per choice)."""
+    return Backend(
+        name="cpu", linear=linear,
+        attention_kernels=(("dot_product", partial(dot_product_attention, native_attention=native_attention)),),
+        cache_layout=RowsCacheLayout(),
+        prepare_decode=partial(prepare_decode, native_decode=native_decode),
+        float32_activations=True,  # XLA:CPU has no bf16 arithmetic outside matmuls: converts cost the gain
+        fast_bf16=has_bf16_matmul(),
+        run_once_options=(("xla_backend_optimization_level", 0),),  # halves the init's compile time
+        setup=tune_allocator)

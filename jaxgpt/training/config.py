@@ -1,0 +1,164 @@
+"""The training configuration: an ml_collections ConfigDict whose schema is `default_config()`.
+
+configs/*.py start from `default_config()` and change what they need; `validate_config` rejects unknown
+keys and impossible values before anything is compiled; `model_config_from` is the one place a ConfigDict
+becomes a GPTConfig.
+"""
+
+from __future__ import annotations
+
+from ml_collections import config_dict
+
+from jaxgpt import distributed
+from jaxgpt.checks import is_int
+from jaxgpt.config import GPTConfig
+from jaxgpt.lora import LoraSpec
+
+MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "dropout", "bias", "tie_embeddings",
+              "dtype", "attention", "block", "kernels", "scan_layers", "remat", "position", "rope_theta", "norm", "mlp",
+              "mlp_hidden", "layer_norm_epsilon")
+PARALLEL_MODES = ("pmap", "mesh")
+
+
+def default_config():
+    """The full training schema with nanoGPT-like defaults (every key a config may set is here)."""
+    placeholder = config_dict.placeholder
+    c = config_dict.ConfigDict()
+    c.out_dir = "out"
+    c.seed = 1337
+    c.init_from = "scratch"  # "scratch", "resume", a GPT-2 name ("gpt2", ...), a jaxgpt run folder or an HF folder
+    c.overwrite = False      # allow a fresh start in an out_dir that already holds checkpoints
+
+    c.model = config_dict.ConfigDict()
+    c.model.block_size = 256
+    c.model.n_layer = 6
+    c.model.n_head = 6
+    c.model.n_kv_head = placeholder(int)  # None: n_head (plain multi-head attention)
+    c.model.n_embd = 384
+    c.model.dropout = 0.0
+    c.model.bias = True
+    c.model.tie_embeddings = True
+    c.model.dtype = "float32"  # compute dtype; parameters and optimizer state stay float32
+    c.model.attention = "dot_product"  # a registered attention: "dot_product", "einsum" (reference), "cudnn"
+    c.model.block = "gpt2"             # a registered block (jaxgpt.model): "gpt2" (pre-norm) or "parallel"
+    c.model.kernels = "auto"  # the backend: "auto" (by platform), "portable" or "cpu": see jaxgpt/backends/
+    c.model.scan_layers = False  # blocks stored stacked, run as one lax.scan: compile time flat in depth
+    c.model.remat = "none"       # "block" or "dots": recompute activations in the backward to save memory
+    c.model.position = "learned"  # "learned" (GPT-2's wpe) or "rope" (rotary, base rope_theta)
+    c.model.rope_theta = 10000.0
+    c.model.norm = "layernorm"    # or "rmsnorm"
+    c.model.mlp = "gelu"          # or "swiglu" (gate/up/down)
+    c.model.mlp_hidden = placeholder(int)  # None: 4 * n_embd (gelu) or ~8/3 * n_embd (swiglu)
+    c.model.layer_norm_epsilon = 1e-5
+
+    c.data = config_dict.ConfigDict()
+    c.data.corpus = "shakespeare"  # shakespeare | tinyshakespeare | file | hf
+    c.data.path = placeholder(str)  # file/folder for `file`, local copy for `tinyshakespeare`, dataset for `hf`
+    c.data.tokenizer = "char"       # char | byte | bpe | gpt2
+    c.data.vocab_size = placeholder(int)  # for `bpe`
+    c.data.val_fraction = 0.1
+    c.data.cache_dir = placeholder(str)   # None: $JAXGPT_CACHE or ~/.cache/jaxgpt
+
+    c.train = config_dict.ConfigDict()
+    c.train.batch_size = 12      # global, over all devices and processes
+    c.train.grad_accum = 1       # micro-batches per step; the update equals one batch_size batch
+    c.train.max_steps = 2000
+    c.train.steps_per_call = 1   # optimizer steps per compiled call (a lax.scan): fewer host round trips
+    c.train.lr = 1e-3
+    c.train.min_lr = 1e-4
+    c.train.warmup_steps = 100
+    c.train.decay_steps = placeholder(int)  # None: max_steps
+    c.train.weight_decay = 0.1
+    c.train.beta1 = 0.9
+    c.train.beta2 = 0.99
+    c.train.grad_clip = 1.0      # 0 disables clipping
+    c.train.eval_interval = 250
+    c.train.eval_steps = 20
+    c.train.log_interval = 10
+    c.train.parallel = "pmap"    # pmap | mesh
+    c.train.fsdp = False         # mesh only: shard params and optimizer state over the data axis
+    c.train.checkpoint_interval = 250
+    c.train.keep_checkpoints = 2
+    c.train.peak_flops = placeholder(float)  # per device, for MFU; None: measured or known for the device
+    c.train.progress = True      # tqdm bar (quiet when stderr is not a terminal)
+    # LoRA: train low-rank adapters on these dense layers of a model from init_from, the rest frozen
+    c.train.lora = config_dict.ConfigDict()
+    c.train.lora.rank = 0                    # 0: off (full training)
+    c.train.lora.alpha = 16.0                # the adapters' scale is alpha / rank
+    c.train.lora.targets = "c_attn,c_proj"   # comma-separated: c_attn, c_proj, c_fc, c_gate, lm_head,
+    #                                          attn.c_proj / mlp.c_proj, or Llama's q, k, v, o, gate, up, down
+
+    c.distributed = distributed.default_section()  # several processes through jax.distributed
+    return c
+
+
+def model_config_from(config, vocab_size: int) -> GPTConfig:
+    """The GPTConfig described by a training config's `model` section."""
+    m = config.model
+    return GPTConfig(vocab_size=vocab_size, **{k: m[k] for k in MODEL_KEYS})
+
+
+def _check_keys(config, schema, prefix=""):
+    unknown = sorted(set(config.keys()) - set(schema.keys()))
+    if unknown:
+        raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]}; "
+                         f"valid keys under '{prefix or '.'}' are {sorted(schema.keys())}")
+    for k in config.keys():
+        if isinstance(schema[k], config_dict.ConfigDict):
+            if not isinstance(config[k], config_dict.ConfigDict):
+                raise ValueError(f"config.{prefix}{k} must be a section, got {config[k]!r}")
+            _check_keys(config[k], schema[k], prefix + k + ".")
+
+
+def validate_config(config, device_count: int = 1) -> None:
+    """Raise ValueError naming the key for unknown keys or values that cannot work."""
+    _check_keys(config, default_config())
+    if not isinstance(config.out_dir, str) or not config.out_dir.strip():
+        raise ValueError(f"config.out_dir must name a folder, got {config.out_dir!r}; e.g. --config.out_dir=out")
+    model_config_from(config, vocab_size=256)  # GPTConfig's own checks (vocab is known only later)
+    t, d = config.train, config.data
+
+    def need(ok, key, msg):
+        if not ok:
+            raise ValueError(f"config.{key}: {msg}")
+
+    for key in ("batch_size", "grad_accum", "max_steps", "steps_per_call", "eval_interval", "eval_steps", "log_interval",
+                "checkpoint_interval", "keep_checkpoints"):
+        v = t[key]
+        need(is_int(v) and v >= 1, f"train.{key}",
+             f"must be a positive integer, got {v!r}")
+    need(config.model.dtype != "float16", "model.dtype",
+         "float16 training has no loss scaling (gradients underflow); use bfloat16 or float32")
+    need(t.parallel in PARALLEL_MODES, "train.parallel", f"must be one of {PARALLEL_MODES}, got {t.parallel!r}")
+    need(isinstance(t.fsdp, bool), "train.fsdp", f"must be True or False, got {t.fsdp!r}")
+    need(not t.fsdp or t.parallel == "mesh", "train.fsdp",
+         "needs train.parallel='mesh' (pmap keeps a whole copy of the state on every device)")
+    if "distributed" in config:
+        distributed.check_config(config.distributed)
+    need(t.batch_size % (device_count * t.grad_accum) == 0, "train.batch_size",
+         f"{t.batch_size} must be divisible by the device count ({device_count}) times "
+         f"train.grad_accum ({t.grad_accum})")
+    need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    need(0 <= t.min_lr <= t.lr, "train.min_lr", f"must be in [0, lr={t.lr}], got {t.min_lr}")
+    # warmup past max_steps is allowed (a short smoke run of a long config): the loop warns about it
+    need(is_int(t.warmup_steps) and t.warmup_steps >= 0,
+         "train.warmup_steps", f"must be an integer >= 0, got {t.warmup_steps!r}")
+    need(t.decay_steps is None or (t.decay_steps >= t.warmup_steps and t.decay_steps >= 1), "train.decay_steps",
+         f"must be >= warmup_steps ({t.warmup_steps}), got {t.decay_steps}")
+    need(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2", f"must be in [0, 1), got {t.beta1}, {t.beta2}")
+    need(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 disables), got {t.grad_clip}")
+    need(t.peak_flops is None or t.peak_flops > 0, "train.peak_flops", f"must be > 0, got {t.peak_flops}")
+    need(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
+    need(d.tokenizer != "bpe" or (d.vocab_size or 0) > 256, "data.vocab_size",
+         "the bpe tokenizer needs data.vocab_size > 256")
+    need(isinstance(config.init_from, str) and config.init_from != "", "init_from",
+         "must be 'scratch', 'resume', a GPT-2 name or a folder")
+    lora = t.lora
+    need(is_int(lora.rank) and lora.rank >= 0, "train.lora.rank",
+         f"must be an integer >= 0 (0 = off), got {lora.rank!r}")
+    if lora.rank:
+        LoraSpec.from_config(lora)  # alpha and targets
+        need(config.init_from != "scratch", "init_from",
+             "LoRA adapts a trained model: set init_from to a jaxgpt run folder, a Hugging Face folder or a "
+             "GPT-2 name (or 'resume' to continue a LoRA run)")

@@ -1,0 +1,135 @@
+"""Extension points: the README's new-attention and new-block examples run as written, and a change to
+the model's attention reaches training and decoding on every backend alike."""
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt import GPT, KVCache, init_params, resolve
+from jaxgpt.backends import PORTABLE
+from jaxgpt.model import CausalSelfAttention
+from jaxgpt.registry import ATTENTION, BLOCKS
+from jaxgpt.training.step import cross_entropy
+from tests.helpers import varied_params
+
+README = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+BACKENDS = [PORTABLE, resolve("cpu")]
+
+
+def readme_example(paragraph: str) -> str:
+    """The first python code block after the README paragraph that starts with `paragraph`."""
+    start = README.index(paragraph)
+    return re.search(r"```python\n(.*?)```", README[start:], re.S).group(1)
+
+
+def _tiny():
+    from jaxgpt import GPTConfig  # head size 16: the native CPU attention kernel takes it
+
+    return GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def _tokens(cfg, b=2, t=12):
+    return jax.random.randint(jax.random.key(7), (b, t + 1), 0, cfg.vocab_size)
+
+
+def _loss(cfg, backend, params, data):
+    return float(cross_entropy(GPT(cfg, backend).apply({"params": params}, data[:, :-1]), data[:, 1:]))
+
+
+def _decode_logits(cfg, backend, params, tokens, prompt=5):
+    """Logits of the positions after `prompt`, computed by a prefill and one-token cached steps."""
+    model = GPT(cfg, backend)
+    cache = KVCache.create(cfg, tokens.shape[0], tokens.shape[1], layout=backend.cache_layout)
+    _, cache = model.apply({"params": params}, tokens[:, :prompt], cache)
+    out = []
+    for i in range(prompt, tokens.shape[1]):
+        logits, cache = model.apply({"params": params}, tokens[:, i:i + 1], cache)
+        out.append(logits[:, 0])
+    return jnp.stack(out, axis=1)
+
+
+@pytest.fixture
+def sharper():
+    ns = {}
+    exec(readme_example("**A new attention variant**"), ns)
+    yield ns
+    ATTENTION.unregister("sharper")
+
+
+@pytest.fixture
+def post_norm():
+    ns = {}
+    exec(readme_example("**A new block**"), ns)
+    yield ns
+    BLOCKS.unregister("post_norm")
+
+
+def test_readme_attention_variant_changes_training_and_decoding_on_every_backend(sharper):
+    cfg = sharper["cfg"]
+    assert sharper["out"].tokens.shape == (1, 12)
+    params = varied_params(cfg)  # at init scale attention is nearly uniform whatever the scores' scale
+    data = _tokens(cfg)
+    plain = cfg.replace(attention="dot_product")
+    for backend in BACKENDS:
+        assert abs(_loss(cfg, backend, params, data) - _loss(plain, backend, params, data)) > 1e-4
+        full = GPT(cfg, backend).apply({"params": params}, data)[:, 5:]
+        np.testing.assert_allclose(_decode_logits(cfg, backend, params, data), full, atol=1e-4)
+        assert float(jnp.abs(_decode_logits(plain, backend, params, data) - full).max()) > 1e-3
+    np.testing.assert_allclose(*[_loss(cfg, b, params, data) for b in BACKENDS], rtol=1e-5)
+
+
+def test_a_change_to_the_model_attention_reaches_the_cpu_training_path_and_decode(monkeypatch):
+    cfg = _tiny()
+    params = varied_params(cfg)
+    data = _tokens(cfg)
+    before = {b.name: (_loss(cfg, b, params, data), _decode_logits(cfg, b, params, data)) for b in BACKENDS}
+    original = CausalSelfAttention.attend
+
+    def doubled_queries(self, q, k, v, positions, cache, layer):  # a forker's edit of the one call site
+        return original(self, 2.0 * q, k, v, positions, cache, layer)
+
+    monkeypatch.setattr(CausalSelfAttention, "attend", doubled_queries)
+    for b in BACKENDS:
+        loss, decoded = _loss(cfg, b, params, data), _decode_logits(cfg, b, params, data)
+        assert abs(loss - before[b.name][0]) > 1e-4, f"the {b.name} backend's training loss ignored the edit"
+        assert float(jnp.abs(decoded - before[b.name][1]).max()) > 1e-3
+        np.testing.assert_allclose(decoded, GPT(cfg, b).apply({"params": params}, data)[:, 5:], atol=1e-4)
+
+
+def test_readme_block_registers_trains_and_decodes_like_its_full_forward(post_norm):
+    cfg = post_norm["cfg"]
+    params = init_params(cfg, jax.random.key(0))
+    data = _tokens(cfg)
+    gpt2 = cfg.replace(block="gpt2")  # the same parameter names and shapes, another function
+    for backend in BACKENDS:
+        full = GPT(cfg, backend).apply({"params": params}, data)
+        assert float(jnp.abs(full - GPT(gpt2, backend).apply({"params": params}, data)).max()) > 1e-3
+        np.testing.assert_allclose(_decode_logits(cfg, backend, params, data), full[:, 5:], atol=1e-4)
+        grads = jax.grad(lambda p: cross_entropy(GPT(cfg, backend).apply({"params": p}, data[:, :-1]),
+                                                 data[:, 1:]))(params)
+        assert all(bool(jnp.isfinite(g).all()) and float(jnp.abs(g).sum()) > 0 for g in jax.tree.leaves(grads))
+    scanned = cfg.replace(scan_layers=True)
+    from jaxgpt import convert_layers
+    np.testing.assert_allclose(GPT(scanned).apply({"params": convert_layers(params, scanned)}, data),
+                               GPT(cfg).apply({"params": params}, data), atol=1e-5)
+
+
+def test_the_parallel_block_is_built_in_and_differs_from_gpt2():
+    cfg = _tiny().replace(block="parallel")
+    params = init_params(cfg, jax.random.key(0))
+    assert "ln_2" not in params["h_0"]  # one norm feeds both branches
+    data = _tokens(cfg)
+    for backend in BACKENDS:
+        full = GPT(cfg, backend).apply({"params": params}, data)
+        np.testing.assert_allclose(_decode_logits(cfg, backend, params, data), full[:, 5:], atol=1e-4)
+
+
+def test_unknown_block_names_the_choices():
+    from jaxgpt import GPTConfig
+
+    with pytest.raises(ValueError, match=r"GPTConfig.block must be one of .*gpt2.*parallel"):
+        GPTConfig(block="nope")
