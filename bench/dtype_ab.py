@@ -54,7 +54,7 @@ def backend_variant(name: str, kernels: str):
     if name == "stand-in":
         return dataclasses.replace(backend, attention_kernels=(("dot_product", standin_attention),))
     if name == "xla":
-        return cpu.make_backend(native_decode=False, native_attention=False)
+        return dataclasses.replace(backend, attention_kernels=cpu.make_backend(False, False).attention_kernels)
     return backend
 
 

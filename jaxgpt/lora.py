@@ -17,6 +17,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.checks import is_int, is_real
 from jaxgpt.config import GPTConfig
 
 # target name -> (module path suffix, part of the layer's output columns: None = all of them)
@@ -37,9 +38,9 @@ class LoraSpec:
     targets: tuple[str, ...]
 
     def __post_init__(self):
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+        if not is_int(self.rank) or self.rank < 1:
             raise ValueError(f"train.lora.rank must be an integer >= 1 (0 turns LoRA off), got {self.rank!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+        if not is_real(self.alpha) or not self.alpha > 0:
             raise ValueError(f"train.lora.alpha must be a number > 0, got {self.alpha!r}")
         if not self.targets:
             raise ValueError("train.lora.targets names no layer; e.g. 'c_attn,c_proj' or 'q,v'")

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import abstract_params, convert_layers
 
@@ -295,7 +296,7 @@ def _crop(config: GPTConfig, block_size: Optional[int]):
     """(new block_size, checkpoint's n_positions) when cropping the position table, else None."""
     if block_size is None or block_size == config.block_size:
         return None
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size:
+    if not is_int(block_size) or not 1 <= block_size:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     if block_size > config.block_size:
         raise ValueError(f"block_size={block_size} exceeds the checkpoint's n_positions "

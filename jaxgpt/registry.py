@@ -42,4 +42,4 @@ class Registry(Generic[T]):
 ATTENTION: Registry = Registry("attention implementation")
 BLOCKS: Registry = Registry("block")
 # The backends `resolve` can build (jaxgpt/backends/); "auto" picks one by JAX's default backend.
-BACKEND_NAMES = ("auto", "portable", "cpu")
+BACKEND_NAMES = ("auto", "portable", "cpu", "tpu", "gpu")

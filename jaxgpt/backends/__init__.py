@@ -3,9 +3,12 @@
 - `portable`: JAX's standard primitives as attention.py, ops.py and cache.py write them; right everywhere,
   the reference the others are tested against.
 - `cpu`: XLA:CPU's faster forms and, on CPUs where they measured faster, native kernels (cpu.py, native.py).
+- `tpu`: Pallas splash attention for self-attention (tpu.py, tpu_attention.py).
+- `gpu`: the Pallas GPU flash-attention kernel for self-attention (gpu.py, gpu_attention.py).
 
-`GPTConfig.kernels` names one, or "auto" (the default): JAXGPT_KERNELS if set, else by platform (the CPU
-backend on a CPU, portable elsewhere). JAXGPT_NATIVE=0 turns the native CPU kernels off.
+`GPTConfig.kernels` names one, or "auto" (the default): JAXGPT_KERNELS if set, else by platform (cpu on a
+CPU, tpu on a TPU, gpu on an NVIDIA GPU, portable elsewhere). The tpu and gpu backends run their Pallas
+kernels in the interpreter off their platform. JAXGPT_NATIVE=0 turns the native CPU kernels off.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Optional
 
 import jax
 
-from jaxgpt.backends import cpu
+from jaxgpt.backends import cpu, gpu, tpu
 from jaxgpt.backends.base import PORTABLE, Backend, DecodeWeights, decode_weights
 from jaxgpt.registry import BACKEND_NAMES
 
@@ -33,20 +36,28 @@ def resolve_name(kernels: str, platform: Optional[str] = None) -> str:
         if forced not in BACKEND_NAMES[1:]:
             raise ValueError(f"JAXGPT_KERNELS must be one of {BACKEND_NAMES[1:]}, got {forced!r}")
         return forced
-    platform = platform or jax.default_backend()
-    return "cpu" if platform == "cpu" else "portable"
+    return _BY_PLATFORM.get(platform or jax.default_backend(), "portable")
+
+
+_BY_PLATFORM = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
 
 
 def cpu_backend(flags: Optional[frozenset] = None) -> Backend:
     """The CPU backend for a CPU with these feature flags (default: this one's)."""
     flags = cpu.cpu_flags() if flags is None else flags
     native_ok = os.environ.get("JAXGPT_NATIVE", "1") != "0" and cpu.native_kernels_pay(flags)
-    return cpu.make_backend(native_decode=native_ok, native_attention=native_ok)
+    return cpu.make_backend(native_decode=native_ok, native_attention=native_ok,
+                            fast_bf16=cpu.has_bf16_matmul(flags))
 
 
 def resolve(config, platform: Optional[str] = None) -> Backend:
-    """The Backend for a GPTConfig (its `kernels` field) or a backend name, on `platform`."""
+    """The Backend for a GPTConfig (its `kernels` field) or a backend name, for programs that run on
+    `platform` (default: JAX's default backend; `jaxgpt-aot` passes its target's)."""
     name = resolve_name(config if isinstance(config, str) else config.kernels, platform)
     if name == "cpu":
         return cpu_backend()
+    if name in ("tpu", "gpu"):
+        on = platform or jax.default_backend()
+        native_platform = (on == "tpu") if name == "tpu" else on in ("gpu", "cuda")
+        return (tpu if name == "tpu" else gpu).make_backend(interpret=not native_platform)
     return PORTABLE

@@ -285,7 +285,7 @@ class RowsCacheLayout(CacheLayout):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backend(native_decode: bool, native_attention: bool) -> Backend:
+def make_backend(native_decode: bool, native_attention: bool, fast_bf16: bool = True) -> Backend:
     """The CPU backend, with or without each native kernel (one value per choice)."""
     return Backend(
         name="cpu", linear=linear,
@@ -293,6 +293,6 @@ def make_backend(native_decode: bool, native_attention: bool) -> Backend:
         cache_layout=RowsCacheLayout(),
         prepare_decode=partial(prepare_decode, native_decode=native_decode),
         float32_activations=True,  # XLA:CPU has no bf16 arithmetic outside matmuls: converts cost the gain
-        fast_bf16=has_bf16_matmul(),
+        fast_bf16=fast_bf16,
         run_once_options=(("xla_backend_optimization_level", 0),),  # halves the init's compile time
         setup=tune_allocator)
