@@ -15,12 +15,9 @@ from jaxgpt.config import GPTConfig
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """How one layer's keys (or values) are stored and written; it owns the buffer's shape.
-
-    This one is the portable layout: [B, K, S, H], head-major so that each (row, head) is one contiguous
-    [S, H] matrix that attention reads as it lies, written by one scatter whatever B. A backend may hand
-    the cache another layout (a subclass) that stores the same values differently.
-    """
+    """How a layer's keys (or values) are stored and written; it owns the buffer's shape. The portable
+    layout: [B, K, S, H], each (row, head) one contiguous [S, H] matrix, written by one scatter. A backend
+    may hand the cache a subclass that stores the same values differently."""
 
     def shape(self, batch: int, kv_heads: int, max_len: int, head_dim: int) -> tuple[int, ...]:
         return (batch, kv_heads, max_len, head_dim)
@@ -43,12 +40,9 @@ class CacheLayout:
 
 @struct.dataclass
 class KVCache:
-    """Keys and values of every layer for B rows of up to `max_len` positions; `lengths` int32 [B].
-
-    `lengths[b]` counts the positions of row b that hold real keys; row b's next token goes to position
-    `lengths[b]`. `k` and `v` hold one buffer per layer in `layout`'s form: a tuple of L arrays, or one
-    stacked [L, ...] array for a model with `scan_layers`. `layer(i)` shows layer i as [B, K, S, H].
-    """
+    """Keys and values of every layer for B rows of up to `max_len` positions; `lengths` int32 [B] counts
+    each row's filled positions. `k`, `v`: one buffer per layer in `layout`'s form (a tuple, or one stacked
+    [L, ...] array with `scan_layers`); `layer(i)` shows layer i as [B, K, S, H]."""
 
     k: Any
     v: Any
@@ -104,11 +98,8 @@ class KVCache:
         return self.replace(lengths=self.lengths + jnp.asarray(n, jnp.int32))
 
     def overflow(self, num_tokens: int) -> jax.Array:
-        """bool [B]: rows where writing `num_tokens` more positions would pass `max_len`.
-
-        Raises ValueError when that is known here (too many tokens, or concrete lengths outside jit); under
-        jit the caller gets the mask, and the model turns those rows' logits to NaN.
-        """
+        """bool [B]: rows that `num_tokens` more positions would overflow; a ValueError where that is
+        known outside jit (under jit the model turns those rows' logits to NaN)."""
         if num_tokens > self.max_len:
             raise ValueError(f"{num_tokens} tokens do not fit a KV cache of max_len {self.max_len}")
         over = self.lengths + num_tokens > self.max_len

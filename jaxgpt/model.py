@@ -195,15 +195,10 @@ def _remat(block_cls, mode: str):
 
 
 class GPT(nn.Module):
-    """Token (+ learned position) embeddings, `n_layer` registered blocks, a final norm, a (tied) head.
-
-    `model.apply(variables, tokens_BxT)` gives float32 logits [B, T, V]. With `cache=`, the tokens continue
-    each row at its cache length and the call returns `(logits, new_cache)`; a row whose tokens would not
-    fit gets NaN logits under jit (a ValueError outside it). `token_lengths` [B] counts each row's real
-    tokens (ragged prefill); `logits_index` [B] asks for one position's logits per row ([B, 1, V]).
-    `backend` None resolves `config.kernels` at each call. With `scan_layers` the blocks' parameters are
-    one stacked subtree `h` run by a lax.scan (dropout masks then differ from the unrolled model's).
-    """
+    """Token (+ position) embeddings, `n_layer` registered blocks, a final norm, a (tied) head -> float32
+    logits [B, T, V]. With `cache=` the tokens continue each row at its cache length and the call returns
+    `(logits, new_cache)` (NaN logits for a row that overflows it, under jit); `token_lengths` [B] counts
+    each row's real tokens, `logits_index` [B] keeps one position per row. `backend` None: resolve(config)."""
 
     config: GPTConfig
     backend: Optional[Backend] = None
