@@ -20,6 +20,7 @@ from jaxgpt.attention import rotary_embedding, split_heads
 from jaxgpt.backends import PORTABLE, Backend, resolve
 from jaxgpt.cache import KVCache
 from jaxgpt.config import GPTConfig
+from jaxgpt.layers import convert_layers, stack_layers, unstack_layers  # noqa: F401  (re-exported)
 from jaxgpt.registry import BLOCKS
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -316,36 +317,3 @@ def flops_per_token(config: GPTConfig, seq_len: Optional[int] = None, causal_hal
     t = config.block_size if seq_len is None else seq_len
     attn = 12 * config.n_layer * t * config.n_head * config.head_dim
     return 6.0 * num_params(config, non_embedding=True) + (attn / 2 if causal_halved else attn)
-
-
-def _is_params(node) -> bool:
-    """A dict laid out like the parameters at their top: the params, an optimizer moment, LoRA adapters."""
-    return isinstance(node, dict) and ("h" in node or any(k.startswith("h_") and k[2:].isdigit() for k in node))
-
-
-def stack_layers(params: dict, n_layer: int) -> dict:
-    """GPT-2's h_0 ... h_{L-1} -> one subtree `h` with [L, ...] leaves (the scan_layers layout)."""
-    layers = [params[f"h_{i}"] for i in range(n_layer)]
-    rest = {k: v for k, v in params.items() if not (k.startswith("h_") and k[2:].isdigit())}
-    return {**rest, "h": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
-
-
-def unstack_layers(params: dict, n_layer: int) -> dict:
-    """The inverse of `stack_layers`."""
-    rest = {k: v for k, v in params.items() if k != "h"}
-    return {**rest, **{f"h_{i}": jax.tree.map(lambda x, i=i: x[i], params["h"]) for i in range(n_layer)}}
-
-
-def convert_layers(tree, config: GPTConfig):
-    """`tree` with every parameter-shaped dict in it (params, optimizer moments) in `config`'s layout:
-    stacked for `scan_layers`, GPT-2's h_i otherwise. Dicts already in that layout are kept."""
-    def convert(node):
-        if not _is_params(node):
-            return node
-        if config.scan_layers and "h" not in node:
-            return stack_layers(node, config.n_layer)
-        if not config.scan_layers and "h" in node:
-            return unstack_layers(node, config.n_layer)
-        return node
-
-    return jax.tree_util.tree_map(convert, tree, is_leaf=_is_params)

@@ -14,7 +14,7 @@ from jaxgpt.backends.base import cast_floats
 from jaxgpt.cache import KVCache
 from jaxgpt.checks import is_int, is_real
 from jaxgpt.config import GPTConfig
-from jaxgpt.model import GPT
+from jaxgpt.model import GPT, abstract_params
 
 NEG_INF = -jnp.inf
 
@@ -325,8 +325,6 @@ def lower_generate(config: GPTConfig, batch_size: int, prompt_len: int, max_new_
     """`generate`'s program lowered for abstract inputs (nothing allocated): `.compile()` it to check it
     ahead of time, e.g. for another platform's devices with `sharding` (placed on every input).
     `params` default: the config's abstract parameters."""
-    from jaxgpt.model import abstract_params
-
     backend = backend or resolve(config)
     config = config.replace(remat="none")
     sampler = sampler or Sampler(1.0, None, None, None, 0)
