@@ -4,14 +4,18 @@ forward and backward (attention.cc).
 
 The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`, `-march=native`) against the
 installed jaxlib's FFI headers into `kernels/` of `$JAXGPT_CACHE` (default `~/.cache/jaxgpt`), once per
-source, jaxlib and CPU (about 10 s). With no compiler or any failure (logged once) `available()` is False
-and the CPU backend runs XLA's forms instead: same results to float rounding. Measurements: bench/README.md.
+source, jaxlib and CPU (about 10 s). The library's size and SHA-256 are recorded beside it (`.so.json`) and
+checked before every load: one that does not match (cut short by a full disk or an interrupted copy, which
+would crash the process with SIGBUS when loaded) is built again, with one warning line. With no compiler or
+any failure (logged once) `available()` is False and the CPU backend runs XLA's forms instead: same results
+to float rounding. Measurements: bench/README.md.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -19,10 +23,13 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxgpt.report import warn
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +61,42 @@ def _cache_dir() -> str:
     return os.path.join(root, "kernels")
 
 
+def _record_path(path: str) -> str:
+    """Where the size and SHA-256 of the library at `path` are kept (beside it)."""
+    return path + ".json"
+
+
+def _digest(path: str) -> dict:
+    """{"size": bytes, "sha256": hex} of the file at `path`."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return {"size": os.path.getsize(path), "sha256": h.hexdigest()}
+
+
+def _damage(path: str) -> Optional[str]:
+    """None when the library at `path` is the one its record describes, else what is wrong with it.
+
+    Loading a library cut short (a full disk, an interrupted copy) dies of SIGBUS, which no handler can
+    catch: so nothing is loaded that is not byte for byte what was built."""
+    try:
+        with open(_record_path(path)) as f:
+            record = json.load(f)
+        want = {"size": int(record["size"]), "sha256": str(record["sha256"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return "it has no readable record of its size and SHA-256"
+    got = _digest(path)
+    if got["size"] != want["size"]:
+        return f"it is {got['size']} bytes, {want['size']} were built: cut short"
+    if got["sha256"] != want["sha256"]:
+        return "its SHA-256 is not the one recorded when it was built"
+    return None
+
+
 def _build() -> str:
-    """Path of the compiled library, compiling it if this source/jaxlib/CPU has none yet."""
+    """Path of the compiled library, compiling it if this source/jaxlib/CPU has none yet, or if the one
+    there is not what was built (then with one warning line)."""
     compiler = shutil.which(os.environ.get("CXX", "c++"))
     if compiler is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} not found)")
@@ -64,15 +105,22 @@ def _build() -> str:
         with open(name, "rb") as f:
             sources.append(f.read())
     import jaxlib
+    # (b"recorded": libraries named so have a size + SHA-256 record beside them; older ones are not used)
     key = hashlib.sha256(b"\0".join(sources + [jaxlib.__version__.encode(), compiler.encode(),
-                                                _cpu_signature().encode()])).hexdigest()[:16]
+                                                _cpu_signature().encode(), b"recorded"])).hexdigest()[:16]
     out_dir = _cache_dir()
     path = os.path.join(out_dir, f"jaxgpt-{key}.so")
     if os.path.exists(path):
-        return path
+        why = _damage(path)
+        if why is None:
+            return path
+        warn(f"the native kernel library {path} is not the one built ({why}); building it again")
     os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # built aside, then renamed: concurrent builds are safe
+    # built aside, recorded, then renamed: a reader never sees a part-written library, and concurrent
+    # builds are safe (each renames a whole file; the record is renamed into place after it)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
+    record_tmp = tmp + ".json"
     # -ffp-contract=fast: multiply-adds fused (ISO C++ modes leave them unfused)
     cmd = [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w",
            f"-I{jax.ffi.include_dir()}", *SOURCES, "-o", tmp]
@@ -80,10 +128,16 @@ def _build() -> str:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        with open(record_tmp, "w") as f:
+            json.dump(_digest(tmp), f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        os.replace(record_tmp, _record_path(path))
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        for leftover in (tmp, record_tmp):
+            if os.path.exists(leftover):
+                os.remove(leftover)
     return path
 
 
