@@ -197,16 +197,42 @@ def is_run_folder(path) -> bool:
 
 def load_base(ref: dict, config=None):
     """(GPTConfig, params) of the model a LoRA run adapts, from its reference in the checkpoint's meta:
-    {"init_from": a jaxgpt run folder and its "step"} or {"init_from": a Hugging Face folder or GPT-2 name}.
-    With `config`, the weights come cropped and laid out for it."""
+    {"init_from": a jaxgpt run folder and its "step"} or {"init_from": a Hugging Face folder or GPT-2 name},
+    and (since it was recorded) "sha256", the base weights' fingerprint: a base that is not the one the
+    adapters were trained on is refused. With `config`, the weights come cropped and laid out for it."""
+    from jaxgpt.lora import base_fingerprint
     from jaxgpt.model import convert_layers
 
-    source = ref["init_from"]
-    if ref.get("step") is not None:
-        base_config, params, _, _ = load_model(source, ref["step"])
+    source, step = ref["init_from"], ref.get("step")
+    if step is not None:
+        where = f"{source} (step {step})"
+        steps = existing_steps(source)
+        if not steps:
+            raise CheckpointError(
+                f"the LoRA base {source} holds no checkpoint (moved or deleted?); a LoRA run's checkpoints hold "
+                f"only the adapters, trained on step {step} of that run: put the base run back at {source}")
+        if step not in steps:
+            raise CheckpointError(
+                f"the LoRA base {source} has no checkpoint {step} (its steps are {steps}); the adapters were "
+                f"trained on step {step} of it: put that checkpoint back, or start a new LoRA run")
+        base_config, params, _, _ = load_model(source, step)
+        if config is not None and "wpe" in params:  # cropped as init_from crops it
+            params = {**params, "wpe": {"embedding": params["wpe"]["embedding"][:config.block_size]}}
     else:
+        where = source
         from jaxgpt.pretrained import from_pretrained
-        base_config, params = from_pretrained(source, block_size=None if config is None else config.block_size)
+        try:
+            base_config, params = from_pretrained(source, block_size=None if config is None else config.block_size)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"the LoRA base {source} cannot be loaded: {one_line(e)}") from e
+    want = ref.get("sha256")
+    if want is not None:
+        got = base_fingerprint(params, config or base_config)
+        if got != want:
+            raise CheckpointError(
+                f"the LoRA base {where} is not the model these adapters were trained on: its weights' SHA-256 "
+                f"is {got[:16]}..., the LoRA checkpoint recorded {want[:16]}...; put the original base back "
+                f"there, or start a new LoRA run on this one")
     if config is None:
         return base_config, params
     return config, convert_layers(params, config)

@@ -12,10 +12,12 @@ model as the "lora" variable collection: `model.apply({"params": base, "lora": a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgpt.checks import is_int, is_real
 from jaxgpt.config import GPTConfig
@@ -131,6 +133,24 @@ def merge(params, adapters) -> dict:
         return {k: fold(v, adapter_node.get(k)) for k, v in node.items()}
 
     return fold(params, adapters)
+
+
+def base_fingerprint(params, config: GPTConfig) -> str:
+    """SHA-256 of the base weights a LoRA run adapts, as `config` uses them: the same in either layer
+    layout, position table cropped to config.block_size. Its checkpoints refer to the base by folder and
+    step (or name); this tells a base put in its place from the one the adapters were trained on."""
+    from jaxgpt.model import unstack_layers  # (model.py imports this module)
+
+    if "h" in params:
+        params = unstack_layers(params, config.n_layer)
+    if "wpe" in params:
+        params = {**params, "wpe": {**params["wpe"], "embedding": params["wpe"]["embedding"][:config.block_size]}}
+    h = hashlib.sha256()
+    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params), key=lambda e: jax.tree_util.keystr(e[0])):
+        x = np.ascontiguousarray(jax.device_get(leaf))
+        h.update(f"{jax.tree_util.keystr(path)} {x.dtype} {x.shape}\n".encode())
+        h.update(x.tobytes())
+    return h.hexdigest()
 
 
 def trainable_labels(adapters) -> dict:

@@ -167,7 +167,9 @@ def test_a_lora_run_fine_tunes_resumes_exactly_and_samples(tmp_path, base_run):
     for a, b in zip(jax.tree.leaves(summary["state"].frozen), jax.tree.leaves(base_params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the base did not move
     config, merged, _, meta = load_model(full.out_dir)  # what jaxgpt-sample reads
-    assert meta["lora"]["base"] == {"init_from": base_run.out_dir, "step": 80}
+    base_ref = meta["lora"]["base"]
+    assert {k: base_ref[k] for k in ("init_from", "step")} == {"init_from": base_run.out_dir, "step": 80}
+    assert len(base_ref["sha256"]) == 64  # the base weights' fingerprint
     tokens = _tokens()[:, :8] % config.vocab_size
     applied = GPT(config).apply({"params": base_params, "lora": adapters}, tokens)
     np.testing.assert_allclose(np.asarray(GPT(config).apply({"params": merged}, tokens)), np.asarray(applied),
@@ -194,3 +196,47 @@ def test_lora_needs_a_base_and_init_from_checks_the_tokenizer(tmp_path, base_run
     c.train.lora.rank, c.data.tokenizer = 0, "char"  # a full fine-tune from the run, with other ids
     with pytest.raises(CheckpointError, match="tokenizer is not the data's"):
         train(c)
+
+
+def _short_base(folder, seed):
+    from jaxgpt.training import train
+    from tests.helpers import tiny_config
+
+    c = tiny_config(folder, max_steps=3, warmup_steps=0, checkpoint_interval=3, eval_interval=3)
+    c.data.tokenizer, c.seed = "byte", seed
+    train(c)
+    return c
+
+
+def test_a_lora_run_refuses_a_base_that_is_not_its_own_and_says_when_the_base_is_gone(tmp_path, capsys):
+    """Another run put at the base's folder, at the same step, used to take the adapters silently (on
+    resume and in jaxgpt-sample); a base that is gone was reported as the LoRA run's own missing checkpoint."""
+    import shutil
+
+    from jaxgpt.checkpoint import CheckpointError, load_model
+    from jaxgpt.cli import sample
+    from jaxgpt.training import train
+
+    base, other = _short_base(tmp_path / "base", seed=0), _short_base(tmp_path / "other", seed=1)
+    c = _lora_config(tmp_path / "lora", base, max_steps=2, checkpoint_interval=2, eval_interval=2)
+    train(c)
+    c.init_from, c.train.max_steps = "resume", 4
+    shutil.rmtree(base.out_dir)
+    shutil.copytree(other.out_dir, base.out_dir)  # another run, at the same step 3, in the base's place
+    with pytest.raises(CheckpointError) as e:
+        train(c)
+    msg = str(e.value)
+    assert f"the LoRA base {base.out_dir} (step 3) is not the model these adapters were trained on" in msg
+    assert msg.count("...") == 2 and "\n" not in msg  # both fingerprints, one line
+    with pytest.raises(CheckpointError, match="is not the model these adapters were trained on"):
+        load_model(c.out_dir)  # what jaxgpt-sample merges
+    capsys.readouterr()
+    assert sample.main([f"--out_dir={c.out_dir}", "--max_new_tokens=2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "is not the model these adapters were trained on" in err
+
+    shutil.rmtree(base.out_dir)  # the base is gone: the message says it is the LoRA base
+    with pytest.raises(CheckpointError, match=f"the LoRA base {base.out_dir} holds no checkpoint"):
+        train(c)
+    assert sample.main([f"--out_dir={c.out_dir}", "--max_new_tokens=2"]) == 2
+    assert "the LoRA base" in capsys.readouterr().err

@@ -492,7 +492,8 @@ def _load_init(config, tokenizer):
         if "wpe" in params and m.block_size < base_cfg.block_size:  # keep the first position embeddings
             params = {**params, "wpe": {"embedding": params["wpe"]["embedding"][:m.block_size]}}
         gcfg = base_cfg.replace(block_size=m.block_size, **compute)
-        return gcfg, convert_layers(params, gcfg), {"init_from": folder, "step": int(meta["step"])}
+        params = convert_layers(params, gcfg)
+        return gcfg, params, _base_ref(config, gcfg, params, {"init_from": folder, "step": int(meta["step"])})
     from jaxgpt.pretrained import from_pretrained
 
     # crops the position table when block_size is smaller, as nanoGPT's fine-tuning does
@@ -501,7 +502,18 @@ def _load_init(config, tokenizer):
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but {source} has a "
                          f"vocabulary of {gcfg.vocab_size}; use data.tokenizer='gpt2' with GPT-2 weights")
     folder = os.path.expanduser(source)
-    return gcfg, params, {"init_from": os.path.abspath(folder) if os.path.isdir(folder) else source}
+    return gcfg, params, _base_ref(config, gcfg, params,
+                                   {"init_from": os.path.abspath(folder) if os.path.isdir(folder) else source})
+
+
+def _base_ref(config, gcfg, params, ref: dict) -> dict:
+    """`ref` with, for a LoRA run, the fingerprint of its base weights (checked whenever the base is loaded
+    again: on resume and when sampling)."""
+    from jaxgpt.lora import base_fingerprint
+
+    if LoraSpec.from_config(config.train.lora) is None:
+        return ref
+    return {**ref, "sha256": base_fingerprint(params, gcfg)}
 
 
 def _saved_lora_base(out_dir: str) -> dict:
