@@ -13,10 +13,7 @@ def get_config():
     c.init_from = "gpt2"
     c.data.corpus = "shakespeare"
     c.data.tokenizer = "gpt2"
-    c.model.block_size = 1024
-    c.model.n_layer = 12   # overridden by the pretrained checkpoint's own shape
-    c.model.n_head = 12
-    c.model.n_embd = 768
+    c.model.block_size = 1024  # the model's shape (n_layer, n_head, n_embd, ...) comes from init_from
     c.model.dropout = 0.1
     c.train.batch_size = 32
     c.train.grad_accum = 32

@@ -185,6 +185,28 @@ def test_init_from_a_local_pretrained_folder(tmp_path):
                                np.asarray(params["h_1"]["mlp"]["c_fc"]["kernel"]), atol=1e-6)
 
 
+def test_model_settings_that_contradict_an_init_from_base_are_refused_and_free_ones_apply(tmp_path):
+    """--config.model.n_embd=64 over a 32-wide base used to train the 32-wide model without a word."""
+    from jaxgpt import save_pretrained
+    src = GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    save_pretrained(init_params(src, jax.random.key(7)), src, tmp_path / "hf")
+    run = tiny_config(tmp_path / "run", max_steps=2, checkpoint_interval=2, eval_interval=2)
+    run.data.tokenizer = "byte"
+    train(run)
+    for base in (str(tmp_path / "hf"), run.out_dir):  # a pretrained folder and a jaxgpt run folder
+        c = tiny_config(tmp_path / "ft", max_steps=1, warmup_steps=0, eval_interval=1, checkpoint_interval=1)
+        c.init_from, c.data.tokenizer, c.overwrite = base, "byte", True
+        c.model.n_embd, c.model.mlp = 64, "swiglu"
+        with pytest.raises(ValueError) as e:
+            train(c)
+        assert str(e.value).startswith(f"config.model contradicts the init_from base {base}: model.n_embd=64 but "
+                                       "the base has n_embd=32, model.mlp='swiglu' but the base has mlp='gelu'")
+        c.model.n_embd, c.model.mlp = 32, "gelu"  # agreeing with the base: fine; so are the free settings
+        c.model.dropout, c.model.attention, c.model.scan_layers, c.model.remat = 0.1, "einsum", True, "block"
+        s = train(c)
+        assert s["steps"] == 1 and "h" in s["state"].params  # stacked: scan_layers applied
+
+
 def test_several_steps_per_call_give_the_same_run(tmp_path):
     # 3 steps per call with evals every 5 and checkpoints every 4: calls of 3, 1, 1, 3, ... that end at
     # every event; the losses equal one step per call, and resume stays exact

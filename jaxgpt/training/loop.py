@@ -481,6 +481,7 @@ def _load_init(config, tokenizer):
     if ckpt_lib.is_run_folder(source):
         folder = os.path.abspath(os.path.expanduser(source))
         base_cfg, params, base_tokenizer, meta = ckpt_lib.load_model(folder)
+        _check_base_architecture(m, base_cfg, source)
         saved, now = base_tokenizer.to_dict(), tokenizer.to_dict()
         if tokenizer_fingerprint(saved) != tokenizer_fingerprint(now):
             raise ckpt_lib.CheckpointError(
@@ -498,12 +499,33 @@ def _load_init(config, tokenizer):
 
     # crops the position table when block_size is smaller, as nanoGPT's fine-tuning does
     gcfg, params = from_pretrained(source, block_size=m.block_size, **compute)
+    _check_base_architecture(m, gcfg, source)
     if tokenizer.vocab_size > gcfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but {source} has a "
                          f"vocabulary of {gcfg.vocab_size}; use data.tokenizer='gpt2' with GPT-2 weights")
     folder = os.path.expanduser(source)
     return gcfg, params, _base_ref(config, gcfg, params,
                                    {"init_from": os.path.abspath(folder) if os.path.isdir(folder) else source})
+
+
+# what config.model may set over an init_from base: how it computes, not what its weights are
+# (block_size may only crop the position table: checked where it is cropped)
+_FREE_OVER_BASE = ("dropout", "dtype", "attention", "kernels", "scan_layers", "remat", "block_size")
+
+
+def _check_base_architecture(m, base_cfg, source: str) -> None:
+    """Refuse, in one line, config.model settings that contradict the init_from base's architecture. A key
+    left at its default is the base's to decide; a key set otherwise must agree with the base."""
+    from jaxgpt.config import MODEL_KEYS, default_config
+
+    defaults = default_config().model
+    clash = [(k, m[k], getattr(base_cfg, k)) for k in MODEL_KEYS
+             if k not in _FREE_OVER_BASE and m[k] is not None and m[k] != defaults[k] and m[k] != getattr(base_cfg, k)]
+    if clash:
+        raise ValueError(
+            f"config.model contradicts the init_from base {source}: " +
+            ", ".join(f"model.{k}={mine!r} but the base has {k}={theirs!r}" for k, mine, theirs in clash) +
+            "; the base's architecture is used as it is: drop these settings or set them to the base's values")
 
 
 def _base_ref(config, gcfg, params, ref: dict) -> dict:
