@@ -192,6 +192,18 @@ def test_cache_is_reused_and_invalidated(tmp_path):
     assert not [n for n in _leftovers(tmp_path) if n.startswith(".")]
 
 
+def test_bpe_asked_for_more_tokens_than_the_corpus_yields_warns_in_one_line(tmp_path, capsys):
+    f = _file(tmp_path, "to be or not to be\n" * 50)
+    ds = _prep(tmp_path, f, "bpe", vocab_size=100000)
+    err = capsys.readouterr().err
+    assert ds.tokenizer.vocab_size < 300 and err.count("\n") == 1, err
+    assert (f"vocab_size=100000 asked for more BPE tokens than this corpus yields: the tokenizer has "
+            f"{ds.tokenizer.vocab_size}") in err
+    assert _prep(tmp_path, f, "bpe", vocab_size=100000).reused and "vocab_size=100000" in capsys.readouterr().err
+    _prep(tmp_path, f, "bpe", vocab_size=260)  # within what it yields: no word
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_uint32_when_the_vocabulary_does_not_fit_uint16(tmp_path):
     chars = [chr(c) for c in range(0x4E00, 0x4E00 + 74000) if not 0xD800 <= c < 0xE000]
     text = "".join(chars[:70000]) + "\n" + "".join(chars[:70000])

@@ -140,7 +140,7 @@ def prepare_dataset(
     if not force:
         ds = _open_if_current(target, source_hash)
         if ds is not None:
-            return ds
+            return _warn_if_short(ds, tokenizer, vocab_size)
 
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(target)
@@ -155,6 +155,15 @@ def prepare_dataset(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     ds = load_prepared(target)
+    return _warn_if_short(ds, tokenizer, vocab_size)
+
+
+def _warn_if_short(ds: Dataset, tokenizer: str, vocab_size: int | None) -> Dataset:
+    """`ds`, after one warning line when BPE training stopped short of the vocab_size asked for (a corpus
+    allows only so many merges): the model's vocabulary is the tokenizer's, not the setting's."""
+    if tokenizer == "bpe" and ds.tokenizer.vocab_size < vocab_size:
+        warn(f"vocab_size={vocab_size} asked for more BPE tokens than this corpus yields: the tokenizer has "
+             f"{ds.tokenizer.vocab_size} (every merge the text allows), and so has the model")
     return ds
 
 
