@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 import sys
 import time
+import warnings
 from typing import Any, Callable, Optional, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from orbax.checkpoint.checkpoint_managers import AnyPreservationPolicy, BestN, LatestN
 
 from jaxgpt.report import one_line, warn
@@ -55,6 +60,8 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(preservation_policy=policy, create=not read_only,
                                                enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._saving: Optional[int] = None  # the step of the save in flight
+        _install_failure_filter()
 
     def save(self, step: int, state: Any, meta: dict, val_loss: Optional[float] = None) -> None:
         """Start saving `state` (unreplicated arrays) and `meta` (JSON) as checkpoint `step`.
@@ -64,10 +71,13 @@ class Checkpointer:
         array spanning all processes (replicated or sharded, e.g. a runner's get_state).
         """
         _check_global(state)
+        self.wait()  # (orbax's save waits for the previous one too: this tells whose failure it is)
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta)),
-                          metrics=metrics, force=True)
+        with self._reporting_full_disk(step):
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                            meta=ocp.args.JsonSave(meta)),
+                              metrics=metrics, force=True)
+        self._saving = step
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
@@ -147,11 +157,81 @@ class Checkpointer:
         return UnreadableCheckpoint(step, self.directory, error)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Until the save in flight is on disk; a full disk raises CheckpointError in one line."""
+        with self._reporting_full_disk(self._saving):
+            self.manager.wait_until_finished()
+        if self._saving is not None:  # a save finished: a full disk's aftermath, if any, is over
+            _FAILURE_FILTER.failed = False
+        self._saving = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:
+                if not _FAILURE_FILTER.failed:  # after a save the disk had no room for, closing fails alike
+                    raise
+
+    @contextlib.contextmanager
+    def _reporting_full_disk(self, step: Optional[int]):
+        """A save that ran out of disk space as one CheckpointError saying what to do, and orbax's reports
+        of it (hundreds of lines of tracebacks from its threads) silenced."""
+        try:
+            yield
+        except Exception as e:
+            if not _disk_full(e):
+                raise
+            _FAILURE_FILTER.failed = True
+            _hide_closed_loop_callbacks()
+            warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+            self._saving = None
+            which = "a checkpoint" if step is None else f"checkpoint {step}"
+            raise CheckpointError(
+                f"no space left on the device for {which} in {self.directory}; the earlier checkpoints are "
+                "whole: free some space (or lower train.keep_checkpoints), then continue with "
+                "--config.init_from=resume") from None
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether `error`, or an error it arose from, says the disk (or the quota) is full; TensorStore's
+    errors carry the OS's words, not an errno."""
+    seen = []
+    while error is not None and not any(error is e for e in seen):
+        seen.append(error)
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(words in str(error) for words in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class _FailureFilter(logging.Filter):
+    """Drops orbax's log reports of a write the disk had no room for (each a traceback of tens of lines,
+    from its background threads), and once a save failed so, all of its error reports that follow (the
+    writes still queued behind it): the run reports the failure itself, in one line. With --verbosity=0
+    (absl's INFO) every record passes."""
+
+    failed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" not in record.pathname or absl_logging.get_verbosity() >= absl_logging.INFO:
+            return True
+        if self.failed and record.levelno >= logging.ERROR:
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        return not ((error is not None and _disk_full(error)) or _disk_full(Exception(record.getMessage())))
+
+
+_FAILURE_FILTER = _FailureFilter()
+
+
+def _install_failure_filter() -> None:
+    absl = absl_logging.get_absl_logger()
+    if _FAILURE_FILTER not in absl.filters:
+        absl.addFilter(_FAILURE_FILTER)
 
 
 def _check_global(state: Any) -> None:

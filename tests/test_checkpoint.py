@@ -84,6 +84,27 @@ def test_unwritable_out_dir(tmp_path):
         train(c)
 
 
+def test_a_full_disk_is_told_apart_from_other_failures_whatever_raised_it():
+    import errno
+
+    from jaxgpt.checkpoint import _disk_full
+
+    assert _disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert _disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    # TensorStore's: the OS's words in the text, the errno not kept; and an error raised from one
+    tensorstore = ValueError("UNKNOWN: Error writing local file \"/x/d/1\": [OS error 28: No space left on device]")
+    assert _disk_full(tensorstore)
+    try:
+        try:
+            raise tensorstore
+        except ValueError as e:
+            raise RuntimeError("save failed") from e
+    except RuntimeError as wrapped:
+        assert _disk_full(wrapped)
+    assert not _disk_full(OSError(errno.EACCES, "Permission denied"))
+    assert not _disk_full(ValueError("a model of another shape"))
+
+
 def test_sample_loads_checkpoint_on_one_device(tmp_path, capsys):
     from jaxgpt.cli.sample import main
     c = tiny_config(tmp_path, max_steps=5, checkpoint_interval=5, eval_interval=5)

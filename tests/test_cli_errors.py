@@ -141,3 +141,38 @@ def test_logged_throughput_is_timed_per_call_with_inline_dispatch(tmp_path):
         assert 0 < rec["mfu"] < 1, rec
     seconds = [rec["elapsed_s"] for rec in logged]
     assert seconds == sorted(seconds)
+
+
+def _train_with(tmp_path, patch: str, *args):
+    """jaxgpt-train on a tiny model in a new process, after running the Python statements `patch` there."""
+    from tests.helpers import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    argv = ["jaxgpt-train", "--config=configs/shakespeare_char_cpu.py", f"--config.out_dir={tmp_path / 'out'}",
+            "--config.data.corpus=file", f"--config.data.path={corpus}", f"--config.data.cache_dir={tmp_path}",
+            "--config.model.n_layer=1", "--config.model.n_head=2", "--config.model.n_embd=32",
+            "--config.model.block_size=16", "--config.train.batch_size=4", "--config.train.warmup_steps=0",
+            "--config.train.eval_steps=1", *args]
+    code = f"{patch}\nimport sys\nsys.argv = {argv!r}\nfrom jaxgpt.cli.train import main\nmain()\n"
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_the_earlier_checkpoints_stay(tmp_path):
+    """The disk full at checkpoint 4 (checkpoint 2 written): exit 2 with one line naming the folder and what
+    to do, where orbax's threads printed about 350 lines of tracebacks first."""
+    from jaxgpt.checkpoint import existing_steps
+
+    patch = ("import errno, os\nfrom etils import epath\nwrite_text = epath.Path.write_text\n"
+             "def full(self, *a, **kw):\n"
+             "    if '/checkpoints/4.' in str(self):\n"
+             "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))\n"
+             "    return write_text(self, *a, **kw)\n"
+             "epath.Path.write_text = full")
+    r = _train_with(tmp_path, patch, "--config.train.max_steps=6", "--config.train.checkpoint_interval=2",
+                    "--config.train.eval_interval=2")
+    folder = tmp_path / "out" / "checkpoints"
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert r.stderr.startswith(f"jaxgpt-train: error: no space left on the device for checkpoint 4 in {folder}; "
+                               "the earlier checkpoints are whole"), r.stderr
+    assert "--config.init_from=resume" in r.stderr
+    assert existing_steps(str(tmp_path / "out")) == [2]
