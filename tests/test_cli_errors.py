@@ -157,6 +157,17 @@ def _train_with(tmp_path, patch: str, *args):
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+def test_a_sigterm_while_starting_ends_with_one_line_and_status_143(tmp_path):
+    """Before the training loop takes signals over (here: while the data is prepared), SIGTERM's default
+    ended the process with status 143 and nothing said."""
+    patch = ("import os, signal, time\nimport jaxgpt.training.loop as loop\n"
+             "def prepare(**kw):\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(60)\n"
+             "loop.prepare_dataset = prepare")
+    r = _train_with(tmp_path, patch)
+    assert r.returncode == 143 and r.stdout == "", (r.returncode, r.stdout, r.stderr[-2000:])
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("jaxgpt-train: stopped at once by SIGTERM"), r.stderr
+
+
 def test_a_full_disk_while_checkpointing_is_one_line_and_the_earlier_checkpoints_stay(tmp_path):
     """The disk full at checkpoint 4 (checkpoint 2 written): exit 2 with one line naming the folder and what
     to do, where orbax's threads printed about 350 lines of tracebacks first."""

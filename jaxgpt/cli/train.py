@@ -132,7 +132,39 @@ def _summary_line(summary: dict) -> str:
             f"checkpoints in {summary['out_dir']}/checkpoints")
 
 
+class _Signalled(KeyboardInterrupt):
+    """SIGTERM before the training loop takes signals over (or after it gives them back)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_at_once(signum, frame):
+    raise _Signalled(signum)
+
+
+def _stopped(e: KeyboardInterrupt) -> None:
+    """The one line of a run stopped by a signal where no checkpoint could be saved first; exit 128 + N."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    print(f"jaxgpt-train: stopped at once by {signal.Signals(signum).name}; checkpoints already "
+          "written are whole (--config.init_from=resume continues from the latest)", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
+
+
 def _run(argv) -> None:
+    # SIGTERM's default would end the process without a word while it starts (data, weights, restore);
+    # the training loop handles signals itself, saving a checkpoint first
+    previous = signal.signal(signal.SIGTERM, _stop_at_once)
+    try:
+        _run_command(argv)
+    except KeyboardInterrupt as e:
+        _stopped(e)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_command(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:  # quiet unless asked: orbax logs ~100 INFO lines a run
@@ -143,11 +175,12 @@ def _run(argv) -> None:
     from jaxgpt.training.config import validate_config
     from jaxgpt.backends.cpu import inline_cpu_dispatch
     from jaxgpt.training import TrainingDiverged, train
-    from jaxgpt.training.loop import StopNow
 
     inline_cpu_dispatch()  # before any computation: see its docstring
     try:
         validate_config(config)  # mistakes in the config stop here, before any process connects
+        if distributed.wanted(distributed._section(config)):  # several processes: SIGTERM is JAX's preemption notice
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # first of all JAX calls: connect to the other processes (if the config or the cluster says so)
         distributed.initialize(config)
     except (ValueError, RuntimeError) as e:
@@ -161,12 +194,8 @@ def _run(argv) -> None:
             summary = train(config)
         except (ValueError, CheckpointError, TrainingDiverged, OSError) as e:
             _fail(e)
-        except KeyboardInterrupt as e:  # Ctrl-C outside the loop, or a second signal inside it
-            signum = e.signum if isinstance(e, StopNow) else signal.SIGINT
-            print(f"jaxgpt-train: stopped at once by {signal.Signals(signum).name}; checkpoints already "
-                  "written are whole (--config.init_from=resume continues from the latest)", file=sys.stderr,
-                  flush=True)
-            sys.exit(128 + signum)
+        except KeyboardInterrupt as e:  # a signal outside the loop, or a second signal inside it
+            _stopped(e)
     if jax.process_index() == 0 and not summary.get("nothing_to_do") and "signal" not in summary:
         print(_summary_line(summary), flush=True)
     if "signal" in summary:  # stopped by SIGTERM/SIGINT (the loop said where): not a finished run
