@@ -89,6 +89,12 @@ def test_sample_mistakes_are_one_line_and_found_before_generating(tmp_path, monk
         assert main([missing_run, *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expected in err, err
+    for bad, expected in (("--temperature=-1", "--temperature must be a finite number >= 0"),
+                          ("--top_k=-3", "--top_k must be >= 0 (0 = off)"),
+                          ("--top_p=1.5", "--top_p must be a number in (0, 1]")):
+        assert main([missing_run, bad]) == 2  # checked before the (missing) run is looked for
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and expected in err, err
     constants = pytest.importorskip("huggingface_hub.constants")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))

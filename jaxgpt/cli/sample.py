@@ -133,6 +133,13 @@ def main(argv=None) -> int:
         return fail(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
     if args.chunk_size < 1:
         return fail(f"--chunk_size must be >= 1, got {args.chunk_size}")
+    if args.top_k < 0:
+        return fail(f"--top_k must be >= 0 (0 = off), got {args.top_k}")
+    from jaxgpt.sampling import validate_sampler
+    try:  # before anything is loaded or printed
+        validate_sampler(args.temperature, args.top_k or None, args.top_p)
+    except ValueError as e:
+        return fail(f"--{e}")
     try:
         prompt = args.prompt
         if args.prompt_file or prompt.startswith("FILE:"):
