@@ -1,5 +1,6 @@
 """The run folder: its path, the run lock, overwrite without losing the old run, metrics.jsonl, stop signals."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -148,7 +149,9 @@ def test_a_torn_metrics_line_is_dropped_and_truncation_is_atomic(tmp_path, monke
     MetricsLog(str(tmp_path), truncate_after_step=3).close()
     assert [r["step"] for r in read_records(str(path))] == [1, 2, 3]
     assert "line 5 is not a JSON metrics record (cut off, as by a crash mid-write)" in capsys.readouterr().err
-    assert os.listdir(tmp_path) == ["metrics.jsonl"]
+    # nothing left aside; with the tensorboard extra installed, MetricsLog writes TensorBoard events to tb/
+    tensorboard = importlib.util.find_spec("tensorboardX") is not None
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"] + (["tb"] if tensorboard else [])
 
 
 def test_plot_skips_bad_lines_naming_them(tmp_path, capsys):
