@@ -61,6 +61,7 @@ class Checkpointer:
                                                enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self._saving: Optional[int] = None  # the step of the save in flight
+        self._out_of_space = False  # a save ran out of disk space (and was reported)
         _install_failure_filter()
 
     def save(self, step: int, state: Any, meta: dict, val_loss: Optional[float] = None) -> None:
@@ -165,13 +166,17 @@ class Checkpointer:
         self._saving = None
 
     def close(self) -> None:
+        reported = self._out_of_space  # (a full disk already reported may surface again here: said once)
         try:
             self.wait()
+        except CheckpointError:
+            if not reported:
+                raise
         finally:
             try:
                 self.manager.close()
             except Exception:
-                if not _FAILURE_FILTER.failed:  # after a save the disk had no room for, closing fails alike
+                if not self._out_of_space:  # after a save the disk had no room for, closing fails alike
                     raise
 
     @contextlib.contextmanager
@@ -183,7 +188,7 @@ class Checkpointer:
         except Exception as e:
             if not _disk_full(e):
                 raise
-            _FAILURE_FILTER.failed = True
+            _FAILURE_FILTER.failed = self._out_of_space = True
             _hide_closed_loop_callbacks()
             warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
             self._saving = None
