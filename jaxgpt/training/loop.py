@@ -516,7 +516,7 @@ _FREE_OVER_BASE = ("dropout", "dtype", "attention", "kernels", "scan_layers", "r
 def _check_base_architecture(m, base_cfg, source: str) -> None:
     """Refuse, in one line, config.model settings that contradict the init_from base's architecture. A key
     left at its default is the base's to decide; a key set otherwise must agree with the base."""
-    from jaxgpt.config import MODEL_KEYS, default_config
+    from jaxgpt.training.config import MODEL_KEYS, default_config
 
     defaults = default_config().model
     clash = [(k, m[k], getattr(base_cfg, k)) for k in MODEL_KEYS
