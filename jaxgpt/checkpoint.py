@@ -234,9 +234,12 @@ _FAILURE_FILTER = _FailureFilter()
 
 
 def _install_failure_filter() -> None:
+    """Before any save: a write that fails reports from orbax's and TensorStore's threads at once, before
+    the run hears of it."""
     absl = absl_logging.get_absl_logger()
     if _FAILURE_FILTER not in absl.filters:
         absl.addFilter(_FAILURE_FILTER)
+    _hide_closed_loop_callbacks()
 
 
 def _check_global(state: Any) -> None:
@@ -252,9 +255,9 @@ def _check_global(state: Any) -> None:
 
 
 def _hide_closed_loop_callbacks() -> None:
-    """After a failed restore, TensorStore completes the reads still in flight and hands each result to
-    the asyncio loop that orbax already closed; every one prints a "RuntimeError: Event loop is closed"
-    traceback through sys.unraisablehook. Drop exactly those (once installed, other reports pass)."""
+    """After a failed restore or save, TensorStore completes the reads or writes still in flight and hands
+    each result to the asyncio loop that orbax already closed; every one prints a "RuntimeError: Event loop
+    is closed" traceback through sys.unraisablehook. Drop exactly those (once installed, other reports pass)."""
     previous = sys.unraisablehook
     if getattr(previous, "_jaxgpt_filter", False):
         return
