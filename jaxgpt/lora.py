@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxgpt.checks import is_int, is_real
 from jaxgpt.config import GPTConfig
+from jaxgpt.layers import unstack_layers
 
 # target name -> (module path suffix, part of the layer's output columns: None = all of them)
 _ALIASES = {
@@ -139,8 +140,6 @@ def base_fingerprint(params, config: GPTConfig) -> str:
     """SHA-256 of the base weights a LoRA run adapts, as `config` uses them: the same in either layer
     layout, position table cropped to config.block_size. Its checkpoints refer to the base by folder and
     step (or name); this tells a base put in its place from the one the adapters were trained on."""
-    from jaxgpt.model import unstack_layers  # (model.py imports this module)
-
     if "h" in params:
         params = unstack_layers(params, config.n_layer)
     if "wpe" in params:
