@@ -321,10 +321,10 @@ def generate_stream(params, config: GPTConfig, prompts, max_new_tokens: int, rng
 
 def lower_generate(config: GPTConfig, batch_size: int, prompt_len: int, max_new_tokens: int, *,
                    backend: Optional[Backend] = None, sampler: Optional[Sampler] = None, sharding=None,
-                   params=None):
+                   row_sharding=None, params=None):
     """`generate`'s program lowered for abstract inputs (nothing allocated): `.compile()` it to check it
-    ahead of time, e.g. for another platform's devices with `sharding` (placed on every input).
-    `params` default: the config's abstract parameters."""
+    ahead of time, e.g. for another platform's devices: `sharding` for the weights and rng, `row_sharding`
+    for the prompts and their lengths (default `sharding`). `params` default: the config's abstract ones."""
     backend = backend or resolve(config)
     config = config.replace(remat="none")
     sampler = sampler or Sampler(1.0, None, None, None, 0)
@@ -332,12 +332,13 @@ def lower_generate(config: GPTConfig, batch_size: int, prompt_len: int, max_new_
     prepared = jax.eval_shape(lambda p: backend.prepare_decode(cast_floats(p, config.compute_dtype), batch_size,
                                                                config.compute_dtype, config.tie_embeddings), params)
 
-    def place(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    def place(x, where=sharding):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
 
+    rows = sharding if row_sharding is None else row_sharding
     weights = jax.tree.map(place, DecodeWeights(params, prepared))
-    prompts = place(jax.ShapeDtypeStruct((batch_size, prompt_len), jnp.int32))
-    lengths = place(jax.ShapeDtypeStruct((batch_size,), jnp.int32))
+    prompts = place(jax.ShapeDtypeStruct((batch_size, prompt_len), jnp.int32), rows)
+    lengths = place(jax.ShapeDtypeStruct((batch_size,), jnp.int32), rows)
     rng = place(jax.eval_shape(lambda: jax.random.key(0)))
     return _generate.lower(weights, prompts, lengths, rng, config=config, backend=backend,
                            max_new_tokens=max_new_tokens, sampler=sampler)

@@ -389,6 +389,22 @@ static ffi::Error CausalAttentionBackward(ffi::ThreadPool pool, ffi::Buffer<ffi:
                   out(dq, 0), out(dk, 0), out(dv, 0));
 }
 
+// The gradients into one array laid out like a fused input: dq, dk, dv at q_off, k_off, v_off of [B, T, C].
+static ffi::Error CausalAttentionBackwardFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o,
+                                               ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                                               ffi::ResultBuffer<ffi::F32> dqkv, int64_t heads, int64_t kv_heads,
+                                               int64_t head_dim, int64_t q_off, int64_t k_off, int64_t v_off) {
+  Call c;
+  if (!read_call(q.dimensions(), k.dimensions(), v.dimensions(), heads, kv_heads, head_dim, q_off, k_off, v_off, &c) ||
+      !backward_args_ok(c, o, lse, dout) || !holds(dqkv->dimensions(), c.d, c.d.n, q_off) ||
+      !holds(dqkv->dimensions(), c.d, c.d.k, k_off) || !holds(dqkv->dimensions(), c.d, c.d.k, v_off) ||
+      dqkv->dimensions()[2] != (heads + 2 * kv_heads) * head_dim)  // every column written
+    return ffi::Error::InvalidArgument(kUsage);
+  return Backward(pool, c, in(q, q_off), in(k, k_off), in(v, v_off), in(o, 0), lse.typed_data(), in(dout, 0),
+                  out(dqkv, q_off), out(dqkv, k_off), out(dqkv, v_off));
+}
+
 // One float32 buffer argument or result; the attributes every handler takes.
 #define JAXGPT_IN .Arg<ffi::Buffer<ffi::F32>>()
 #define JAXGPT_OUT .Ret<ffi::Buffer<ffi::F32>>()
@@ -405,3 +421,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttention, CausalAttention,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionBackward, CausalAttentionBackward,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() JAXGPT_IN JAXGPT_IN JAXGPT_IN JAXGPT_IN
                                   JAXGPT_IN JAXGPT_IN JAXGPT_OUT JAXGPT_OUT JAXGPT_OUT JAXGPT_ATTRS);
+
+// q, k, v, o, lse, dout -> dqkv
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptCausalAttentionBackwardFused, CausalAttentionBackwardFused,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() JAXGPT_IN JAXGPT_IN JAXGPT_IN JAXGPT_IN
+                                  JAXGPT_IN JAXGPT_IN JAXGPT_OUT JAXGPT_ATTRS);

@@ -248,9 +248,15 @@ def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None,
         if q_positions_BxT is None:
             q_positions_BxT = jnp.arange(q_BxTxNxH.shape[1], dtype=jnp.int32)[None, :]
         return cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
-    k_BxTxKxH, v_BxTxKxH = k_BxKxSxH.swapaxes(1, 2), v_BxKxSxH.swapaxes(1, 2)
-    if native_attention and native.attention_supported(q_BxTxNxH.shape, k_BxTxKxH.shape):
-        return native.causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
+    b, t, n, h = q_BxTxNxH.shape
+    kh = k_BxKxSxH.shape[1]
+    if native_attention and native.attention_supported((b, t, n, h), (b, t, kh, h)):
+        # q, k, v joined as the fused [B, T, (N + 2K) H] projection they were split from: XLA folds the
+        # concatenation of those slices back into the projection, and the kernel reads it in place
+        # (and writes its gradient so), where separate operands would be copied out (bench/README.md)
+        qkv = jnp.concatenate([q_BxTxNxH.reshape(b, t, n * h), k_BxKxSxH.swapaxes(1, 2).reshape(b, t, kh * h),
+                               v_BxKxSxH.swapaxes(1, 2).reshape(b, t, kh * h)], axis=-1)
+        return native.causal_attention_qkv(qkv, n, kh).reshape(b, t, n, h)
     return blocked_causal_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH)
 
 

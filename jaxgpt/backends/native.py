@@ -14,6 +14,7 @@ to float rounding. Measurements: bench/README.md.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ PACK_TARGET = "jaxgpt_pack"
 MAX_ROWS = 16
 ATTENTION_TARGET = "jaxgpt_causal_attention"
 ATTENTION_BWD_TARGET = "jaxgpt_causal_attention_bwd"
+ATTENTION_BWD_FUSED_TARGET = "jaxgpt_causal_attention_bwd_fused"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = tuple(os.path.join(_HERE, f) for f in ("rows.cc", "attention.cc"))
 HEADERS = (os.path.join(_HERE, "common.h"),)
@@ -153,6 +155,8 @@ def available() -> bool:
                                             platform="cpu")
                 jax.ffi.register_ffi_target(ATTENTION_BWD_TARGET,
                                             jax.ffi.pycapsule(lib.JaxgptCausalAttentionBackward), platform="cpu")
+                jax.ffi.register_ffi_target(ATTENTION_BWD_FUSED_TARGET,
+                                            jax.ffi.pycapsule(lib.JaxgptCausalAttentionBackwardFused), platform="cpu")
                 _state.update(ok=True, lib=lib)
             except Exception as e:  # no compiler, no headers, a failed build: decode through XLA instead
                 _state.update(ok=False, why=str(e))
@@ -216,10 +220,12 @@ def _require() -> None:
         raise RuntimeError(f"jaxgpt's native CPU kernels are unavailable: {_state.get('why', 'not built')}")
 
 
-def _attrs(heads, kv_heads, head_dim):
-    """attention.cc's attributes (q, k and v each start at column 0 of their own [B, T, C] array)."""
+def _attrs(heads, kv_heads, head_dim, fused=False):
+    """attention.cc's attributes: where q, k and v start in their [B, T, C] arrays (one fused array, or
+    three of their own)."""
+    q_off, k_off, v_off = (0, heads * head_dim, (heads + kv_heads) * head_dim) if fused else (0, 0, 0)
     return dict(heads=np.int64(heads), kv_heads=np.int64(kv_heads), head_dim=np.int64(head_dim),
-                q_off=np.int64(0), k_off=np.int64(0), v_off=np.int64(0))
+                q_off=np.int64(q_off), k_off=np.int64(k_off), v_off=np.int64(v_off))
 
 
 def _forward(q3, k3, v3, attrs):
@@ -265,3 +271,33 @@ def _causal_attention_bwd(res, g):
 
 
 causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def causal_attention_qkv(qkv: jax.Array, heads: int, kv_heads: int) -> jax.Array:
+    """`causal_attention` of a fused projection qkv [B, T, (N + 2K) H] (q, then k, then v) -> [B, T, N H],
+    read in place; its gradient comes back as one array like qkv (no split or concatenation copied)."""
+    return _qkv_fwd(qkv, heads, kv_heads)[0]
+
+
+def _qkv_attrs(qkv, heads, kv_heads):
+    return _attrs(heads, kv_heads, qkv.shape[-1] // (heads + 2 * kv_heads), fused=True)
+
+
+def _qkv_fwd(qkv, heads, kv_heads):
+    x = qkv.astype(jnp.float32)
+    out, lse = _forward(x, x, x, _qkv_attrs(qkv, heads, kv_heads))
+    return out.astype(qkv.dtype), (qkv, out, lse)
+
+
+def _qkv_bwd(heads, kv_heads, res, g):
+    qkv, out, lse = res
+    _require()
+    x = qkv.astype(jnp.float32)
+    call = jax.ffi.ffi_call(ATTENTION_BWD_FUSED_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                            vmap_method="sequential")
+    dqkv = call(x, x, x, out, lse, g.astype(jnp.float32), **_qkv_attrs(qkv, heads, kv_heads))
+    return (dqkv.astype(qkv.dtype),)
+
+
+causal_attention_qkv.defvjp(_qkv_fwd, _qkv_bwd)
