@@ -1,0 +1,106 @@
+"""jaxgpt-aot: a tiny model's train step and generate program compiled for a TPU topology and for two
+H100s with no accelerator attached, the out-of-memory refusal (exit 2, one line), and its usage errors.
+Needs the aot extra (libtpu, the CUDA plugin); skips without it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxgpt import aot
+from jaxgpt.config import default_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+needs_aot = pytest.mark.skipif(aot.missing_extra() is not None, reason=f"aot extra: {aot.missing_extra()}")
+
+
+def _tiny(**train):
+    c = default_config()
+    c.data.tokenizer = "byte"
+    c.model.block_size = 64
+    c.model.n_layer = 2
+    c.model.n_head = 4
+    c.model.n_embd = 64
+    c.train.batch_size = 8
+    c.train.parallel = "mesh"
+    for k, v in train.items():
+        c.train[k] = v
+    return c
+
+
+def test_target_strings():
+    t = aot.parse_target("tpu:v5e:2x4")
+    assert (t.platform, t.kind, t.shape, t.chips) == ("tpu", "v5e", (2, 4, 1), 8)
+    assert aot.parse_target("tpu:v4:2x2x1", slices=2).chips == 8
+    assert aot.parse_target("gpu:h200:8").shape == (8,)
+    for bad, words in [("tpu:v9:2x2", "unknown TPU generation"), ("tpu:v5e:2by2", "chip counts per axis"),
+                       ("gpu:a100:8", "unknown GPU"), ("gpu:h100:0", "positive integer"), ("h100", "bad --target"),
+                       ("cpu:x:1", "unknown platform")]:
+        with pytest.raises(aot.AotError, match=words):
+            aot.parse_target(bad)
+    with pytest.raises(aot.AotError, match="--slices"):
+        aot.parse_target("tpu:v5e:2x2", slices=0)
+
+
+def test_vocab_comes_from_the_tokenizer_name():
+    c = default_config()
+    for tok, size in [("gpt2", 50257), ("byte", 256)]:
+        c.data.tokenizer = tok
+        assert aot.vocab_size_for(c) == size
+    c.data.tokenizer, c.data.vocab_size = "bpe", 1024
+    assert aot.vocab_size_for(c) == 1024
+    c.data.tokenizer = "char"
+    with pytest.raises(aot.AotError, match="--vocab_size"):
+        aot.vocab_size_for(c)
+    assert aot.vocab_size_for(c, 65) == 65
+
+
+@needs_aot
+@pytest.mark.parametrize("target, kind", [("tpu:v5e:2x2", "TPU v5 lite"), ("gpu:h100:2", "NVIDIA H100 80GB HBM3")])
+def test_train_step_and_generate_compile_for_the_target(target, kind):
+    aot.prepare_environment()
+    r = aot.compile_for_target(_tiny(fsdp=True), aot.parse_target(target), progress=False,
+                               generate_args={"prompt_len": 8, "max_new_tokens": 8})
+    n = aot.parse_target(target).chips
+    assert r["device_kind"] == kind and r["device_count"] == n
+    train, gen = r["programs"]["train"], r["programs"]["generate"]
+    for p in (train, gen):
+        assert p["fits"] and 0 < p["peak_bytes"] < p["limit_bytes"] and p["compile_s"] > 0
+        assert p["argument_bytes"] > 0 and set(p["collectives"]) == set(aot.COLLECTIVES)
+    assert train["parallel"] == "mesh (fsdp)" and train["per_device_batch"] == 8 // n
+    # FSDP: parameters gathered for the matmuls, gradients reduce-scattered back to their shards
+    assert train["collectives"]["all-gather"] > 0 and train["collectives"]["reduce-scatter"] > 0
+    assert train["formula_flops_per_device"] > 0
+    if target.startswith("tpu"):  # the TPU compiler counts flops (the GPU one does not)
+        assert 0.9 < train["flops_ratio"] < 1.5
+    if train["kernels"] == "tpu":  # the TPU backend's attention is a Pallas (Mosaic) kernel
+        assert train["custom_calls"].get("tpu_custom_call", 0) > 0
+
+
+@needs_aot
+def test_a_step_too_big_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "jaxgpt.cli.aot", "--target=tpu:v5e:2x2", "--programs=train", "--vocab_size=2000000",
+           "--config=configs/shakespeare_char_cpu.py", "--config.model.n_layer=1", "--config.model.n_embd=2048",
+           "--config.model.n_head=16", "--config.train.batch_size=8", "--config.train.parallel=mesh",
+           f"--json={out}"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("jaxgpt-aot: error: the train step does not fit tpu:v5e:2x2: "
+                                                     "peak "), r.stderr
+    assert "limit 15.75 GiB" in errors[0]
+    assert "Traceback" not in r.stderr and "cudart" not in r.stderr
+    assert json.loads(out.read_text())["programs"]["train"]["fits"] is False
+
+
+def test_usage_errors_are_one_line():
+    base = [sys.executable, "-m", "jaxgpt.cli.aot"]
+    for args, words in [(["--target=tpu:v9:2x2"], "unknown TPU generation"), ([], "--target is required"),
+                        (["--target=tpu:v5e:2x2", "--config.model.nonexistent=1"], "unknown config key")]:
+        r = subprocess.run(base + args, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+        assert r.stderr.startswith("jaxgpt-aot: error: "), r.stderr
