@@ -99,8 +99,11 @@ def test_a_step_too_big_is_refused_in_one_line(tmp_path):
 
 def test_usage_errors_are_one_line():
     base = [sys.executable, "-m", "jaxgpt.cli.aot"]
-    for args, words in [(["--target=tpu:v9:2x2"], "unknown TPU generation"), ([], "--target is required"),
-                        (["--target=tpu:v5e:2x2", "--config.model.nonexistent=1"], "unknown config key")]:
-        r = subprocess.run(base + args, cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
-        assert r.stderr.startswith("jaxgpt-aot: error: "), r.stderr
+    cases = [(["--target=tpu:v9:2x2"], "unknown TPU generation"), ([], "--target is required"),
+             (["--target=tpu:v5e:2x2", "--config.model.nonexistent=1"], "unknown config key")]
+    procs = [subprocess.Popen(base + args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args, _ in cases]  # all at once: each is mostly imports
+    for p, (_, words) in zip(procs, cases):
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and err.count("\n") == 1 and words in err, err
+        assert err.startswith("jaxgpt-aot: error: "), err
