@@ -153,13 +153,13 @@ def _summary(tried):
 def table(results: dict) -> str:
     """The markdown table of the results (one line per row)."""
     lines = ["| model | target | params/state | remat | largest batch per device (T) | peak at it / limit per device | "
-             "flops vs 6N+12LTD | collectives (all-gather, reduce-scatter, all-reduce) | first that failed |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "first batch that failed (its peak) | collectives in the HLO (all-gather, reduce-scatter, all-reduce) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         model, target, parallel, remat = name.split("/")
         t = MODELS[model].get("block_size", 1024)
         if "error" in r and not r.get("best"):
-            lines.append(f"| {model} | {target} | {parallel} | {remat} | error: {r['error']} | | | | |")
+            lines.append(f"| {model} | {target} | {parallel} | {remat} | error: {r['error']} | | | |")
             continue
         b = r.get("best") or {}
         fit = r.get("largest_fitting", 0)
@@ -167,12 +167,17 @@ def table(results: dict) -> str:
         if not fit:
             batch = "none (1 does not fit)"
         peak = f"{b['peak_bytes'] / 2 ** 30:.2f} / {b['limit_bytes'] / 2 ** 30:.2f} GiB" if b.get("peak_bytes") else ""
-        ratio = f"{b['flops_ratio']:.3f}" if b.get("flops_ratio") else "not reported"
         coll = b.get("collectives") or {}
         coll = f"{coll.get('all-gather', 0)}, {coll.get('reduce-scatter', 0)}, {coll.get('all-reduce', 0)}" if coll else ""
-        failed = r.get("smallest_failing") or ("not reached" if fit else "1")
-        lines.append(f"| {model} | {target} | {parallel} | {remat} | {batch} | {peak} | {ratio} | {coll} | {failed} |")
+        failed = r.get("smallest_failing") or (0 if not fit else None)
+        failed = "not reached" if failed is None else f"{failed or 1}" + _peak_of(r, failed or 1)
+        lines.append(f"| {model} | {target} | {parallel} | {remat} | {batch} | {peak} | {failed} | {coll} |")
     return "\n".join(lines)
+
+
+def _peak_of(r: dict, batch: int) -> str:
+    peak = r.get("tried", {}).get(str(batch), {}).get("peak_bytes")
+    return f" ({peak / 2 ** 30:.2f} GiB)" if peak else ""
 
 
 def main(argv=None) -> None:
@@ -181,6 +186,7 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-min", type=float, default=25.0, help="stop starting compiles after this many minutes")
     ap.add_argument("--timeout", type=int, default=900, help="seconds one compile may take")
     ap.add_argument("--write-readme", action="store_true", help="put the table into bench/README.md")
+    ap.add_argument("--table-only", action="store_true", help="compile nothing: print (and write) the saved table")
     args = ap.parse_args(argv)
     rows = []
     for r in args.rows:
@@ -195,7 +201,7 @@ def main(argv=None) -> None:
     def log(msg):
         print(msg, flush=True)
 
-    for row in rows:
+    for row in [] if args.table_only else rows:
         if time.time() > deadline:
             log(f"budget spent: {row_name(row)} not run")
             continue

@@ -199,7 +199,7 @@ def target_devices(target: Target) -> Devices:
                 chips_per_host_bounds=host, num_slices=target.slices, wrap=(False,) * 3)
         except Exception as e:  # libtpu's own words for a topology it does not know
             raise AotError(f"libtpu cannot describe the topology {name} ({_first_line(e)})") from None
-        limit = chip["memory_bytes"]
+        memory = limit = chip["memory_bytes"]  # (the compiler enforces its own limit, slightly less)
     else:
         spec = GPU_SPECS[target.kind]
         try:
@@ -208,14 +208,13 @@ def target_devices(target: Target) -> Devices:
                 target_config=gpu_target_config(target.kind))
         except Exception as e:
             raise AotError(f"the CUDA plugin cannot describe {target} ({_first_line(e)})") from None
-        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION))
-        limit = int(spec["memory_bytes"] * fraction)
+        memory = spec["memory_bytes"]
+        limit = int(memory * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION)))
     devices = list(topo.devices)
     try:  # the order that puts mesh neighbours on physical neighbours (rings over ICI)
         devices = list(mesh_utils.create_device_mesh((len(devices),), devices).flat)
     except Exception:
         pass
-    memory = TPU_CHIPS[target.kind]["memory_bytes"] if target.platform == "tpu" else GPU_SPECS[target.kind]["memory_bytes"]
     return Devices(target, devices, devices[0].device_kind, memory, limit)
 
 
@@ -535,14 +534,17 @@ def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
         except DoesNotFit as e:
             result["programs"][name] = {"program": e.program, "fits": False, "peak_bytes": e.peak_bytes,
                                         "limit_bytes": e.limit_bytes}
+            result["fits"] = False
             e.result = result
             raise
         result["programs"][name] = out
         if not out["fits"]:
             e = DoesNotFit(out["program"], str(target), out["peak_bytes"], devs.limit_bytes,
                            "compiled; device memory exceeded" if target.platform == "gpu" else "")
+            result["fits"] = False
             e.result = result
             raise e
+    result["fits"] = True
     return result
 
 

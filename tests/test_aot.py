@@ -65,7 +65,7 @@ def test_train_step_and_generate_compile_for_the_target(target, kind):
     r = aot.compile_for_target(_tiny(fsdp=True), aot.parse_target(target), progress=False,
                                generate_args={"prompt_len": 8, "max_new_tokens": 8})
     n = aot.parse_target(target).chips
-    assert r["device_kind"] == kind and r["device_count"] == n
+    assert r["device_kind"] == kind and r["device_count"] == n and r["fits"]
     train, gen = r["programs"]["train"], r["programs"]["generate"]
     for p in (train, gen):
         assert p["fits"] and 0 < p["peak_bytes"] < p["limit_bytes"] and p["compile_s"] > 0
