@@ -239,8 +239,10 @@ def vocab_size_for(config, vocab_size: Optional[int] = None) -> int:
 
 
 def model_config(config, vocab_size: int, platform: str):
-    """The GPTConfig jaxgpt-train would build, with the kernel set the target's backend picks."""
-    from jaxgpt.config import model_config_from
+    """(GPTConfig, Backend) that jaxgpt-train would build for `config` on the target's platform: the
+    backend is the target's ('auto' resolves by the target, not by this process's CPU)."""
+    from jaxgpt.backends import resolve
+    from jaxgpt.training.config import model_config_from
 
     gcfg = model_config_from(config, vocab_size)
     if config.init_from not in ("scratch", "resume"):  # the architecture of GPT-2 weights, not model.*
@@ -252,14 +254,9 @@ def model_config(config, vocab_size: int, platform: str):
             gcfg = gcfg.replace(n_layer=layers, n_head=heads, n_embd=width, n_kv_head=None, vocab_size=50257,
                                 bias=True, tie_embeddings=True)
     if gcfg.kernels == "cpu":
-        raise AotError("model.kernels='cpu' is XLA:CPU's kernel set and does not compile for accelerators; use "
-                       "'auto' or 'portable'")
-    if gcfg.kernels == "auto":  # 'auto' would resolve on this process's CPU backend, not the target's
-        try:
-            gcfg = gcfg.replace(kernels=platform)
-        except ValueError:  # no kernel set of that name: the portable core
-            gcfg = gcfg.replace(kernels="portable")
-    return gcfg
+        raise AotError("model.kernels='cpu' is XLA:CPU's backend and does not compile for accelerators; use "
+                       "'auto' (the target's), 'portable', 'tpu' or 'gpu'")
+    return gcfg, resolve(gcfg, platform=platform)
 
 
 def _memory(compiled) -> dict:
@@ -382,6 +379,10 @@ def _compile(program: str, lowered_fn: Callable[[], Any], devs: Devices, progres
                 said = re.search(r"memory required for ([\w ]+?) \(", text)
                 detail = f"the compiler's refusal: {said.group(1)} alone need that" if said else "the compiler's refusal"
                 raise DoesNotFit(program, str(devs.target), peak, limit or devs.limit_bytes, detail) from None
+            if "cannot be automatically partitioned" in text:
+                raise AotError(f"the {program} for {devs.target}: its Pallas (Mosaic) kernels cannot be partitioned "
+                               "by XLA; under jit over a mesh they must run inside shard_map (the backend's "
+                               "attention), or compile with --config.model.kernels=portable") from None
             if "cuDNN" in text or "cudnn" in text:
                 raise AotError(f"compiling the {program} for {devs.target} needs cuDNN ({_first_line(e)}); "
                                "model.attention='cudnn' compiles only where the cuDNN libraries are "
@@ -414,16 +415,17 @@ def _report(program: str, compiled, seconds: float, devs: Devices, formula_flops
 def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = True) -> dict:
     """Compile the step jaxgpt-train runs for `config` on the target's devices; a dict of figures.
 
-    The step is MeshRunner's (jit over a 1-D mesh, FSDP when train.fsdp); with train.steps_per_call=K
-    the K-step program that the loop calls. A pmap config compiles as the equivalent mesh step
-    (replicated state, batch over devices: the same update), since pmap has no compile-only path.
+    With train.parallel=mesh the step is MeshRunner's (jit over a 1-D mesh, FSDP when train.fsdp); with
+    train.steps_per_call=K the K-step program that the loop calls. pmap has no compile-only path: a pmap
+    config compiles as what pmap is built on, its per-device step under shard_map over the same mesh
+    (replicated state, batch rows over the devices, gradients averaged with pmean).
     """
     import jax
     import numpy as np
 
-    from jaxgpt.config import validate_config
+    from jaxgpt.training.config import validate_config
     from jaxgpt.lora import LoraSpec, init_adapters
-    from jaxgpt.model import abstract_params
+    from jaxgpt.model import abstract_params, flops_per_token
     from jaxgpt.training.parallel import MeshRunner
     from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
 
@@ -433,9 +435,9 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
     except ValueError as e:
         raise AotError(f"{e} (on {n} devices of {devs.target})") from None
     t = config.train
-    gcfg = model_config(config, vocab_size, devs.target.platform)
+    gcfg, backend = model_config(config, vocab_size, devs.target.platform)
     optimizer, schedule = make_optimizer(t), make_schedule(t)
-    runner = MeshRunner(gcfg, optimizer, t.grad_accum, schedule, devices=devs.devices, fsdp=t.fsdp)
+    runner = MeshRunner(gcfg, optimizer, t.grad_accum, schedule, devices=devs.devices, fsdp=t.fsdp, backend=backend)
     lora = LoraSpec.from_config(t.lora)
     seed = config.seed
 
@@ -453,16 +455,35 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
         batch = jax.ShapeDtypeStruct((k, rows, block), np.int32, sharding=runner.stack_sharding)
     else:
         batch = jax.ShapeDtypeStruct((rows, block), np.int32, sharding=runner.batch_sharding)
-    step = runner.jitted_step(state, many=k > 1)
+    step = runner.jitted_step(state, many=k > 1) if t.parallel == "mesh" else \
+        _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, t.grad_accum, k, state)
     compiled, seconds = _compile("train step", lambda: step.lower(state, batch, batch), devs, progress)
-    formula = gcfg.flops_per_token(block) * rows * block * k / n
-    extra = {"parallel": runner.name + (" (train.parallel=pmap compiled as this equivalent mesh step)"
-                                        if t.parallel == "pmap" else ""),
+    formula = flops_per_token(gcfg, block) * rows * block * k / n
+    extra = {"parallel": runner.name if t.parallel == "mesh" else "pmap (compiled as its per-device step under shard_map)",
              "batch_size": rows, "seq_len": block, "grad_accum": t.grad_accum, "steps_per_call": k,
              "per_device_batch": rows // n, "remat": gcfg.remat, "scan_layers": gcfg.scan_layers,
-             "dtype": gcfg.dtype, "kernels": gcfg.kernels, "attention": gcfg.attention}
+             "dtype": gcfg.dtype, "kernels": backend.name, "attention": gcfg.attention}
     return _report("train step", compiled, seconds, devs, formula, extra, loop_trips=t.grad_accum * k,
                    layer_loop=gcfg.scan_layers)
+
+
+def _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, grad_accum: int, k: int, state):
+    """The jitted per-device step of PmapRunner (axis "data", pmean of gradients) under shard_map."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxgpt.training.parallel import AXIS
+    from jaxgpt.training.step import make_train_step, repeat_steps
+
+    step = make_train_step(gcfg, optimizer, grad_accum, axis_name=AXIS, schedule=schedule, backend=backend)
+    step = repeat_steps(step) if k > 1 else step
+    rows = P(None, AXIS) if k > 1 else P(AXIS)
+    mapped = jax.shard_map(step, mesh=runner.mesh, in_specs=(P(), rows, rows), out_specs=(P(), P()),
+                           check_vma=False)  # (pmap's semantics: the pmean inside does the averaging)
+    batch = runner.stack_sharding if k > 1 else runner.batch_sharding
+    shardings = runner.state_shardings(state)
+    return jax.jit(mapped, in_shardings=(shardings, batch, batch), out_shardings=(shardings, runner.replicated),
+                   donate_argnums=(0,))
 
 
 def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optional[int] = None,
@@ -478,9 +499,10 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxgpt import sampling
+    from jaxgpt.backends import decode_weights
     from jaxgpt.model import abstract_params
 
-    gcfg = model_config(config, vocab_size, devs.target.platform)
+    gcfg, backend = model_config(config, vocab_size, devs.target.platform)
     n = len(devs.devices)
     b = n if batch_size is None else batch_size
     p = max(1, gcfg.block_size // 2) if prompt_len is None else prompt_len
@@ -491,20 +513,21 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     mesh = Mesh(np.array(devs.devices), ("data",))
     replicated = NamedSharding(mesh, P())
     rows = NamedSharding(mesh, P("data")) if b % n == 0 else replicated
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
-                          abstract_params(gcfg))
+    weights = jax.eval_shape(lambda params: decode_weights(backend, params, b, gcfg.compute_dtype,
+                                                           gcfg.tie_embeddings), abstract_params(gcfg))
+    weights = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), weights)
     prompts = jax.ShapeDtypeStruct((b, p), np.int32, sharding=rows)
     lengths = jax.ShapeDtypeStruct((b,), np.int32, sharding=rows)
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
-    sampler = sampling._Sampler(temperature=1.0, top_k=None, top_p=None, eos_id=None, pad_id=0)
+    sampler = sampling.Sampler(temperature=1.0, top_k=None, top_p=None, eos_id=None, pad_id=0)
 
     def lower():
-        return sampling._generate.lower(params, prompts, lengths, rng, config=gcfg, max_new_tokens=new,
-                                        sampler=sampler)
+        return sampling._generate.lower(weights, prompts, lengths, rng, config=gcfg, backend=backend,
+                                        max_new_tokens=new, sampler=sampler)
 
     compiled, seconds = _compile("generate program", lower, devs, progress)
-    extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": gcfg.kernels,
+    extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": backend.name,
              "attention": gcfg.attention}
     return _report("generate program", compiled, seconds, devs, None, extra)
 
@@ -515,11 +538,13 @@ def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
     """Compile the train step and/or the generate program of `config` for `target`: the figures as a dict
     (see README "On a TPU"). Raises DoesNotFit (with the figures so far) when a program does not fit."""
     vocab = vocab_size_for(config, vocab_size)
+    from jaxgpt.model import num_params
+
     devs = target_devices(target)
-    gcfg = model_config(config, vocab, target.platform)
+    gcfg, _ = model_config(config, vocab, target.platform)
     result = {"target": str(target), "platform": target.platform, "device_kind": devs.device_kind,
               "device_count": len(devs.devices), "memory_bytes": devs.memory_bytes, "limit_bytes": devs.limit_bytes,
-              "model": {"n_params": gcfg.num_params(non_embedding=False), "vocab_size": vocab,
+              "model": {"n_params": num_params(gcfg, non_embedding=False), "vocab_size": vocab,
                         "n_layer": gcfg.n_layer, "n_head": gcfg.n_head, "n_kv_head": gcfg.n_kv_head,
                         "n_embd": gcfg.n_embd, "block_size": gcfg.block_size},
               "programs": {}}

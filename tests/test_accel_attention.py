@@ -13,6 +13,11 @@ import pytest
 from jaxgpt.attention import einsum_attention
 from jaxgpt.backends import gpu_attention, tpu_attention
 
+
+def reference(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH):
+    """The einsum reference, which reads k and v head-major ([B, K, S, H], the cache's layout)."""
+    return einsum_attention(q_BxTxNxH, k_BxTxKxH.swapaxes(1, 2), v_BxTxKxH.swapaxes(1, 2))
+
 # (B, T, N, K, H, dtype): GQA at a T that no block divides (padded), plain causal MHA in bf16 at one block
 CASES = [(1, 200, 4, 2, 16, jnp.float32), (2, 128, 2, 2, 32, jnp.bfloat16)]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 6e-2}  # bf16: the kernels round p (and its gradient) to bf16 per block
@@ -36,7 +41,7 @@ def _check_against_reference(fn, case):
             return out, vjp(weights.astype(out.dtype))
         return jax.jit(run)(*args)
 
-    (out, grads), (ref, want) = value_and_grads(fn), value_and_grads(einsum_attention)
+    (out, grads), (ref, want) = value_and_grads(fn), value_and_grads(reference)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     tol = TOL[dtype]
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
