@@ -2,7 +2,8 @@
 
 Each row runs `jaxgpt-aot` (a fresh process per compile, at the lowest CPU priority) on configs/gpt2_124m.py
 with the model, parallelism and remat of the row, batch = per-device rows x devices, grad_accum 1,
-scan_layers on (compile time flat in depth; the layers' memory is the same), and finds the largest
+scan_layers on (compile time flat in depth; the layers' memory is the same), the portable backend (XLA's
+attention), and finds the largest
 per-device batch that fits: doubling from 4 until a compile does not fit (halving while 4 does not), then
 bisecting to within a quarter. Results go to
 bench/results/memory_fit.json (merged with earlier runs) and, with --write-readme, as a table into
@@ -60,7 +61,10 @@ def compile_once(row, per_device: int, timeout: int) -> dict:
     spec = TARGETS[target]
     devices = _device_count(spec)
     args = [f"--config.model.{k}={v}" for k, v in MODELS[model].items()]
+    # kernels=portable: XLA's attention, as the table was compiled (the tpu backend's splash call does not
+    # compile under the mesh step yet)
     args += PARALLEL[parallel] + [f"--config.model.remat={remat}", "--config.model.scan_layers=True",
+                                  "--config.model.kernels=portable",
                                   f"--config.train.batch_size={per_device * devices}", "--config.train.grad_accum=1"]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
