@@ -499,8 +499,6 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxgpt import sampling
-    from jaxgpt.backends import decode_weights
-    from jaxgpt.model import abstract_params
 
     gcfg, backend = model_config(config, vocab_size, devs.target.platform)
     n = len(devs.devices)
@@ -513,18 +511,9 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     mesh = Mesh(np.array(devs.devices), ("data",))
     replicated = NamedSharding(mesh, P())
     rows = NamedSharding(mesh, P("data")) if b % n == 0 else replicated
-    weights = jax.eval_shape(lambda params: decode_weights(backend, params, b, gcfg.compute_dtype,
-                                                           gcfg.tie_embeddings), abstract_params(gcfg))
-    weights = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), weights)
-    prompts = jax.ShapeDtypeStruct((b, p), np.int32, sharding=rows)
-    lengths = jax.ShapeDtypeStruct((b,), np.int32, sharding=rows)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
-    sampler = sampling.Sampler(temperature=1.0, top_k=None, top_p=None, eos_id=None, pad_id=0)
 
     def lower():
-        return sampling._generate.lower(weights, prompts, lengths, rng, config=gcfg, backend=backend,
-                                        max_new_tokens=new, sampler=sampler)
+        return sampling.lower_generate(gcfg, b, p, new, backend=backend, sharding=replicated, row_sharding=rows)
 
     compiled, seconds = _compile("generate program", lower, devs, progress)
     extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": backend.name,
