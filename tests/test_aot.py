@@ -112,3 +112,31 @@ def test_usage_errors_are_one_line():
         _, err = p.communicate(timeout=120)
         assert p.returncode == 2 and err.count("\n") == 1 and words in err, err
         assert err.startswith("jaxgpt-aot: error: "), err
+
+
+def test_a_pmap_config_compiles_as_the_same_update():
+    """The shard_map step jaxgpt-aot compiles for a pmap config gives the mesh step's update (4 CPU devices)."""
+    import jax
+    import numpy as np
+
+    from jaxgpt.backends import resolve
+    from jaxgpt.model import init_params
+    from jaxgpt.training.config import model_config_from
+    from jaxgpt.training.parallel import MeshRunner
+    from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
+
+    c = _tiny()
+    c.model.kernels = "portable"
+    gcfg = model_config_from(c, 256)
+    backend, optimizer, schedule = resolve(gcfg), make_optimizer(c.train), make_schedule(c.train)
+    runner = MeshRunner(gcfg, optimizer, 1, schedule, devices=jax.devices()[:4], backend=backend)
+    state = runner.init_state(lambda: create_train_state(init_params(gcfg, jax.random.key(0)), optimizer,
+                                                         jax.random.key(1)))
+    x = np.random.default_rng(0).integers(0, 256, (8, 64)).astype(np.int32)
+    xs, ys = runner.put_batch(x), runner.put_batch(np.roll(x, -1, axis=1))
+    copy = jax.tree.map(lambda v: v.copy(), state)  # (both steps donate their state)
+    mapped = aot._pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, 1, 1, state)
+    (a, ma), (b, mb) = mapped(state, xs, ys), runner.jitted_step(copy)(copy, xs, ys)
+    np.testing.assert_allclose(float(ma["loss"]), float(mb["loss"]), rtol=1e-6)
+    for pa, pb in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_allclose(np.asarray(pa), np.asarray(pb), atol=1e-6)
