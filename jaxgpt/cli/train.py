@@ -22,11 +22,12 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 
 EXIT_ERROR = 2
+PROG = "jaxgpt-train"  # the name error lines start with (jaxgpt-aot shares this flag parsing)
 
 
 def _fail(message) -> None:
     from jaxgpt.report import one_line
-    print(f"jaxgpt-train: error: {one_line(str(message))}", file=sys.stderr, flush=True)
+    print(f"{PROG}: error: {one_line(str(message))}", file=sys.stderr, flush=True)
     sys.exit(EXIT_ERROR)
 
 

@@ -226,7 +226,7 @@ class MeshRunner:
                                            backend=backend)
         self._once = backend.compile_once_options()  # for init_state
         self._eval_step = make_eval_step(config, backend=backend)
-        self._stack_sharding = NamedSharding(self.mesh, P(None, AXIS))  # [K, rows, T]: rows over the data axis
+        self.stack_sharding = NamedSharding(self.mesh, P(None, AXIS))  # [K, rows, T]: rows over the data axis
         self._step = self._steps = self._eval = None  # jitted on first use, when the state's structure is known
 
     def state_shardings(self, state):
@@ -259,35 +259,38 @@ class MeshRunner:
         global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
         return jax.make_array_from_process_local_data(self.batch_sharding, x, global_shape)
 
+    def jitted_step(self, state, many: bool = False):
+        """The jitted step for states shaped like `state` (arrays or ShapeDtypeStructs): x, y [b, T], or
+        with `many` the K-step program over xs, ys [K, b, T]. What `step`/`steps` call, and what
+        jaxgpt.aot lowers for a target's devices."""
+        shardings = self.state_shardings(state)
+        batch = self.stack_sharding if many else self.batch_sharding
+        fn = repeat_steps(self._train_step) if many else self._train_step
+        return jax.jit(fn, in_shardings=(shardings, batch, batch), out_shardings=(shardings, self.replicated),
+                       donate_argnums=(0,))
+
     def step(self, state, x, y):
         if self._step is None:
-            shardings = self.state_shardings(state)
-            self._step = jax.jit(self._train_step,
-                                 in_shardings=(shardings, self.batch_sharding, self.batch_sharding),
-                                 out_shardings=(shardings, self.replicated), donate_argnums=(0,))
+            self._step = self.jitted_step(state)
         return self._step(state, self.put_batch(x), self.put_batch(y))
 
     def steps(self, state, xs, ys):
         """K steps in one call: xs, ys [K, b, T] (this process's rows of K batches); metrics [K]."""
         if self._steps is None:
-            shardings = self.state_shardings(state)
-            self._steps = jax.jit(repeat_steps(self._train_step),
-                                  in_shardings=(shardings, self._stack_sharding, self._stack_sharding),
-                                  out_shardings=(shardings, self.replicated), donate_argnums=(0,))
-
+            self._steps = self.jitted_step(state, many=True)
         return self._steps(state, self._put_stack(xs), self._put_stack(ys))
 
     def _put_stack(self, a: np.ndarray):
         """This process's rows of K batches [K, b, T] -> one global array, rows sharded over the data axis."""
         shape = (a.shape[0], a.shape[1] * jax.process_count()) + a.shape[2:]
-        return jax.make_array_from_process_local_data(self._stack_sharding, a, shape)
+        return jax.make_array_from_process_local_data(self.stack_sharding, a, shape)
 
     def eval(self, state, xs, ys):
         """The mean loss of each of E batches xs, ys [E, b, T] (this process's rows), in one call: [E]."""
         if self._eval is None:
             self._eval = jax.jit(map_batches(self._eval_step),
-                                 in_shardings=(self.state_shardings(state.params), self._stack_sharding,
-                                               self._stack_sharding, self.state_shardings(state.frozen)),
+                                 in_shardings=(self.state_shardings(state.params), self.stack_sharding,
+                                               self.stack_sharding, self.state_shardings(state.frozen)),
                                  out_shardings=self.replicated)
         return self._eval(state.params, self._put_stack(xs), self._put_stack(ys), state.frozen)
 

@@ -1,0 +1,600 @@
+"""Ahead-of-time compilation for TPU and NVIDIA targets on a machine without them (`jaxgpt-aot`).
+
+JAX compiles for devices that are described rather than attached: libtpu gives compile-only TPU devices
+for any topology name (`jax.experimental.topologies.get_topology_desc`), and the CUDA plugin gives
+compile-only GPUs from a `GpuTargetConfigProto` (written here from datasheet figures). The programs
+compiled are the ones `jaxgpt-train` and `jaxgpt.generate` run: the same GPTConfig, optimizer, schedule and
+MeshRunner step, lowered with ShapeDtypeStructs, so the memory and collectives reported are the vendor
+compilers' own. Nothing here touches a device or reads a corpus.
+
+Needs the `aot` extra (libtpu and the CUDA plugin, no CUDA libraries): `pip install -e ".[aot]"`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+GIB = 2 ** 30
+
+# Per-chip HBM (datasheets) and how many chips one host of that generation holds in a slice.
+TPU_CHIPS = {
+    "v4": {"memory_bytes": 32 * GIB, "host_chips": (2, 2, 1), "megacore": True},
+    "v5e": {"memory_bytes": 16 * GIB, "host_chips": (2, 4, 1), "megacore": False},
+    "v5p": {"memory_bytes": 95 * 10 ** 9, "host_chips": (2, 2, 1), "megacore": True},
+    "v6e": {"memory_bytes": 32 * GIB, "host_chips": (2, 4, 1), "megacore": False},
+}
+TPU_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e"}
+
+# NVIDIA datasheet figures (SXM parts): SMs, boost clock, HBM (the bytes the driver reports), bandwidth,
+# L2. Hopper's per-SM limits are shared by both.
+GPU_SPECS = {
+    "h100": {"name": "NVIDIA H100 80GB HBM3", "sms": 132, "clock_ghz": 1.98, "memory_bytes": 81559 * 2 ** 20,
+             "bandwidth": 3.35e12, "l2_bytes": 50 * 2 ** 20},
+    "h200": {"name": "NVIDIA H200", "sms": 132, "clock_ghz": 1.98, "memory_bytes": 143771 * 2 ** 20,
+             "bandwidth": 4.8e12, "l2_bytes": 50 * 2 ** 20},
+}
+# JAX's GPU client preallocates this share of device memory for XLA's buffers (XLA_PYTHON_CLIENT_MEM_FRACTION)
+GPU_MEM_FRACTION = 0.75
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+_COMPUTATION_RE = re.compile(r"^(?:ENTRY )?%([\w.-]+) .*\{\s*$")
+_COLLECTIVE_RE = re.compile(r"\s(all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\(")
+
+# Vocabulary sizes of the tokenizers whose size is fixed (the others come from the corpus or the config)
+TOKENIZER_VOCAB = {"gpt2": 50257, "byte": 256}
+
+
+class AotError(ValueError):
+    """A target, config or environment that cannot be compiled for; the message is one line."""
+
+
+class DoesNotFit(RuntimeError):
+    """The compiled program needs more memory per device than the target has."""
+
+    def __init__(self, program: str, target: str, peak_bytes: Optional[int], limit_bytes: Optional[int],
+                 detail: str = "", result: Optional[dict] = None):
+        self.program, self.target = program, target
+        self.peak_bytes, self.limit_bytes, self.result = peak_bytes, limit_bytes, result
+        need = "more than the limit" if peak_bytes is None else f"{peak_bytes / GIB:.2f} GiB"
+        have = "unknown" if limit_bytes is None else f"{limit_bytes / GIB:.2f} GiB"
+        super().__init__(f"the {program} does not fit {target}: peak {need} per device, limit {have}"
+                         + (f" ({detail})" if detail else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A parsed --target: platform 'tpu' or 'gpu', the chip or GPU kind, its shape, and slices/hosts."""
+
+    spec: str
+    platform: str
+    kind: str
+    shape: tuple[int, ...]
+    slices: int = 1
+
+    @property
+    def chips(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.slices
+
+    def __str__(self) -> str:
+        return self.spec + (f" x {self.slices} slices" if self.slices > 1 else "")
+
+
+def parse_target(text: str, slices: int = 1) -> Target:
+    """'tpu:v5e:2x4', 'tpu:v4:2x2x1', 'gpu:h100:8', ... -> Target; AotError naming what is wrong."""
+    usage = "use tpu:GEN:TOPOLOGY (e.g. tpu:v5e:2x4, tpu:v4:2x2x1, tpu:v5p:2x2x1, tpu:v6e:2x2) or gpu:KIND:COUNT " \
+            f"(KIND one of {sorted(GPU_SPECS)}, e.g. gpu:h100:8)"
+    if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
+        raise AotError(f"--slices must be an integer >= 1, got {slices!r}")
+    parts = (text or "").strip().lower().split(":")
+    if len(parts) != 3 or not all(parts):
+        raise AotError(f"bad --target {text!r}: {usage}")
+    platform, kind, shape = parts
+    if platform == "tpu":
+        kind = TPU_ALIASES.get(kind, kind)
+        if kind not in TPU_CHIPS:
+            raise AotError(f"bad --target {text!r}: unknown TPU generation {kind!r}; known are {sorted(TPU_CHIPS)}")
+        dims = shape.split("x")
+        if not 2 <= len(dims) <= 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise AotError(f"bad --target {text!r}: the topology {shape!r} must be chip counts per axis like "
+                           "2x4 or 2x2x1")
+        dims = tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
+        return Target(text, "tpu", kind, dims, slices)
+    if platform in ("gpu", "cuda"):
+        if kind not in GPU_SPECS:
+            raise AotError(f"bad --target {text!r}: unknown GPU {kind!r}; known are {sorted(GPU_SPECS)}")
+        if not shape.isdigit() or int(shape) < 1:
+            raise AotError(f"bad --target {text!r}: the GPU count {shape!r} must be a positive integer")
+        return Target(text, "gpu", kind, (int(shape),), slices)
+    raise AotError(f"bad --target {text!r}: unknown platform {platform!r}; {usage}")
+
+
+def gpu_target_config(kind: str) -> str:
+    """A GpuTargetConfigProto in text form for a GPU of GPU_SPECS, from its datasheet figures."""
+    s = GPU_SPECS[kind]
+    fields = {
+        "threads_per_block_limit": 1024, "threads_per_warp": 32,
+        "shared_memory_per_block": 48 * 1024, "shared_memory_per_core": 228 * 1024,
+        "shared_memory_per_block_optin": 227 * 1024, "threads_per_core_limit": 2048,
+        "core_count": s["sms"], "fpus_per_core": 128,
+        "block_dim_limit_x": 2 ** 31 - 1, "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
+        "memory_bandwidth": int(s["bandwidth"]), "l2_cache_size": s["l2_bytes"], "clock_rate_ghz": s["clock_ghz"],
+        "device_memory_size": s["memory_bytes"],
+        "registers_per_core_limit": 65536, "registers_per_block_limit": 65536,
+    }
+    body = "\n".join(f"  {k}: {v}" for k, v in fields.items())
+    return (f"gpu_device_info {{\n{body}\n  cuda_compute_capability {{ major: 9 minor: 0 }}\n}}\n"
+            f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 8 }}\ndevice_description_str: "{s["name"]}"\n')
+
+
+def prepare_environment() -> None:
+    """Set up for compile-only devices, before JAX's first computation: the CPU stays the default
+    backend (no TPU or GPU runtime starts), libtpu is told it is on no TPU VM, and the CUDA plugin skips
+    its check for CUDA libraries (none are needed to compile). Only jaxgpt-aot and its tests call this."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: several processes may load libtpu at once
+    import jax
+    from jax._src import xla_bridge
+
+    if not jax.config.jax_platforms and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
+def missing_extra() -> Optional[str]:
+    """Why compiling for accelerators cannot work here (a missing package), or None."""
+    import importlib.util
+    need = [("libtpu", "libtpu"), ("jax_plugins.xla_cuda12", "jax-cuda12-plugin"),
+            ("jax_cuda12_plugin", "jax-cuda12-pjrt")]
+    missing = []
+    for module, package in need:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            missing.append(package)
+    if missing:
+        return f"{', '.join(missing)} not installed; pip install -e \".[aot]\" installs the compile-only stacks"
+    return None
+
+
+@dataclasses.dataclass
+class Devices:
+    """Compile-only devices of a target, in the order a 1-D mesh over them should use."""
+
+    target: Target
+    devices: list
+    device_kind: str
+    memory_bytes: int
+    limit_bytes: int  # what the compiled program may use per device
+
+
+def target_devices(target: Target) -> Devices:
+    """The target's compile-only devices (libtpu's or the CUDA plugin's); AotError if they cannot be made."""
+    from jax.experimental import mesh_utils, topologies
+
+    reason = missing_extra()
+    if reason:
+        raise AotError(f"cannot compile for {target}: {reason}")
+    if target.platform == "tpu":
+        chip = TPU_CHIPS[target.kind]
+        host = tuple(min(a, b) for a, b in zip(chip["host_chips"], target.shape))
+        if any(t % h for t, h in zip(target.shape, host)):
+            host = target.shape
+        name = f"{target.kind}:{'x'.join(map(str, target.shape if target.shape[2] > 1 else target.shape[:2]))}"
+        try:
+            topo = topologies.get_topology_desc(
+                topology_name=name, platform="tpu", chip_config_name="megacore" if chip["megacore"] else "default",
+                chips_per_host_bounds=host, num_slices=target.slices, wrap=(False,) * 3)
+        except Exception as e:  # libtpu's own words for a topology it does not know
+            raise AotError(f"libtpu cannot describe the topology {name} ({_first_line(e)})") from None
+        memory = limit = chip["memory_bytes"]  # (the compiler enforces its own limit, slightly less)
+    else:
+        spec = GPU_SPECS[target.kind]
+        try:
+            topo = topologies.get_topology_desc(
+                "", platform="cuda", topology=f"1x{target.slices}x{target.shape[0]}",
+                target_config=gpu_target_config(target.kind))
+        except Exception as e:
+            raise AotError(f"the CUDA plugin cannot describe {target} ({_first_line(e)})") from None
+        memory = spec["memory_bytes"]
+        limit = int(memory * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION)))
+    devices = list(topo.devices)
+    try:  # the order that puts mesh neighbours on physical neighbours (rings over ICI)
+        devices = list(mesh_utils.create_device_mesh((len(devices),), devices).flat)
+    except Exception:
+        pass
+    return Devices(target, devices, devices[0].device_kind, memory, limit)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines() or [type(e).__name__])[0][:300]
+
+
+def vocab_size_for(config, vocab_size: Optional[int] = None) -> int:
+    """The vocabulary size training would use, from the config alone (no corpus is read)."""
+    if vocab_size is not None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+            raise AotError(f"--vocab_size must be an integer >= 2, got {vocab_size!r}")
+        return vocab_size
+    tok = config.data.tokenizer
+    if tok in TOKENIZER_VOCAB:
+        return TOKENIZER_VOCAB[tok]
+    if tok == "bpe":
+        return int(config.data.vocab_size)
+    raise AotError(f"data.tokenizer={tok!r} takes its vocabulary from the corpus, which jaxgpt-aot does not "
+                   "read: pass --vocab_size=N (e.g. 65 for Tiny Shakespeare's characters)")
+
+
+def model_config(config, vocab_size: int, platform: str):
+    """(GPTConfig, Backend) that jaxgpt-train would build for `config` on the target's platform: the
+    backend is the target's ('auto' resolves by the target, not by this process's CPU)."""
+    from jaxgpt.backends import resolve
+    from jaxgpt.training.config import model_config_from
+
+    gcfg = model_config_from(config, vocab_size)
+    if config.init_from not in ("scratch", "resume"):  # the architecture of GPT-2 weights, not model.*
+        from jaxgpt.pretrained import GPT2_NAMES
+        sizes = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
+                 "gpt2-xl": (48, 25, 1600)}
+        if config.init_from in GPT2_NAMES:
+            layers, heads, width = sizes[config.init_from]
+            gcfg = gcfg.replace(n_layer=layers, n_head=heads, n_embd=width, n_kv_head=None, vocab_size=50257,
+                                bias=True, tie_embeddings=True)
+    if gcfg.kernels == "cpu":
+        raise AotError("model.kernels='cpu' is XLA:CPU's backend and does not compile for accelerators; use "
+                       "'auto' (the target's), 'portable', 'tpu' or 'gpu'")
+    return gcfg, resolve(gcfg, platform=platform)
+
+
+def _memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    out = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
+           "alias_bytes": int(m.alias_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
+           "generated_code_bytes": int(m.generated_code_size_in_bytes)}
+    peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
+    if peak <= 0:  # (older jaxlibs): live arguments and outputs, donated ones counted once, plus temporaries
+        peak = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+    out["peak_bytes"] = peak
+    return out
+
+
+def count_collectives(hlo_text: str) -> dict:
+    """How many all-gather, reduce-scatter, all-reduce and all-to-all instructions the compiled HLO text
+    holds (an async start counts once). The TPU compiler writes a reduce-scatter as a fusion that calls an
+    `all-reduce-scatter` computation (an all-reduce and a dynamic slice): each such call is a reduce-scatter,
+    and the all-reduce inside it is not counted again."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    computation = ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION_RE.match(line)
+        if header:
+            computation = header.group(1)
+            continue
+        if "calls=%all-reduce-scatter" in line:
+            counts["reduce-scatter"] += 1
+        if computation.startswith("all-reduce-scatter"):
+            continue
+        for m in _COLLECTIVE_RE.finditer(line):
+            counts[m.group(1)] += 1
+    return counts
+
+
+def count_custom_calls(hlo_text: str) -> dict:
+    """Custom-call targets in the compiled HLO text and how often each is called: Pallas kernels show
+    as tpu_custom_call (TPU) or __gpu$xla.gpu.triton (GPU), cuDNN's attention as __cudnn$fmha..."""
+    counts: dict = {}
+    for m in re.finditer(r'custom_call_target="([^"]+)"', hlo_text):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
+def _flops(compiled) -> Optional[float]:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost or cost["flops"] < 0:
+        return None
+    return float(cost["flops"])
+
+
+_SIZE = r"([\d.]+)([KMGT]?)"
+# libtpu's refusals: "... memory required for HLO temporaries (77.05G) exceeds available HBM (15.75G)",
+# or "Used 20.5G of 15.75G hbm"
+_OOM_RES = (re.compile(rf"\({_SIZE}\) exceeds available HBM \({_SIZE}\)"), re.compile(rf"Used {_SIZE} of {_SIZE} hbm", re.I))
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def _oom_figures(message: str) -> tuple[Optional[int], Optional[int]]:
+    """(needed, limit) bytes per device from a TPU compiler RESOURCE_EXHAUSTED message, where it says."""
+    for pattern in _OOM_RES:
+        m = pattern.search(message)
+        if m:
+            need, limit = (int(float(m.group(i)) * _UNITS[m.group(i + 1).upper()]) for i in (1, 3))
+            return need, limit
+    return None, None
+
+
+class Progress:
+    """A line that says what is compiling and for how long (updated each second on a terminal)."""
+
+    def __init__(self, what: str, stream=None, enabled: bool = True):
+        self.what, self.stream, self.enabled = what, stream or sys.stderr, enabled
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        if not self.enabled:
+            return self
+        tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        if tty:
+            self._thread = threading.Thread(target=self._tick, daemon=True)
+            self._thread.start()
+        else:
+            print(f"jaxgpt-aot: compiling {self.what} ...", file=self.stream, flush=True)
+        return self
+
+    def _tick(self):
+        while not self._stop.wait(1.0):
+            print(f"\rjaxgpt-aot: compiling {self.what} ... {time.perf_counter() - self.t0:.0f}s",
+                  end="", file=self.stream, flush=True)
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            print("\r\033[K", end="", file=self.stream, flush=True)
+        return False
+
+
+def _compile(program: str, lowered_fn: Callable[[], Any], devs: Devices, progress: bool) -> tuple[Any, float]:
+    """Lower and compile; (executable, seconds). TPU's out-of-memory refusal becomes DoesNotFit."""
+    with Progress(f"the {program} for {devs.target} ({len(devs.devices)} x {devs.device_kind})",
+                  enabled=progress) as p:
+        try:
+            compiled = lowered_fn().compile()
+        except Exception as e:
+            text = str(e)
+            if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text:
+                peak, limit = _oom_figures(text)
+                said = re.search(r"memory required for ([\w ]+?) \(", text)
+                detail = f"the compiler's refusal: {said.group(1)} alone need that" if said else "the compiler's refusal"
+                raise DoesNotFit(program, str(devs.target), peak, limit or devs.limit_bytes, detail) from None
+            if "cannot be automatically partitioned" in text:
+                raise AotError(f"the {program} for {devs.target}: its Pallas (Mosaic) kernels cannot be partitioned "
+                               "by XLA; under jit over a mesh they must run inside shard_map (the backend's "
+                               "attention), or compile with --config.model.kernels=portable") from None
+            if "cuDNN" in text or "cudnn" in text:
+                raise AotError(f"compiling the {program} for {devs.target} needs cuDNN ({_first_line(e)}); "
+                               "model.attention='cudnn' compiles only where the cuDNN libraries are "
+                               "installed") from None
+            raise
+    return compiled, p.seconds
+
+
+def _report(program: str, compiled, seconds: float, devs: Devices, formula_flops: Optional[float],
+            extra: dict, loop_trips: int = 1, layer_loop: bool = False) -> dict:
+    """The figures of one compiled program. XLA's cost analysis counts a while loop's body once: the
+    compiler's flops are compared with the formula over `loop_trips` (grad_accum micro-batches times
+    steps_per_call), and not at all when the layers run as a loop (scan_layers: one layer counted)."""
+    mem = _memory(compiled)
+    flops = _flops(compiled)
+    hlo = compiled.as_text() or ""
+    comparable = formula_flops and flops is not None and not layer_loop
+    out = {"program": program, **extra, "compile_s": round(seconds, 2), **mem,
+           "memory_bytes": devs.memory_bytes, "limit_bytes": devs.limit_bytes,
+           "fits": mem.get("peak_bytes", 0) <= devs.limit_bytes,
+           "flops_per_device": flops, "formula_flops_per_device": formula_flops,
+           "flops_counted_for": (None if not formula_flops else "one layer (scan_layers)" if layer_loop else
+                                 f"1/{loop_trips} of the step (XLA counts a loop body once)" if loop_trips > 1 else
+                                 "the whole step"),
+           "flops_ratio": round(flops * loop_trips / formula_flops, 4) if comparable else None,
+           "collectives": count_collectives(hlo), "custom_calls": count_custom_calls(hlo)}
+    return out
+
+
+def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = True) -> dict:
+    """Compile the step jaxgpt-train runs for `config` on the target's devices; a dict of figures.
+
+    With train.parallel=mesh the step is MeshRunner's (jit over a 1-D mesh, FSDP when train.fsdp); with
+    train.steps_per_call=K the K-step program that the loop calls. pmap has no compile-only path: a pmap
+    config compiles as what pmap is built on, its per-device step under shard_map over the same mesh
+    (replicated state, batch rows over the devices, gradients averaged with pmean).
+    """
+    import jax
+    import numpy as np
+
+    from jaxgpt.training.config import validate_config
+    from jaxgpt.lora import LoraSpec, init_adapters
+    from jaxgpt.model import abstract_params, flops_per_token
+    from jaxgpt.training.parallel import MeshRunner
+    from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
+
+    n = len(devs.devices)
+    try:
+        validate_config(config, n)
+    except ValueError as e:
+        raise AotError(f"{e} (on {n} devices of {devs.target})") from None
+    t = config.train
+    gcfg, backend = model_config(config, vocab_size, devs.target.platform)
+    optimizer, schedule = make_optimizer(t), make_schedule(t)
+    runner = MeshRunner(gcfg, optimizer, t.grad_accum, schedule, devices=devs.devices, fsdp=t.fsdp, backend=backend)
+    lora = LoraSpec.from_config(t.lora)
+    seed = config.seed
+
+    def make_state():
+        p = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), abstract_params(gcfg))
+        if lora is not None:
+            adapters = init_adapters(p, gcfg, lora, jax.random.key(seed + 2))
+            return create_train_state(adapters, optimizer, jax.random.key(seed + 1), frozen=p)
+        return create_train_state(p, optimizer, jax.random.key(seed + 1))
+
+    state = runner.abstract_state(make_state)
+    k = t.steps_per_call
+    rows, block = t.batch_size, gcfg.block_size
+    if k > 1:
+        batch = jax.ShapeDtypeStruct((k, rows, block), np.int32, sharding=runner.stack_sharding)
+    else:
+        batch = jax.ShapeDtypeStruct((rows, block), np.int32, sharding=runner.batch_sharding)
+    step = runner.jitted_step(state, many=k > 1) if t.parallel == "mesh" else \
+        _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, t.grad_accum, k, state)
+    compiled, seconds = _compile("train step", lambda: step.lower(state, batch, batch), devs, progress)
+    formula = flops_per_token(gcfg, block) * rows * block * k / n
+    extra = {"parallel": runner.name if t.parallel == "mesh" else "pmap (compiled as its per-device step under shard_map)",
+             "batch_size": rows, "seq_len": block, "grad_accum": t.grad_accum, "steps_per_call": k,
+             "per_device_batch": rows // n, "remat": gcfg.remat, "scan_layers": gcfg.scan_layers,
+             "dtype": gcfg.dtype, "kernels": backend.name, "attention": gcfg.attention}
+    return _report("train step", compiled, seconds, devs, formula, extra, loop_trips=t.grad_accum * k,
+                   layer_loop=gcfg.scan_layers)
+
+
+def _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, grad_accum: int, k: int, state):
+    """The jitted per-device step of PmapRunner (axis "data", pmean of gradients) under shard_map."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxgpt.training.parallel import AXIS
+    from jaxgpt.training.step import make_train_step, repeat_steps
+
+    step = make_train_step(gcfg, optimizer, grad_accum, axis_name=AXIS, schedule=schedule, backend=backend)
+    step = repeat_steps(step) if k > 1 else step
+    rows = P(None, AXIS) if k > 1 else P(AXIS)
+    mapped = jax.shard_map(step, mesh=runner.mesh, in_specs=(P(), rows, rows), out_specs=(P(), P()),
+                           check_vma=False)  # (pmap's semantics: the pmean inside does the averaging)
+    batch = runner.stack_sharding if k > 1 else runner.batch_sharding
+    shardings = runner.state_shardings(state)
+    return jax.jit(mapped, in_shardings=(shardings, batch, batch), out_shardings=(shardings, runner.replicated),
+                   donate_argnums=(0,))
+
+
+def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optional[int] = None,
+                     prompt_len: Optional[int] = None, max_new_tokens: Optional[int] = None,
+                     progress: bool = True) -> dict:
+    """Compile `jaxgpt.generate`'s program (prefill + lax.scan decode) for the target; a dict of figures.
+
+    Parameters are replicated on every device; the prompt rows are split over the devices when their
+    count divides (default: one row per device). Defaults: a prompt of half the context, the rest new.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxgpt import sampling
+
+    gcfg, backend = model_config(config, vocab_size, devs.target.platform)
+    n = len(devs.devices)
+    b = n if batch_size is None else batch_size
+    p = max(1, gcfg.block_size // 2) if prompt_len is None else prompt_len
+    new = gcfg.block_size - p if max_new_tokens is None else max_new_tokens
+    if b < 1 or p < 1 or new < 1 or p + new > gcfg.block_size:
+        raise AotError(f"generate needs batch >= 1, prompt >= 1, new tokens >= 1 and prompt + new <= block_size "
+                       f"({gcfg.block_size}); got {b}, {p}, {new}")
+    mesh = Mesh(np.array(devs.devices), ("data",))
+    replicated = NamedSharding(mesh, P())
+    rows = NamedSharding(mesh, P("data")) if b % n == 0 else replicated
+
+    def lower():
+        return sampling.lower_generate(gcfg, b, p, new, backend=backend, sharding=replicated, row_sharding=rows)
+
+    compiled, seconds = _compile("generate program", lower, devs, progress)
+    extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": backend.name,
+             "attention": gcfg.attention}
+    return _report("generate program", compiled, seconds, devs, None, extra)
+
+
+def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
+                       programs: tuple[str, ...] = ("train", "generate"), progress: bool = True,
+                       generate_args: Optional[dict] = None) -> dict:
+    """Compile the train step and/or the generate program of `config` for `target`: the figures as a dict
+    (see README "On a TPU"). Raises DoesNotFit (with the figures so far) when a program does not fit."""
+    vocab = vocab_size_for(config, vocab_size)
+    from jaxgpt.model import num_params
+
+    devs = target_devices(target)
+    gcfg, _ = model_config(config, vocab, target.platform)
+    result = {"target": str(target), "platform": target.platform, "device_kind": devs.device_kind,
+              "device_count": len(devs.devices), "memory_bytes": devs.memory_bytes, "limit_bytes": devs.limit_bytes,
+              "model": {"n_params": num_params(gcfg, non_embedding=False), "vocab_size": vocab,
+                        "n_layer": gcfg.n_layer, "n_head": gcfg.n_head, "n_kv_head": gcfg.n_kv_head,
+                        "n_embd": gcfg.n_embd, "block_size": gcfg.block_size},
+              "programs": {}}
+    for name in programs:
+        try:
+            if name == "train":
+                out = compile_train_step(config, devs, vocab, progress)
+            elif name == "generate":
+                out = compile_generate(config, devs, vocab, progress=progress, **(generate_args or {}))
+            else:
+                raise AotError(f"unknown program {name!r}; choose from train, generate")
+        except DoesNotFit as e:
+            result["programs"][name] = {"program": e.program, "fits": False, "peak_bytes": e.peak_bytes,
+                                        "limit_bytes": e.limit_bytes}
+            result["fits"] = False
+            e.result = result
+            raise
+        result["programs"][name] = out
+        if not out["fits"]:
+            e = DoesNotFit(out["program"], str(target), out["peak_bytes"], devs.limit_bytes,
+                           "compiled; device memory exceeded" if target.platform == "gpu" else "")
+            result["fits"] = False
+            e.result = result
+            raise e
+    result["fits"] = True
+    return result
+
+
+def _gib(b) -> str:
+    return "?" if b is None else f"{b / GIB:.2f} GiB"
+
+
+def format_result(result: dict) -> str:
+    """The figures of compile_for_target as lines for a terminal."""
+    m = result["model"]
+    lines = [f"target {result['target']}: {result['device_count']} x {result['device_kind']}, "
+             f"{_gib(result['memory_bytes'])} each (limit {_gib(result['limit_bytes'])}); model "
+             f"{m['n_params'] / 1e6:.2f}M params, vocab {m['vocab_size']}, context {m['block_size']}"]
+    for p in result["programs"].values():
+        if "compile_s" not in p:
+            lines.append(f"{p['program']}: does not fit (peak {_gib(p['peak_bytes'])}, limit {_gib(p['limit_bytes'])})")
+            continue
+        if p["program"] == "train step":
+            head = (f"train step via {p['parallel']}: batch {p['batch_size']} x {p['seq_len']} ({p['per_device_batch']} "
+                    f"rows per device), grad_accum {p['grad_accum']}, steps_per_call {p['steps_per_call']}, remat "
+                    f"{p['remat']}, dtype {p['dtype']}, kernels {p['kernels']}")
+        else:
+            head = (f"generate: batch {p['batch_size']}, prompt {p['prompt_len']}, {p['max_new_tokens']} new tokens, "
+                    f"dtype {p['dtype']}, kernels {p['kernels']}")
+        lines.append(head)
+        lines.append(f"  compiled in {p['compile_s']:.1f}s; per device: arguments {_gib(p['argument_bytes'])}, outputs "
+                     f"{_gib(p['output_bytes'])} (aliased {_gib(p['alias_bytes'])}), temporaries {_gib(p['temp_bytes'])}, "
+                     f"peak {_gib(p['peak_bytes'])} of {_gib(p['limit_bytes'])}: {'fits' if p['fits'] else 'DOES NOT FIT'}")
+        if p.get("formula_flops_per_device"):
+            got = "not reported by this compiler" if p["flops_per_device"] is None else \
+                f"{p['flops_per_device']:.4g} (compiler, for {p['flops_counted_for']})"
+            ratio = "" if p["flops_ratio"] is None else f"; compiler over formula {p['flops_ratio']:.3f}"
+            lines.append(f"  flops per device: {got}; 6N + 12LTD for the step {p['formula_flops_per_device']:.4g}{ratio}")
+        elif p["flops_per_device"] is not None:
+            lines.append(f"  flops per device: {p['flops_per_device']:.4g} (compiler)")
+        lines.append("  collectives: " + ", ".join(f"{k} {v}" for k, v in p["collectives"].items())
+                     + ("; custom calls: " + ", ".join(f"{k} {v}" for k, v in p["custom_calls"].items())
+                        if p["custom_calls"] else ""))
+    return "\n".join(lines)

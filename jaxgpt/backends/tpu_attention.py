@@ -1,0 +1,61 @@
+"""Causal self-attention on TPUs: Pallas splash attention (jax.experimental.pallas.ops.tpu.splash_attention).
+
+`splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)` is the registry's plain causal case (queries and keys
+both at 0..T-1), forward and backward, with grouped-query attention done by the kernel itself (N query
+heads over K key/value heads). Splash tiles the sequence in blocks whose kv side must be a multiple of
+128 lanes: T is padded at the end to such a multiple, which is exact under a causal mask (a real query
+never sees a key after it, so never a padded one) and whose padded rows are sliced off. `interpret=True`
+runs the kernel's Pallas program on any backend (the tests do, on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+LANES = 128  # splash's kv compute block must be a multiple of the TPU's 128 lanes
+_BLOCKS = (512, 256, 128)  # largest first: fewer grid steps; 512 is what splash's users pick at T >= 1024
+
+
+def padded_length(t: int) -> int:
+    """T rounded up to a multiple of 128 (splash's smallest block)."""
+    return -(-t // LANES) * LANES
+
+
+def block_size(t_padded: int) -> int:
+    """The largest of 512, 256, 128 that divides the padded sequence length."""
+    return next(b for b in _BLOCKS if t_padded % b == 0)
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel(num_heads: int, t_padded: int, block: int, interpret: bool):
+    """The splash kernel for [N, Tp, H] queries (one batch row), causal, blocks of `block` both ways."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    mask = masks.MultiHeadMask([masks.CausalMask((t_padded, t_padded)) for _ in range(num_heads)])
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                              block_q_dq=block, block_kv_dq=block)
+    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """Causal self-attention out [B, T, N, H] of q [B, T, N, H] over k, v [B, T, K, H] (K divides N)."""
+    b, t, n, h = q.shape
+    if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != h or n % k.shape[2]:
+        raise ValueError(f"splash attention takes q [B, T, N, H] and k = v [B, T, K, H] with K dividing N, "
+                         f"got q{q.shape} k{k.shape} v{v.shape}")
+    tp = padded_length(t)
+    kernel = _kernel(n, tp, block_size(tp), bool(interpret))
+    # splash takes heads first, one batch row at a time, and applies no 1/sqrt(H) itself
+    scale = jnp.asarray(1.0 / h ** 0.5, q.dtype)
+
+    def heads_first(x):
+        x = jnp.swapaxes(x, 1, 2)  # [B, heads, T, H]
+        return jnp.pad(x, ((0, 0), (0, 0), (0, tp - t), (0, 0))) if tp != t else x
+
+    out = jax.vmap(kernel)(heads_first(q * scale), heads_first(k), heads_first(v))  # [B, N, Tp, H]
+    return jnp.swapaxes(out[:, :, :t], 1, 2).astype(q.dtype)

@@ -1,0 +1,126 @@
+"""jaxgpt-aot: compile the train step and generate program for a TPU or NVIDIA target, on a machine without one.
+
+    jaxgpt-aot --config=configs/gpt2_124m.py --target=tpu:v5e:2x4 [--slices=2] [--json=out.json] \\
+        [--config.train.parallel=mesh --config.train.fsdp=True --config.model.remat=block ...]
+
+Prints the per-device memory (arguments, outputs, temporaries, peak against the device's memory), the
+flops per device beside the 6N + 12LTD formula, the collectives in the compiled HLO and the compile time.
+Exit status: 0 everything fits, 2 a usage error or a program that does not fit (one line naming the
+peak and the limit). Needs the `aot` extra: pip install -e ".[aot]".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+from absl import app, flags, logging
+
+from jaxgpt.cli import train as train_cli  # its --config flag and config loading, shared
+
+flags.DEFINE_string("target", None, "tpu:GEN:TOPOLOGY (tpu:v5e:2x4, tpu:v4:2x2x1, tpu:v5p:2x2x1, tpu:v6e:2x2) "
+                    "or gpu:KIND:COUNT (gpu:h100:8, gpu:h200:8)")
+flags.DEFINE_integer("slices", 1, "TPU slices (multislice over DCN), or GPU hosts of COUNT GPUs each")
+flags.DEFINE_string("json", None, "also write the figures to this JSON file")
+flags.DEFINE_integer("vocab_size", None, "the vocabulary size (needed for data.tokenizer=char, whose vocabulary "
+                     "comes from the corpus; overrides the tokenizer's size otherwise)")
+flags.DEFINE_list("programs", ["train", "generate"], "which programs to compile: train, generate")
+flags.DEFINE_integer("gen_batch", None, "generate: prompt rows (default one per device)")
+flags.DEFINE_integer("gen_prompt_len", None, "generate: prompt length (default half the context)")
+flags.DEFINE_integer("gen_new_tokens", None, "generate: new tokens (default the rest of the context)")
+
+FLAGS = flags.FLAGS
+EXIT_ERROR = 2
+
+# Lines the TPU and CUDA runtimes print to stderr while they are probed for on a machine without them
+_NOISE = ("cudart_stub.cc", "All log messages before absl::InitializeLog", "Logging before InitGoogle",
+          "could not determine TPU", "TPU_WORKER_HOSTNAMES", "Source Location Trace", "libtpu_init_utils",
+          "Failed to find host bounds", "GPU will not be used")
+
+
+def _fail(message) -> None:
+    from jaxgpt.report import one_line
+    print(f"jaxgpt-aot: error: {one_line(str(message))}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_ERROR)
+
+
+class _FilteredStderr:
+    """File descriptor 2 through a pipe whose lines are passed on unless they are runtime start-up noise
+    (native code writes there directly, past Python's sys.stderr)."""
+
+    def __enter__(self):
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+        self._out = os.fdopen(os.dup(self._saved), "w", buffering=1)
+        self._thread = threading.Thread(target=self._pump, args=(os.fdopen(read, "r", errors="replace"),),
+                                        daemon=True)
+        self._thread.start()
+        self._stderr = sys.stderr
+        sys.stderr = self._out  # Python's own writes skip the pipe (and keep a terminal's \r progress line)
+        return self
+
+    def _pump(self, pipe):
+        skip_next = False
+        for line in pipe:
+            noise = any(n in line for n in _NOISE)
+            if not noise and not (skip_next and line.startswith(("learning/", "="))):
+                self._out.write(line)
+            skip_next = noise
+
+    def __exit__(self, *exc):
+        sys.stderr = self._stderr
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)  # closes the pipe's write end: the pump sees EOF
+        self._thread.join(timeout=2)
+        os.close(self._saved)
+        self._out.flush()
+        return False
+
+
+def _run(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+    from jaxgpt import aot
+
+    if not FLAGS.target:
+        _fail("--target is required, e.g. --target=tpu:v5e:2x4 or --target=gpu:h100:8")
+    try:
+        target = aot.parse_target(FLAGS.target, FLAGS.slices)
+    except aot.AotError as e:
+        _fail(e)
+    config = train_cli._load_config()
+    aot.prepare_environment()
+    gen = {"batch_size": FLAGS.gen_batch, "prompt_len": FLAGS.gen_prompt_len, "max_new_tokens": FLAGS.gen_new_tokens}
+    result, error = None, None
+    with _FilteredStderr():
+        try:
+            result = aot.compile_for_target(config, target, FLAGS.vocab_size, tuple(FLAGS.programs),
+                                            progress=True, generate_args=gen)
+        except aot.DoesNotFit as e:
+            result, error = e.result, e
+        except (aot.AotError, ValueError) as e:
+            _fail(e)
+    if result is not None:
+        print(aot.format_result(result), flush=True)
+        if FLAGS.json:
+            with open(FLAGS.json, "w") as f:
+                json.dump(result, f, indent=2)
+                f.write("\n")
+    if error is not None:
+        _fail(error)
+
+
+def main() -> None:
+    train_cli.PROG = "jaxgpt-aot"  # the shared flag parsing's errors name this command
+    app.run(_run, flags_parser=train_cli._parse_flags)
+
+
+if __name__ == "__main__":
+    main()

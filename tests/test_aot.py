@@ -1,0 +1,142 @@
+"""jaxgpt-aot: a tiny model's train step and generate program compiled for a TPU topology and for two
+H100s with no accelerator attached, the out-of-memory refusal (exit 2, one line), and its usage errors.
+Needs the aot extra (libtpu, the CUDA plugin); skips without it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxgpt import aot
+from jaxgpt.training.config import default_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+needs_aot = pytest.mark.skipif(aot.missing_extra() is not None, reason=f"aot extra: {aot.missing_extra()}")
+
+
+def _tiny(**train):
+    c = default_config()
+    c.train.parallel = "mesh"
+    c.data.tokenizer = "byte"
+    c.model.block_size = 64
+    c.model.n_layer = 2
+    c.model.n_head = 4
+    c.model.n_embd = 64
+    c.train.batch_size = 8
+    for k, v in train.items():
+        c.train[k] = v
+    return c
+
+
+def test_target_strings():
+    t = aot.parse_target("tpu:v5e:2x4")
+    assert (t.platform, t.kind, t.shape, t.chips) == ("tpu", "v5e", (2, 4, 1), 8)
+    assert aot.parse_target("tpu:v4:2x2x1", slices=2).chips == 8
+    assert aot.parse_target("gpu:h200:8").shape == (8,)
+    for bad, words in [("tpu:v9:2x2", "unknown TPU generation"), ("tpu:v5e:2by2", "chip counts per axis"),
+                       ("gpu:a100:8", "unknown GPU"), ("gpu:h100:0", "positive integer"), ("h100", "bad --target"),
+                       ("cpu:x:1", "unknown platform")]:
+        with pytest.raises(aot.AotError, match=words):
+            aot.parse_target(bad)
+    with pytest.raises(aot.AotError, match="--slices"):
+        aot.parse_target("tpu:v5e:2x2", slices=0)
+
+
+def test_vocab_comes_from_the_tokenizer_name():
+    c = default_config()
+    for tok, size in [("gpt2", 50257), ("byte", 256)]:
+        c.data.tokenizer = tok
+        assert aot.vocab_size_for(c) == size
+    c.data.tokenizer, c.data.vocab_size = "bpe", 1024
+    assert aot.vocab_size_for(c) == 1024
+    c.data.tokenizer = "char"
+    with pytest.raises(aot.AotError, match="--vocab_size"):
+        aot.vocab_size_for(c)
+    assert aot.vocab_size_for(c, 65) == 65
+
+
+@needs_aot
+@pytest.mark.parametrize("target, kind, fsdp", [("tpu:v5e:2x2", "TPU v5 lite", False),
+                                              ("gpu:h100:2", "NVIDIA H100 80GB HBM3", True)])
+def test_train_step_and_generate_compile_for_the_target(target, kind, fsdp):
+    aot.prepare_environment()
+    # TPU: the pmap step (shard_map per device, where the splash kernel runs); GPU: the FSDP mesh step
+    config = _tiny(parallel="mesh", fsdp=True) if fsdp else _tiny(parallel="pmap")
+    r = aot.compile_for_target(config, aot.parse_target(target), progress=False,
+                               generate_args={"prompt_len": 8, "max_new_tokens": 8})
+    n = aot.parse_target(target).chips
+    assert r["device_kind"] == kind and r["device_count"] == n and r["fits"]
+    train, gen = r["programs"]["train"], r["programs"]["generate"]
+    for p in (train, gen):
+        assert p["fits"] and 0 < p["peak_bytes"] < p["limit_bytes"] and p["compile_s"] > 0
+        assert p["argument_bytes"] > 0 and set(p["collectives"]) == set(aot.COLLECTIVES)
+    assert train["per_device_batch"] == 8 // n and train["formula_flops_per_device"] > 0
+    if fsdp:  # parameters gathered for the matmuls, gradients reduce-scattered back to their shards
+        assert train["parallel"] == "mesh (fsdp)"
+        assert train["collectives"]["all-gather"] > 0 and train["collectives"]["reduce-scatter"] > 0
+    else:  # replicated state: the gradients' all-reduce only
+        assert train["parallel"].startswith("pmap") and train["collectives"]["all-reduce"] > 0
+    if target.startswith("tpu"):  # the TPU compiler counts flops (the GPU one does not)
+        assert 0.8 < train["flops_ratio"] < 1.5
+        assert train["kernels"] == "tpu" and train["custom_calls"].get("tpu_custom_call", 0) > 0  # splash
+    else:
+        assert train["kernels"] == "gpu" and train["custom_calls"].get("__gpu$xla.gpu.triton", 0) > 0  # Pallas
+
+
+@needs_aot
+def test_a_step_too_big_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "jaxgpt.cli.aot", "--target=tpu:v5e:2x2", "--programs=train", "--vocab_size=2000000",
+           "--config=configs/shakespeare_char_cpu.py", "--config.model.n_layer=1", "--config.model.n_embd=2048",
+           "--config.model.n_head=16", "--config.train.batch_size=8", f"--json={out}"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("jaxgpt-aot: error: the train step does not fit tpu:v5e:2x2: "
+                                                     "peak "), r.stderr
+    assert "limit 15.75 GiB" in errors[0]
+    assert "Traceback" not in r.stderr and "cudart" not in r.stderr
+    assert json.loads(out.read_text())["programs"]["train"]["fits"] is False
+
+
+def test_usage_errors_are_one_line():
+    base = [sys.executable, "-m", "jaxgpt.cli.aot"]
+    cases = [(["--target=tpu:v9:2x2"], "unknown TPU generation"), ([], "--target is required"),
+             (["--target=tpu:v5e:2x2", "--config.model.nonexistent=1"], "unknown config key")]
+    procs = [subprocess.Popen(base + args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args, _ in cases]  # all at once: each is mostly imports
+    for p, (_, words) in zip(procs, cases):
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and err.count("\n") == 1 and words in err, err
+        assert err.startswith("jaxgpt-aot: error: "), err
+
+
+def test_a_pmap_config_compiles_as_the_same_update():
+    """The shard_map step jaxgpt-aot compiles for a pmap config gives the mesh step's update (4 CPU devices)."""
+    import jax
+    import numpy as np
+
+    from jaxgpt.backends import resolve
+    from jaxgpt.model import init_params
+    from jaxgpt.training.config import model_config_from
+    from jaxgpt.training.parallel import MeshRunner
+    from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
+
+    c = _tiny()
+    c.model.kernels = "portable"
+    gcfg = model_config_from(c, 256)
+    backend, optimizer, schedule = resolve(gcfg), make_optimizer(c.train), make_schedule(c.train)
+    runner = MeshRunner(gcfg, optimizer, 1, schedule, devices=jax.devices()[:4], backend=backend)
+    state = runner.init_state(lambda: create_train_state(init_params(gcfg, jax.random.key(0)), optimizer,
+                                                         jax.random.key(1)))
+    x = np.random.default_rng(0).integers(0, 256, (8, 64)).astype(np.int32)
+    xs, ys = runner.put_batch(x), runner.put_batch(np.roll(x, -1, axis=1))
+    copy = jax.tree.map(lambda v: v.copy(), state)  # (both steps donate their state)
+    mapped = aot._pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, 1, 1, state)
+    (a, ma), (b, mb) = mapped(state, xs, ys), runner.jitted_step(copy)(copy, xs, ys)
+    np.testing.assert_allclose(float(ma["loss"]), float(mb["loss"]), rtol=1e-6)
+    for pa, pb in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_allclose(np.asarray(pa), np.asarray(pb), atol=1e-6)
