@@ -94,8 +94,8 @@ def test_causality_by_gradient(style):
     (dict(n_embd=30), "n_embd"),
     (dict(n_kv_head=3), "n_kv_head"),
     (dict(attention="flash"), "attention"),
-    (dict(attention="blocked"), "attention"),  # now the CPU kernels' job: kernels="cpu"
-    (dict(kernels="gpu"), "kernels"),
+    (dict(attention="blocked"), "attention"),  # now the cpu backend's job: kernels="cpu"
+    (dict(kernels="mps"), "kernels"),
     (dict(dtype="int8"), "dtype"),
     (dict(n_layer=0), "n_layer"),
     (dict(n_layer=2.0), "n_layer"),
