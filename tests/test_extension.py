@@ -37,17 +37,20 @@ def _tokens(cfg, b=2, t=12):
 
 
 def _loss(cfg, backend, params, data):
-    return float(cross_entropy(GPT(cfg, backend).apply({"params": params}, data[:, :-1]), data[:, 1:]))
+    model = GPT(cfg, backend)
+    loss = jax.jit(lambda p, d: cross_entropy(model.apply({"params": p}, d[:, :-1]), d[:, 1:]))
+    return float(loss(params, data))
 
 
 def _decode_logits(cfg, backend, params, tokens, prompt=5):
     """Logits of the positions after `prompt`, computed by a prefill and one-token cached steps."""
     model = GPT(cfg, backend)
+    apply = jax.jit(lambda p, x, c: model.apply({"params": p}, x, c))  # one program per token count
     cache = KVCache.create(cfg, tokens.shape[0], tokens.shape[1], layout=backend.cache_layout)
-    _, cache = model.apply({"params": params}, tokens[:, :prompt], cache)
+    _, cache = apply(params, tokens[:, :prompt], cache)
     out = []
     for i in range(prompt, tokens.shape[1]):
-        logits, cache = model.apply({"params": params}, tokens[:, i:i + 1], cache)
+        logits, cache = apply(params, tokens[:, i:i + 1], cache)
         out.append(logits[:, 0])
     return jnp.stack(out, axis=1)
 
