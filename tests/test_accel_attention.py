@@ -97,3 +97,30 @@ def test_splash_lowers_to_a_tpu_custom_call_inside_shard_map():
     grads = jax.jit(jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
     text = grads.lower(q, kv, kv).as_text()
     assert text.count("tpu_custom_call") == 3  # the forward, dq and dkv kernels
+
+
+@pytest.mark.parametrize("name", ["tpu", "gpu"])
+def test_the_accelerator_backends_run_the_model_like_the_portable_one(name):
+    # their kernels interpreted on this CPU: the model's logits and loss gradient through them, and
+    # cached decode (XLA's attention on those backends), against the portable backend's
+    from jaxgpt import GPT, GPTConfig, KVCache, init_params, resolve
+    from jaxgpt.backends import PORTABLE
+    from jaxgpt.training.step import cross_entropy
+
+    cfg = GPTConfig(vocab_size=40, block_size=24, n_layer=1, n_head=4, n_kv_head=2, n_embd=64)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 20), 0, 40)
+    backend = resolve(name)
+    assert backend.name == name and dict(backend.attention_kernels)
+
+    def loss_and_grads(be):
+        fn = lambda p: cross_entropy(GPT(cfg, be).apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])  # noqa: E731
+        return jax.jit(jax.value_and_grad(fn))(params)
+
+    (loss, grads), (want, want_grads) = loss_and_grads(backend), loss_and_grads(PORTABLE)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+    cache = KVCache.create(cfg, 2, 24, layout=backend.cache_layout)
+    logits, _ = jax.jit(lambda p, c: GPT(cfg, backend).apply({"params": p}, tokens, c))(params, cache)
+    np.testing.assert_allclose(logits, GPT(cfg, PORTABLE).apply({"params": params}, tokens), atol=1e-5)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxgpt.attention import AttentionFn, get_attention
+from jaxgpt.attention import AttentionFn, check_shapes, dot_product_attention, get_attention
 from jaxgpt.cache import CacheLayout
 from jaxgpt.ops import linear as portable_linear
 
@@ -87,6 +87,18 @@ def decode_weights(backend: Backend, params: Any, batch_size: int, compute_dtype
     """The params cast to the compute dtype plus `backend.prepare_decode`'s forms for `batch_size` rows."""
     params = cast_floats(params, compute_dtype)
     return DecodeWeights(params, backend.prepare_decode(params, batch_size, compute_dtype, tie_embeddings))
+
+
+def self_attention_kernel(kernel: Callable) -> AttentionFn:
+    """The registry's "dot_product" attention with causal self-attention computed by `kernel(q_BxTxNxH,
+    k_BxTxKxH, v_BxTxKxH)` (a flash kernel), and XLA's masked attention over a cache (one query row per
+    decode step gains nothing from a flash kernel)."""
+    def attend(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None):
+        if q_positions_BxT is not None or kv_lengths_B is not None:
+            return dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
+        check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH)
+        return kernel(q_BxTxNxH, k_BxKxSxH.swapaxes(1, 2), v_BxKxSxH.swapaxes(1, 2))
+    return attend
 
 
 PORTABLE = Backend(name="portable")

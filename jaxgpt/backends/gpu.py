@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import functools
 
-from jaxgpt.attention import check_shapes, dot_product_attention
-from jaxgpt.backends.base import Backend
+from jaxgpt.backends.base import Backend, self_attention_kernel
 
 
-def flash_dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None, *,
-                                interpret: bool = False):
-    """The registry's "dot_product" attention on a GPU: Pallas flash for self-attention, XLA over a cache."""
-    if q_positions_BxT is not None or kv_lengths_B is not None:
-        return dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
+def _flash(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, interpret: bool):
     from jaxgpt.backends.gpu_attention import pallas_attention  # (imports Pallas' GPU ops)
 
-    check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH)
-    return pallas_attention(q_BxTxNxH, k_BxKxSxH.swapaxes(1, 2), v_BxKxSxH.swapaxes(1, 2), interpret=interpret)
+    return pallas_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, interpret=interpret)
 
 
 @functools.lru_cache(maxsize=None)
 def make_backend(interpret: bool) -> Backend:
-    attend = functools.partial(flash_dot_product_attention, interpret=interpret)
+    attend = self_attention_kernel(functools.partial(_flash, interpret=interpret))
     return Backend(name="gpu", attention_kernels=(("dot_product", attend),))
