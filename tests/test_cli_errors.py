@@ -14,6 +14,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INFO_LINE = re.compile(r"^I\d{4} ", re.M)  # absl's INFO prefix (orbax and JAX log through absl)
 
 
+def _fresh_cache(tmp_path) -> str:
+    """A JAXGPT_CACHE of its own (data bins made afresh) that shares the session's built native kernels,
+    so that each training process does not compile them again (~15 s)."""
+    from jaxgpt.backends import native
+
+    root = tmp_path / "cache"
+    root.mkdir()
+    os.makedirs(native._cache_dir(), exist_ok=True)
+    os.symlink(native._cache_dir(), root / "kernels")
+    return str(root)
+
+
 def _run_all(cases, **kw):
     """Start every command at once (they are mostly imports), then collect (returncode, output) of each."""
     procs = [subprocess.Popen(c, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
@@ -105,14 +117,14 @@ def test_sample_mistakes_are_one_line_and_found_before_generating(tmp_path, monk
 
 @pytest.mark.slow
 def test_a_5_step_run_of_the_cpu_config_just_works_and_is_quiet(tmp_path):
-    env = dict(os.environ, JAXGPT_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, JAXGPT_CACHE=_fresh_cache(tmp_path))
     run = [sys.executable, "train.py", "--config=configs/shakespeare_char_cpu.py",
            f"--config.out_dir={tmp_path / 'out'}", "--config.train.max_steps=5"]
     r = subprocess.run(run, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "warmup_steps (100) > train.max_steps (5): the learning rate never reaches its peak" in r.stderr
     assert "jaxgpt-train: done at step 5; best val loss" in r.stdout
-    assert "; CPU dispatch inline" in r.stdout  # computations on the calling thread (kernels.inline_cpu_dispatch)
+    assert "; CPU dispatch inline" in r.stdout  # computations on the calling thread (backends.cpu.inline_cpu_dispatch)
     assert not INFO_LINE.search(r.stdout + r.stderr)  # orbax's and JAX's INFO logs are off by default
     assert len((r.stdout + r.stderr).splitlines()) <= 6
     resume = run + ["--config.init_from=resume"]  # at max_steps already: restores, says so, exits
@@ -132,7 +144,7 @@ def test_logged_throughput_is_timed_per_call_with_inline_dispatch(tmp_path):
     out = tmp_path / "out"
     # one device, as a user's run has (the suite's four fake devices make pmap calls, which JAX dispatches
     # asynchronously whatever the setting)
-    env = dict(os.environ, JAXGPT_CACHE=str(tmp_path / "cache"), XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = dict(os.environ, JAXGPT_CACHE=_fresh_cache(tmp_path), XLA_FLAGS="--xla_backend_optimization_level=0")
     r = subprocess.run([sys.executable, "train.py", "--config=configs/shakespeare_char_cpu.py",
                         f"--config.out_dir={out}", "--config.train.max_steps=8", "--config.train.steps_per_call=2",
                         "--config.train.log_interval=2", "--config.train.eval_interval=4",
