@@ -124,28 +124,22 @@ class GeluMLP(nn.Module):
     backend: Backend
     deterministic: bool = True
 
+    def hidden(self, x_BxTxD):
+        return nn.gelu(_dense(self.config, self.backend, self.config.mlp_hidden, "c_fc")(x_BxTxD), approximate=True)
+
     @nn.compact
     def __call__(self, x_BxTxD):
-        cfg, backend = self.config, self.backend
-        hidden = nn.gelu(_dense(cfg, backend, cfg.mlp_hidden, "c_fc")(x_BxTxD), approximate=True)
-        y = _dense(cfg, backend, cfg.n_embd, "c_proj", residual_out=True)(hidden)
-        return nn.Dropout(cfg.dropout)(y, deterministic=self.deterministic)
+        y = _dense(self.config, self.backend, self.config.n_embd, "c_proj", residual_out=True)(self.hidden(x_BxTxD))
+        return nn.Dropout(self.config.dropout)(y, deterministic=self.deterministic)
 
 
-class SwiGLUMLP(nn.Module):
+class SwiGLUMLP(GeluMLP):
     """Llama's MLP: c_proj(silu(c_gate(x)) * c_fc(x)) (gate / up / down)."""
 
-    config: GPTConfig
-    backend: Backend
-    deterministic: bool = True
-
-    @nn.compact
-    def __call__(self, x_BxTxD):
+    def hidden(self, x_BxTxD):
         cfg, backend = self.config, self.backend
         up = _dense(cfg, backend, cfg.mlp_hidden, "c_fc")(x_BxTxD)
-        hidden = nn.silu(_dense(cfg, backend, cfg.mlp_hidden, "c_gate")(x_BxTxD)) * up
-        y = _dense(cfg, backend, cfg.n_embd, "c_proj", residual_out=True)(hidden)
-        return nn.Dropout(cfg.dropout)(y, deterministic=self.deterministic)
+        return nn.silu(_dense(cfg, backend, cfg.mlp_hidden, "c_gate")(x_BxTxD)) * up
 
 
 MLPS = {"gelu": GeluMLP, "swiglu": SwiGLUMLP}  # GPTConfig.mlp -> the MLP module
