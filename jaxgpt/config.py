@@ -15,9 +15,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_MODES = ("none", "block", "dots")
 POSITIONS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "swiglu", "relu2")
 _INT_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "mlp_hidden")
-_BOOL_FIELDS = ("bias", "tie_embeddings", "scan_layers")
+_BOOL_FIELDS = ("bias", "tie_embeddings", "scan_layers", "qk_norm", "zero_init_proj", "embed_skip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,12 @@ class GPTConfig:
     computed. `dtype` is the compute dtype, `param_dtype` the parameters'. `scan_layers` stores the blocks
     stacked ([L, ...] leaves under `h`) and runs them as one lax.scan; `remat` "block" or "dots" recomputes
     activations in the backward pass.
+
+    The modern ("speedrun") recipe, each part off by default: `qk_norm` (RMS-normalise q and k per head),
+    `mlp="relu2"` (relu(x)^2), `zero_init_proj` (output projections start at zero), `logit_softcap` (> 0:
+    logits become cap * tanh(logits / cap)), `embed_skip` (every block's input mixes in the embedding,
+    with two learned weights per block) and `value_embeds` (k > 0: k extra token tables whose rows are
+    mixed into the values of the first k and last k blocks).
     """
 
     vocab_size: int = 50257
@@ -56,12 +62,17 @@ class GPTConfig:
     norm: str = "layernorm"
     mlp: str = "gelu"
     mlp_hidden: Optional[int] = None
+    qk_norm: bool = False
+    zero_init_proj: bool = False
+    logit_softcap: float = 0.0
+    embed_skip: bool = False
+    value_embeds: int = 0
 
     def __post_init__(self):
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
         if self.mlp_hidden is None and self.mlp in MLPS and isinstance(self.n_embd, int):
-            width = 4 * self.n_embd if self.mlp == "gelu" else -(-8 * self.n_embd // 3 // 64) * 64
+            width = 4 * self.n_embd if self.mlp != "swiglu" else -(-8 * self.n_embd // 3 // 64) * 64
             object.__setattr__(self, "mlp_hidden", width)
         choices = {"dtype": DTYPES, "param_dtype": DTYPES, "attention": ATTENTION.names(), "block": BLOCKS.names(),
                    "kernels": BACKEND_NAMES, "remat": REMAT_MODES, "position": POSITIONS, "norm": NORMS, "mlp": MLPS}
@@ -75,6 +86,12 @@ class GPTConfig:
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if not (is_real(self.logit_softcap) and 0 <= self.logit_softcap < math.inf):
+            raise ValueError(f"GPTConfig.logit_softcap must be a finite number >= 0 (0: off), got {self.logit_softcap!r}")
+        if not (is_int(self.value_embeds) and isinstance(self.value_embeds, int)
+                and 0 <= self.value_embeds <= self.n_layer):
+            raise ValueError(f"GPTConfig.value_embeds must be an integer in [0, n_layer={self.n_layer}], got "
+                             f"{self.value_embeds!r}")
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")

@@ -28,7 +28,8 @@ _init = nn.initializers.normal(stddev=0.02)
 
 def register_block(name: str):
     """Decorator: make a block class available as `GPTConfig(block=name)`. A block is a Linen module with
-    fields (config, backend, deterministic) and `__call__(x_BxTxD, positions_BxT, cache, layer) -> (x, cache)`."""
+    fields (config, backend, deterministic) and `__call__(x_BxTxD, positions_BxT, cache, layer) -> (x, cache)`;
+    with GPTConfig.value_embeds it is also given `value_embed=` [B, T, K*H] for its attention."""
     return BLOCKS.register(name)
 
 
@@ -60,9 +61,17 @@ class Dense(nn.Module):
 
 
 def _dense(cfg: GPTConfig, backend: Backend, features: int, name: str, residual_out: bool = False) -> Dense:
-    # GPT-2 scales the init of layers that write into the residual stream by 1/sqrt(2 * n_layer)
+    # GPT-2 scales the init of layers that write into the residual stream by 1/sqrt(2 * n_layer);
+    # `zero_init_proj` starts them at zero (each block then begins as the identity)
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual_out else 0.02
-    return Dense(features, cfg.bias, cfg, backend, nn.initializers.normal(stddev=std), name=name)
+    init = nn.initializers.zeros if residual_out and cfg.zero_init_proj else nn.initializers.normal(stddev=std)
+    return Dense(features, cfg.bias, cfg, backend, init, name=name)
+
+
+def rms_normalize(x, eps: float = 1e-6):
+    """x / rms(x) over the last axis, computed in float32, without a learned scale (QK-norm's)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def _layer_norm(cfg: GPTConfig, dtype, name: str) -> nn.Module:
@@ -90,12 +99,19 @@ class CausalSelfAttention(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None):
+    def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None, value_embed=None):
+        """`value_embed` [B, T, K*H] (GPTConfig.value_embeds): mixed into the values with two learned
+        weights, `ve_mix`, before they are attended to or cached."""
         cfg, backend = self.config, self.backend
         b, t, _ = x_BxTxD.shape
         n, kh, h = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         qkv = _dense(cfg, backend, (n + 2 * kh) * h, "c_attn")(x_BxTxD)
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = split_heads(qkv, n, kh)
+        if value_embed is not None:
+            mix = self.param("ve_mix", nn.initializers.constant(0.5), (2,), jnp.float32).astype(v_BxTxKxH.dtype)
+            v_BxTxKxH = mix[0] * v_BxTxKxH + mix[1] * value_embed.reshape(b, t, kh, h).astype(v_BxTxKxH.dtype)
+        if cfg.qk_norm:
+            q_BxTxNxH, k_BxTxKxH = rms_normalize(q_BxTxNxH), rms_normalize(k_BxTxKxH)
         if cfg.position == "rope":
             q_BxTxNxH = rotary_embedding(q_BxTxNxH, positions_BxT, cfg.rope_theta)
             k_BxTxKxH = rotary_embedding(k_BxTxKxH, positions_BxT, cfg.rope_theta)
@@ -142,7 +158,14 @@ class SwiGLUMLP(GeluMLP):
         return nn.silu(_dense(cfg, backend, cfg.mlp_hidden, "c_gate")(x_BxTxD)) * up
 
 
-MLPS = {"gelu": GeluMLP, "swiglu": SwiGLUMLP}  # GPTConfig.mlp -> the MLP module
+class ReluSquaredMLP(GeluMLP):
+    """The speedrun's MLP: c_proj(relu(c_fc(x)) ** 2)."""
+
+    def hidden(self, x_BxTxD):
+        return jnp.square(nn.relu(_dense(self.config, self.backend, self.config.mlp_hidden, "c_fc")(x_BxTxD)))
+
+
+MLPS = {"gelu": GeluMLP, "swiglu": SwiGLUMLP, "relu2": ReluSquaredMLP}  # GPTConfig.mlp -> the MLP module
 
 
 @register_block("gpt2")
@@ -154,10 +177,10 @@ class Block(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None):
+    def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None, **extras):
         cfg, backend, det = self.config, self.backend, self.deterministic
         y, cache = CausalSelfAttention(cfg, backend, det, name="attn")(norm(cfg, backend, "ln_1")(x_BxTxD),
-                                                                      positions_BxT, cache, layer)
+                                                                      positions_BxT, cache, layer, **extras)
         x_BxTxD = x_BxTxD + y
         x_BxTxD = x_BxTxD + MLPS[cfg.mlp](cfg, backend, det, name="mlp")(norm(cfg, backend, "ln_2")(x_BxTxD))
         return x_BxTxD, cache
@@ -172,10 +195,10 @@ class ParallelBlock(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None):
+    def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None, **extras):
         cfg, backend, det = self.config, self.backend, self.deterministic
         h = norm(cfg, backend, "ln_1")(x_BxTxD)
-        y, cache = CausalSelfAttention(cfg, backend, det, name="attn")(h, positions_BxT, cache, layer)
+        y, cache = CausalSelfAttention(cfg, backend, det, name="attn")(h, positions_BxT, cache, layer, **extras)
         return x_BxTxD + y + MLPS[cfg.mlp](cfg, backend, det, name="mlp")(h), cache
 
 
@@ -212,6 +235,31 @@ class GPT(nn.Module):
         steps = jnp.arange(t, dtype=jnp.int32)[None, :]
         positions_BxT = jnp.broadcast_to(steps, (b, t)) if cache is None else cache.lengths[:, None] + steps
         overflow_B = None if cache is None else cache.overflow(t)
+        x_BxTxD, wte = self._embed(tokens_BxT, positions_BxT, backend, deterministic)
+        skip_Lx2, ve_L = self._layer_inputs(tokens_BxT, backend)
+        x0_BxTxD = x_BxTxD if skip_Lx2 is not None else None
+        if cfg.scan_layers:
+            x_BxTxD, cache = self._scan_blocks(x_BxTxD, positions_BxT, cache, backend, deterministic,
+                                               x0_BxTxD, skip_Lx2, ve_L)
+        else:
+            remat = cfg.remat != "none" and cache is None and not self.is_initializing()
+            block_cls = _remat(BLOCKS.get(cfg.block), cfg.remat) if remat else BLOCKS.get(cfg.block)
+            for i in range(cfg.n_layer):
+                x_BxTxD = _mix_embedding(x_BxTxD, x0_BxTxD, None if skip_Lx2 is None else skip_Lx2[i])
+                extras = {} if ve_L is None else {"value_embed": ve_L[i]}
+                x_BxTxD, cache = block_cls(cfg, backend, deterministic, name=f"h_{i}")(
+                    x_BxTxD, positions_BxT, cache, None if cache is None else i, **extras)
+        if logits_index is not None:
+            x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_index.astype(jnp.int32)[:, None, None], axis=1)
+        logits = self._head(norm(cfg, backend, "ln_f")(x_BxTxD), wte, backend)
+        if cache is None:
+            return logits
+        cache = cache.advance(t if token_lengths is None else token_lengths)
+        return jnp.where(overflow_B[:, None, None], jnp.nan, logits), cache
+
+    def _embed(self, tokens_BxT, positions_BxT, backend: Backend, deterministic: bool):
+        """Token (+ learned position) embeddings, after dropout; and the token table (for a tied head)."""
+        cfg = self.config
         act_dtype = backend.activation_dtype(cfg.compute_dtype)
         wte = nn.Embed(cfg.vocab_size, cfg.n_embd, embedding_init=_init, dtype=act_dtype,
                        param_dtype=cfg.params_dtype, name="wte")
@@ -219,37 +267,55 @@ class GPT(nn.Module):
         if cfg.position == "learned":  # (rotary positions turn q and k inside attention)
             x_BxTxD = x_BxTxD + nn.Embed(cfg.block_size, cfg.n_embd, embedding_init=_init, dtype=act_dtype,
                                          param_dtype=cfg.params_dtype, name="wpe")(positions_BxT)
-        x_BxTxD = nn.Dropout(cfg.dropout)(x_BxTxD, deterministic=deterministic)
-        if cfg.scan_layers:
-            x_BxTxD, cache = self._scan_blocks(x_BxTxD, positions_BxT, cache, backend, deterministic)
-        else:
-            remat = cfg.remat != "none" and cache is None and not self.is_initializing()
-            block_cls = _remat(BLOCKS.get(cfg.block), cfg.remat) if remat else BLOCKS.get(cfg.block)
-            for i in range(cfg.n_layer):
-                x_BxTxD, cache = block_cls(cfg, backend, deterministic, name=f"h_{i}")(
-                    x_BxTxD, positions_BxT, cache, None if cache is None else i)
-        if logits_index is not None:
-            x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_index.astype(jnp.int32)[:, None, None], axis=1)
-        x_BxTxD = norm(cfg, backend, "ln_f")(x_BxTxD)
+        return nn.Dropout(cfg.dropout)(x_BxTxD, deterministic=deterministic), wte
+
+    def _layer_inputs(self, tokens_BxT, backend: Backend):
+        """What each block takes besides the residual stream: the embedding-skip weights [L, 2]
+        (`embed_skip`: block i's input is w[i, 0] * x + w[i, 1] * embedding, starting at 1 and 0) and the
+        value embeddings, one [B, T, K*H] per block (`value_embeds` = k: tables 0..k-1 feed blocks 0..k-1
+        and again the last k blocks; the blocks between get zeros). None for an option that is off."""
+        cfg = self.config
+        skip_Lx2 = None
+        if cfg.embed_skip:
+            def init(_, shape):
+                return jnp.zeros(shape, jnp.float32).at[:, 0].set(1.0)
+            skip_Lx2 = self.param("embed_skip", init, (cfg.n_layer, 2))
+        if not cfg.value_embeds:
+            return skip_Lx2, None
+        k, width = cfg.value_embeds, cfg.n_kv_head * cfg.head_dim
+        act_dtype = backend.activation_dtype(cfg.compute_dtype)
+        tables = [nn.Embed(cfg.vocab_size, width, embedding_init=_init, dtype=act_dtype,
+                           param_dtype=cfg.params_dtype, name=f"wve_{j}")(tokens_BxT) for j in range(k)]
+        zeros = jnp.zeros(tokens_BxT.shape + (width,), act_dtype)
+        ve_L = [tables[i] if i < k else tables[i - (cfg.n_layer - k)] if i >= cfg.n_layer - k else zeros
+                for i in range(cfg.n_layer)]
+        return skip_Lx2, ve_L
+
+    def _head(self, x_BxTxD, wte: nn.Embed, backend: Backend):
+        """float32 logits: the untied `lm_head`, or x @ wte.T contracting the table as it is stored (or the
+        backend's prepared copy of it); soft-capped to (-cap, cap) with `logit_softcap`."""
+        cfg = self.config
         if not cfg.tie_embeddings:
             logits = Dense(cfg.vocab_size, False, cfg, backend, out_dtype=jnp.float32, name="lm_head")(x_BxTxD)
-        else:  # x @ wte.T, contracting the table as it is stored (or the backend's prepared copy of it)
+        else:
             head = self.get_variable("prepared", "head") if self.has_variable("prepared", "head") else wte.embedding
             logits = backend.linear(x_BxTxD, head, cfg.compute_dtype, w_out_in=True, out_dtype=jnp.float32)
-        if cache is None:
-            return logits
-        cache = cache.advance(t if token_lengths is None else token_lengths)
-        return jnp.where(overflow_B[:, None, None], jnp.nan, logits), cache
+        if cfg.logit_softcap:
+            logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
+        return logits
 
     def _scan_blocks(self, x_BxTxD, positions_BxT, cache: Optional[KVCache], backend: Backend,
-                     deterministic: bool):
-        """The blocks as one lax.scan over the stacked parameters `h` (and the stacked cache, if any)."""
+                     deterministic: bool, x0_BxTxD=None, skip_Lx2=None, ve_L=None):
+        """The blocks as one lax.scan over the stacked parameters `h` (and the stacked cache, if any), with
+        each block's embedding-skip weights and value embedding (`_layer_inputs`) scanned beside them."""
         cfg = self.config
         block = BLOCKS.get(cfg.block)(cfg, backend, deterministic, parent=None)  # applied to one layer's params
 
+        probe = {} if ve_L is None else {"value_embed": ve_L[0]}
+
         def init_stacked(rng, x, positions):
             def one(key):
-                return block.init({"params": key}, x, positions)["params"]
+                return block.init({"params": key}, x, positions, **probe)["params"]
             return jax.vmap(one)(jax.random.split(rng, cfg.n_layer))
 
         stacked = self.param("h", init_stacked, x_BxTxD, positions_BxT)
@@ -259,16 +325,27 @@ class GPT(nn.Module):
 
         def layer(carry, xs):
             x, cache = carry
-            variables, i = xs
+            variables, i, skip_2, ve = xs
             rngs = {} if dropout_rng is None else {"dropout": jax.random.fold_in(dropout_rng, i)}
-            x, cache = block.apply(variables, x, positions_BxT, cache, None if cache is None else i, rngs=rngs)
+            extras = {} if ve is None else {"value_embed": ve}
+            x, cache = block.apply(variables, _mix_embedding(x, x0_BxTxD, skip_2), positions_BxT, cache,
+                                   None if cache is None else i, rngs=rngs, **extras)
             return (x, cache), None
 
         if cfg.remat != "none" and cache is None:
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        xs = ({"params": stacked, **extra}, jnp.arange(cfg.n_layer, dtype=jnp.int32))
+        xs = ({"params": stacked, **extra}, jnp.arange(cfg.n_layer, dtype=jnp.int32), skip_Lx2,
+              None if ve_L is None else jnp.stack(ve_L))
         (x_BxTxD, cache), _ = jax.lax.scan(layer, (x_BxTxD, cache), xs)
         return x_BxTxD, cache
+
+
+def _mix_embedding(x_BxTxD, x0_BxTxD, skip_2):
+    """Block input with the embedding mixed in: skip[0] * x + skip[1] * x0 (x itself when off)."""
+    if skip_2 is None:
+        return x_BxTxD
+    w = skip_2.astype(x_BxTxD.dtype)
+    return w[0] * x_BxTxD + w[1] * x0_BxTxD
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -294,7 +371,7 @@ def count_params(params, non_embedding: bool = False) -> int:
     when an untied `lm_head` does the output matmul."""
     total = sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
     if non_embedding:
-        lookups = ["wpe"] + (["wte"] if "lm_head" in params else [])
+        lookups = ["wpe"] + [k for k in params if k.startswith("wve_")] + (["wte"] if "lm_head" in params else [])
         total -= sum(int(x.size) for name in lookups if name in params
                      for x in jax.tree_util.tree_leaves(params[name]))
     return total

@@ -394,6 +394,10 @@ def hf_architecture(config: GPTConfig) -> str:
                      "as a jaxgpt checkpoint")
 
 
+# speedrun options that no transformers architecture computes, with their "off" values
+_NOT_IN_TRANSFORMERS = {"qk_norm": False, "logit_softcap": 0.0, "embed_skip": False, "value_embeds": 0}
+
+
 def save_pretrained(params, config: GPTConfig, out_dir: PathLike) -> Path:
     """Write `config.json` and `model.safetensors` that transformers loads (GPT2LMHeadModel or
     LlamaForCausalLM, by `hf_architecture`); returns the folder.
@@ -407,6 +411,10 @@ def save_pretrained(params, config: GPTConfig, out_dir: PathLike) -> Path:
     if config.block != "gpt2":
         raise ValueError(f"block={config.block!r} has no Hugging Face equivalent: save_pretrained exports the "
                          "pre-norm 'gpt2' block (GPT-2 and Llama) only")
+    beyond = [f"{k}={getattr(config, k)!r}" for k, off in _NOT_IN_TRANSFORMERS.items() if getattr(config, k) != off]
+    if beyond:
+        raise ValueError(f"{', '.join(beyond)}: GPT-2 and Llama in transformers cannot compute this; keep it as a "
+                         "jaxgpt checkpoint (jaxgpt-sample reads it)")
     if hf_architecture(config) == "llama":
         named, hf = _llama_tensors(params, config), config_to_hf_llama(config)
     else:

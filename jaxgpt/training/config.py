@@ -16,7 +16,10 @@ from jaxgpt.lora import LoraSpec
 
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "dropout", "bias", "tie_embeddings",
               "dtype", "attention", "block", "kernels", "scan_layers", "remat", "position", "rope_theta", "norm", "mlp",
-              "mlp_hidden", "layer_norm_epsilon")
+              "mlp_hidden", "layer_norm_epsilon", "qk_norm", "zero_init_proj", "logit_softcap", "embed_skip",
+              "value_embeds")
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
 PARALLEL_MODES = ("pmap", "mesh")
 
 
@@ -29,28 +32,7 @@ def default_config():
     c.init_from = "scratch"  # "scratch", "resume", a GPT-2 name ("gpt2", ...), a jaxgpt run folder or an HF folder
     c.overwrite = False      # allow a fresh start in an out_dir that already holds checkpoints
 
-    c.model = config_dict.ConfigDict()
-    c.model.block_size = 256
-    c.model.n_layer = 6
-    c.model.n_head = 6
-    c.model.n_kv_head = placeholder(int)  # None: n_head (plain multi-head attention)
-    c.model.n_embd = 384
-    c.model.dropout = 0.0
-    c.model.bias = True
-    c.model.tie_embeddings = True
-    c.model.dtype = "float32"  # compute dtype; parameters and optimizer state stay float32
-    c.model.attention = "dot_product"  # a registered attention: "dot_product", "einsum" (reference), "cudnn"
-    c.model.block = "gpt2"             # a registered block (jaxgpt.model): "gpt2" (pre-norm) or "parallel"
-    c.model.kernels = "auto"  # the backend: "auto" (by platform), "portable" or "cpu": see jaxgpt/backends/
-    c.model.scan_layers = False  # blocks stored stacked, run as one lax.scan: compile time flat in depth
-    c.model.remat = "none"       # "block" or "dots": recompute activations in the backward to save memory
-    c.model.position = "learned"  # "learned" (GPT-2's wpe) or "rope" (rotary, base rope_theta)
-    c.model.rope_theta = 10000.0
-    c.model.norm = "layernorm"    # or "rmsnorm"
-    c.model.mlp = "gelu"          # or "swiglu" (gate/up/down)
-    c.model.mlp_hidden = placeholder(int)  # None: 4 * n_embd (gelu) or ~8/3 * n_embd (swiglu)
-    c.model.layer_norm_epsilon = 1e-5
-
+    c.model = _model_section()
     c.data = config_dict.ConfigDict()
     c.data.corpus = "shakespeare"  # shakespeare | tinyshakespeare | file | hf
     c.data.path = placeholder(str)  # file/folder for `file`, local copy for `tinyshakespeare`, dataset for `hf`
@@ -64,8 +46,13 @@ def default_config():
     c.train.grad_accum = 1       # micro-batches per step; the update equals one batch_size batch
     c.train.max_steps = 2000
     c.train.steps_per_call = 1   # optimizer steps per compiled call (a lax.scan): fewer host round trips
+    c.train.optimizer = "adamw"  # or "muon": Muon for the blocks' matmul kernels, AdamW (lr) for the rest
+    c.train.muon_lr = 0.02       # Muon's peak learning rate (on the same schedule as lr)
+    c.train.muon_momentum = 0.95
     c.train.lr = 1e-3
     c.train.min_lr = 1e-4
+    c.train.schedule = "cosine"  # "cosine" (warmup, cosine decay) or "wsd" (warmup, stable, linear decay)
+    c.train.decay_fraction = 0.2  # wsd: the share of decay_steps spent decaying to min_lr
     c.train.warmup_steps = 100
     c.train.decay_steps = placeholder(int)  # None: max_steps
     c.train.weight_decay = 0.1
@@ -90,6 +77,40 @@ def default_config():
 
     c.distributed = distributed.default_section()  # several processes through jax.distributed
     return c
+
+
+def _model_section():
+    """config.model: the GPTConfig fields (GPTConfig's docstring), vocab_size excepted (the tokenizer's)."""
+    placeholder = config_dict.placeholder
+    m = config_dict.ConfigDict()
+    m.block_size = 256
+    m.n_layer = 6
+    m.n_head = 6
+    m.n_kv_head = placeholder(int)  # None: n_head (plain multi-head attention)
+    m.n_embd = 384
+    m.dropout = 0.0
+    m.bias = True
+    m.tie_embeddings = True
+    m.dtype = "float32"  # compute dtype; parameters and optimizer state stay float32
+    m.attention = "dot_product"  # a registered attention: "dot_product", "einsum" (reference), "cudnn"
+    m.block = "gpt2"             # a registered block (jaxgpt.model): "gpt2" (pre-norm) or "parallel"
+    m.kernels = "auto"  # the backend: "auto" (by platform), "portable" or "cpu": see jaxgpt/backends/
+    m.scan_layers = False  # blocks stored stacked, run as one lax.scan: compile time flat in depth
+    m.remat = "none"       # "block" or "dots": recompute activations in the backward to save memory
+    m.position = "learned"  # "learned" (GPT-2's wpe) or "rope" (rotary, base rope_theta)
+    m.rope_theta = 10000.0
+    m.norm = "layernorm"    # or "rmsnorm"
+    m.mlp = "gelu"          # or "swiglu" (gate/up/down)
+    m.mlp_hidden = placeholder(int)  # None: 4 * n_embd (gelu) or ~8/3 * n_embd (swiglu)
+    m.layer_norm_epsilon = 1e-5
+    # the modern (speedrun) recipe, each part off by default (GPTConfig's docstring; README "Options")
+    m.qk_norm = False         # RMS-normalise q and k per head
+    m.zero_init_proj = False  # output projections start at zero
+    m.logit_softcap = 0.0     # > 0: logits = cap * tanh(logits / cap)
+    m.embed_skip = False      # every block's input mixes in the embedding (two learned weights each)
+    m.value_embeds = 0        # k > 0: k token tables mixed into the values of the first and last k blocks
+
+    return m
 
 
 def model_config_from(config, vocab_size: int) -> GPTConfig:
@@ -145,6 +166,13 @@ def validate_config(config, device_count: int = 1) -> None:
          "train.warmup_steps", f"must be an integer >= 0, got {t.warmup_steps!r}")
     need(t.decay_steps is None or (t.decay_steps >= t.warmup_steps and t.decay_steps >= 1), "train.decay_steps",
          f"must be >= warmup_steps ({t.warmup_steps}), got {t.decay_steps}")
+    need(t.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {OPTIMIZERS}, got {t.optimizer!r}")
+    need(t.schedule in SCHEDULES, "train.schedule", f"must be one of {SCHEDULES}, got {t.schedule!r}")
+    need(0 < t.decay_fraction <= 1, "train.decay_fraction", f"must be in (0, 1], got {t.decay_fraction}")
+    need(t.muon_lr > 0, "train.muon_lr", f"must be > 0, got {t.muon_lr}")
+    need(0 <= t.muon_momentum < 1, "train.muon_momentum", f"must be in [0, 1), got {t.muon_momentum}")
+    need(t.optimizer != "muon" or not t.lora.rank, "train.optimizer",
+         "'muon' trains whole models; LoRA adapters train with 'adamw'")
     need(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
     need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2", f"must be in [0, 1), got {t.beta1}, {t.beta2}")
     need(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 disables), got {t.grad_clip}")

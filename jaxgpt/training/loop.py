@@ -510,7 +510,7 @@ def _load_init(config, tokenizer):
 
 # what config.model may set over an init_from base: how it computes, not what its weights are
 # (block_size may only crop the position table: checked where it is cropped)
-_FREE_OVER_BASE = ("dropout", "dtype", "attention", "kernels", "scan_layers", "remat", "block_size")
+_FREE_OVER_BASE = ("dropout", "dtype", "attention", "kernels", "scan_layers", "remat", "block_size", "zero_init_proj")
 
 
 def _check_base_architecture(m, base_cfg, source: str) -> None:

@@ -36,6 +36,17 @@ def lr_schedule(lr: float, min_lr: float, warmup_steps: int, decay_steps: int) -
     return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, decay_steps, end_value=min_lr)
 
 
+def wsd_schedule(lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
+                 decay_fraction: float) -> optax.Schedule:
+    """Warmup-stable-decay: linear warmup from 0 to lr over warmup_steps, lr held, then a linear decay to
+    min_lr over the last `decay_fraction` of the decay_steps (at least one step), then min_lr."""
+    cool = max(1, round(decay_fraction * decay_steps))
+    start = max(decay_steps - cool, warmup_steps)
+    pieces = [optax.linear_schedule(0.0, lr, max(warmup_steps, 1)), optax.constant_schedule(lr),
+              optax.linear_schedule(lr, min_lr, max(decay_steps - start, 1))]
+    return optax.join_schedules(pieces, [max(warmup_steps, 1), start])
+
+
 def decay_mask(params) -> Any:
     """Weight decay only on parameters with two or more dimensions per layer (matmul kernels,
     embeddings); the stacked blocks `h` of a scan_layers model carry one extra leading axis."""
@@ -47,21 +58,69 @@ def decay_mask(params) -> Any:
 
 
 def make_schedule(train_cfg) -> optax.Schedule:
-    """The learning-rate schedule that a training config's `train` section describes."""
+    """The learning-rate schedule that a training config's `train` section describes: "cosine" (warmup,
+    cosine decay) or "wsd" (warmup, stable, linear decay over the last train.decay_fraction)."""
     decay = train_cfg.max_steps if train_cfg.decay_steps is None else train_cfg.decay_steps
+    if train_cfg.get("schedule", "cosine") == "wsd":
+        return wsd_schedule(train_cfg.lr, train_cfg.min_lr, train_cfg.warmup_steps, decay, train_cfg.decay_fraction)
     return lr_schedule(train_cfg.lr, train_cfg.min_lr, train_cfg.warmup_steps, decay)
 
 
+def muon_dimensions(params) -> Any:
+    """Which parameters Muon trains, as optax's MuonDimensionNumbers (the matrix axes: the last two, the
+    stacked blocks of scan_layers batched over their first): every block's matmul kernel. None for the
+    rest (embeddings, head, norms, biases, mixing weights), which AdamW trains."""
+    def dims(path, p):
+        top, name = getattr(path[0], "key", ""), getattr(path[-1], "key", "")
+        in_block = top == "h" or (top.startswith("h_") and top[2:].isdigit())
+        if name != "kernel" or not in_block or p.ndim < 2:
+            return None
+        return optax.contrib.MuonDimensionNumbers(reduction_axis=p.ndim - 2, output_axis=p.ndim - 1)
+
+    return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def _muon_labels(params) -> Any:
+    is_dims = lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)  # noqa: E731
+    return jax.tree_util.tree_map(lambda d: "adamw" if d is None else "muon", muon_dimensions(params),
+                                  is_leaf=is_dims)
+
+
+def scale_by_width() -> optax.GradientTransformation:
+    """Muon's shape factor: an orthogonalised [.., in, out] update times sqrt(max(1, out / in))."""
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map(lambda u: u * max(1.0, u.shape[-1] / u.shape[-2]) ** 0.5, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def muon(train_cfg, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """Muon (optax.contrib.scale_by_muon: Nesterov momentum train.muon_momentum, 5 Newton-Schulz steps),
+    the width factor, decoupled weight decay, and train.muon_lr on the schedule's shape."""
+    scale = train_cfg.muon_lr / train_cfg.lr
+    return optax.chain(
+        optax.contrib.scale_by_muon(beta=train_cfg.muon_momentum, nesterov=True,
+                                    weight_dimension_numbers=muon_dimensions),
+        scale_by_width(),
+        optax.add_decayed_weights(train_cfg.weight_decay),
+        optax.scale_by_learning_rate(lambda step: schedule(step) * scale))
+
+
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
-    """AdamW with clipping by global norm, the warmup-cosine schedule and the decay mask. With LoRA
-    (train.lora.rank > 0) the params are adapters: AdamW trains their a and b, and their constants (the
-    column masks and scales) take no update and hold no optimizer state."""
+    """Clipping by global norm, then AdamW with the schedule and the decay mask; with train.optimizer
+    "muon", Muon for the blocks' matmul kernels and AdamW for the rest. With LoRA (train.lora.rank > 0)
+    the params are adapters: AdamW trains their a and b, and their constants (the column masks and scales)
+    take no update and hold no optimizer state."""
     schedule = make_schedule(train_cfg)
     parts = []
     if train_cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(train_cfg.grad_clip))
-    parts.append(optax.adamw(schedule, b1=train_cfg.beta1, b2=train_cfg.beta2,
-                             weight_decay=train_cfg.weight_decay, mask=decay_mask))
+    adamw = optax.adamw(schedule, b1=train_cfg.beta1, b2=train_cfg.beta2, weight_decay=train_cfg.weight_decay,
+                        mask=decay_mask)
+    if train_cfg.get("optimizer", "adamw") == "muon":
+        adamw = optax.multi_transform({"muon": muon(train_cfg, schedule), "adamw": adamw}, _muon_labels)
+    parts.append(adamw)
     optimizer = optax.chain(*parts)
     if "lora" in train_cfg and train_cfg.lora.rank > 0:
         optimizer = optax.multi_transform({"train": optimizer, "freeze": optax.set_to_zero()}, trainable_labels)
