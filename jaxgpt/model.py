@@ -217,8 +217,11 @@ class GPT(nn.Module):
                        param_dtype=cfg.params_dtype, name="wte")
         x_BxTxD = wte(tokens_BxT)
         if cfg.position == "learned":  # (rotary positions turn q and k inside attention)
-            x_BxTxD = x_BxTxD + nn.Embed(cfg.block_size, cfg.n_embd, embedding_init=_init, dtype=act_dtype,
-                                         param_dtype=cfg.params_dtype, name="wpe")(positions_BxT)
+            wpe = nn.Embed(cfg.block_size, cfg.n_embd, embedding_init=_init, dtype=act_dtype,
+                           param_dtype=cfg.params_dtype, name="wpe")
+            # without a cache every row has positions 0..t-1: one [1, T, D] lookup broadcast over the rows
+            # (its gradient a sum over the rows, which a batch sharded on a mesh reduces where it lies)
+            x_BxTxD = x_BxTxD + (wpe(steps) if cache is None else wpe(positions_BxT))
         x_BxTxD = nn.Dropout(cfg.dropout)(x_BxTxD, deterministic=deterministic)
         if cfg.scan_layers:
             x_BxTxD, cache = self._scan_blocks(x_BxTxD, positions_BxT, cache, backend, deterministic)
