@@ -215,8 +215,8 @@ def one_process(tmp_path_factory):
 
 
 def test_fsdp_spec():
-    assert fsdp_spec((50, 32), 4) == P(None, "data") and fsdp_spec((128, 32), 4) == P("data")
-    assert fsdp_spec((32, 128), 4) == P(None, "data") and fsdp_spec((12, 12), 4) == P("data")
+    assert fsdp_spec((50, 32), 4) == P(None, "fsdp") and fsdp_spec((128, 32), 4) == P("fsdp")
+    assert fsdp_spec((32, 128), 4) == P(None, "fsdp") and fsdp_spec((12, 12), 4, "data") == P("data")
     assert fsdp_spec((3, 5), 4) == P() and fsdp_spec((), 4) == P() and fsdp_spec((8,), 1) == P()
 
 
@@ -230,9 +230,9 @@ def test_fsdp_shards_params_and_equals_replicated_training(one_process):
     for tree in (state.params, state.opt_state):
         for x in jax.tree_util.tree_leaves(tree):
             if x.ndim:
-                assert "data" in x.sharding.spec, (x.shape, x.sharding)
+                assert "fsdp" in x.sharding.spec, (x.shape, x.sharding)  # (train.fsdp: the mesh 'fsdp=-1')
                 assert x.addressable_shards[0].data.size * 4 == x.size
-    assert state.params["h_0"]["mlp"]["c_fc"]["kernel"].sharding.spec == P(None, "data")  # (32, 128)
+    assert state.params["h_0"]["mlp"]["c_fc"]["kernel"].sharding.spec == P(None, "fsdp")  # (32, 128)
     assert state.step.sharding.spec == P() and state.rng.sharding.spec == P()
     assert all(x.sharding.is_fully_replicated for x in jax.tree_util.tree_leaves(s_rep["state"]))
     # and trains as the replicated run does: losses of the first 3 steps, state after 3 steps
