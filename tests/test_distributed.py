@@ -179,13 +179,16 @@ def test_distributed_config_validation_and_auto_mode(monkeypatch):
 # no biases: the key part of c_attn's bias has a gradient that is zero up to rounding noise, which
 # Adam's normalisation turns into updates of up to lr, so it cannot match across reduction orders.
 
-MODES = {"pmap": ("pmap", False), "mesh": ("mesh", False), "mesh-fsdp": ("mesh", True)}
+# mode -> (train.parallel, train.fsdp, train.mesh); "mesh-dcn": the dcn axis across the two processes, the
+# state sharded over each process's own devices
+MODES = {"pmap": ("pmap", False, ""), "mesh": ("mesh", False, ""), "mesh-fsdp": ("mesh", True, ""),
+         "mesh-dcn": ("mesh", False, "dcn=2,fsdp=-1")}
 
 
 def _config(root, mode, out, **train_kw):
-    parallel, fsdp = MODES[mode]
+    parallel, fsdp, mesh = MODES[mode]
     kw = dict(max_steps=5, decay_steps=10, warmup_steps=2, log_interval=1, eval_interval=100, eval_steps=1,
-              checkpoint_interval=3, peak_flops=1e9, parallel=parallel, fsdp=fsdp)
+              checkpoint_interval=3, peak_flops=1e9, parallel=parallel, fsdp=fsdp, mesh=mesh)
     kw.update(train_kw)
     c = tiny_config(root, **kw)
     c.model.n_layer = 1
