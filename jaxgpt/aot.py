@@ -415,7 +415,8 @@ def _report(program: str, compiled, seconds: float, devs: Devices, formula_flops
 def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = True) -> dict:
     """Compile the step jaxgpt-train runs for `config` on the target's devices; a dict of figures.
 
-    With train.parallel=mesh the step is MeshRunner's (jit over a 1-D mesh, FSDP when train.fsdp); with
+    With train.parallel=mesh the step is MeshRunner's (jit over train.mesh's mesh, by default a 1-D mesh,
+    FSDP when train.fsdp; the tpu backend's splash kernel runs in it per batch shard); with
     train.steps_per_call=K the K-step program that the loop calls. pmap has no compile-only path: a pmap
     config compiles as what pmap is built on, its per-device step under shard_map over the same mesh
     (replicated state, batch rows over the devices, gradients averaged with pmean).
@@ -423,7 +424,7 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
     import jax
     import numpy as np
 
-    from jaxgpt.training.config import validate_config
+    from jaxgpt.training.config import parallel_mode, validate_config
     from jaxgpt.lora import LoraSpec, init_adapters
     from jaxgpt.model import abstract_params, flops_per_token
     from jaxgpt.training.parallel import MeshRunner
@@ -437,7 +438,9 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
     t = config.train
     gcfg, backend = model_config(config, vocab_size, devs.target.platform)
     optimizer, schedule = make_optimizer(t), make_schedule(t)
-    runner = MeshRunner(gcfg, optimizer, t.grad_accum, schedule, devices=devs.devices, fsdp=t.fsdp, backend=backend)
+    runner = MeshRunner(gcfg, optimizer, t.grad_accum, schedule, devices=devs.devices, fsdp=t.fsdp, backend=backend,
+                        mesh=t.mesh)
+    on_mesh = parallel_mode(t) == "mesh"
     lora = LoraSpec.from_config(t.lora)
     seed = config.seed
 
@@ -455,11 +458,11 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
         batch = jax.ShapeDtypeStruct((k, rows, block), np.int32, sharding=runner.stack_sharding)
     else:
         batch = jax.ShapeDtypeStruct((rows, block), np.int32, sharding=runner.batch_sharding)
-    step = runner.jitted_step(state, many=k > 1) if t.parallel == "mesh" else \
+    step = runner.jitted_step(state, many=k > 1) if on_mesh else \
         _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, t.grad_accum, k, state)
     compiled, seconds = _compile("train step", lambda: step.lower(state, batch, batch), devs, progress)
     formula = flops_per_token(gcfg, block) * rows * block * k / n
-    extra = {"parallel": runner.name if t.parallel == "mesh" else "pmap (compiled as its per-device step under shard_map)",
+    extra = {"parallel": runner.name if on_mesh else "pmap (compiled as its per-device step under shard_map)",
              "batch_size": rows, "seq_len": block, "grad_accum": t.grad_accum, "steps_per_call": k,
              "per_device_batch": rows // n, "remat": gcfg.remat, "scan_layers": gcfg.scan_layers,
              "dtype": gcfg.dtype, "kernels": backend.name, "attention": gcfg.attention}

@@ -235,7 +235,7 @@ class GPT(nn.Module):
         steps = jnp.arange(t, dtype=jnp.int32)[None, :]
         positions_BxT = jnp.broadcast_to(steps, (b, t)) if cache is None else cache.lengths[:, None] + steps
         overflow_B = None if cache is None else cache.overflow(t)
-        x_BxTxD, wte = self._embed(tokens_BxT, positions_BxT, backend, deterministic)
+        x_BxTxD, wte = self._embed(tokens_BxT, positions_BxT, backend, deterministic, cache is not None)
         skip_Lx2, ve_L = self._layer_inputs(tokens_BxT, backend)
         x0_BxTxD = x_BxTxD if skip_Lx2 is not None else None
         if cfg.scan_layers:
@@ -257,7 +257,7 @@ class GPT(nn.Module):
         cache = cache.advance(t if token_lengths is None else token_lengths)
         return jnp.where(overflow_B[:, None, None], jnp.nan, logits), cache
 
-    def _embed(self, tokens_BxT, positions_BxT, backend: Backend, deterministic: bool):
+    def _embed(self, tokens_BxT, positions_BxT, backend: Backend, deterministic: bool, cached: bool):
         """Token (+ learned position) embeddings, after dropout; and the token table (for a tied head)."""
         cfg = self.config
         act_dtype = backend.activation_dtype(cfg.compute_dtype)
@@ -265,8 +265,12 @@ class GPT(nn.Module):
                        param_dtype=cfg.params_dtype, name="wte")
         x_BxTxD = wte(tokens_BxT)
         if cfg.position == "learned":  # (rotary positions turn q and k inside attention)
-            x_BxTxD = x_BxTxD + nn.Embed(cfg.block_size, cfg.n_embd, embedding_init=_init, dtype=act_dtype,
-                                         param_dtype=cfg.params_dtype, name="wpe")(positions_BxT)
+            wpe = nn.Embed(cfg.block_size, cfg.n_embd, embedding_init=_init, dtype=act_dtype,
+                           param_dtype=cfg.params_dtype, name="wpe")
+            # without a cache every row has positions 0..t-1: one [1, T, D] lookup broadcast over the rows
+            # (its gradient a sum over the rows, which a batch sharded on a mesh reduces where it lies)
+            steps = jnp.arange(tokens_BxT.shape[1], dtype=jnp.int32)[None, :]
+            x_BxTxD = x_BxTxD + (wpe(positions_BxT) if cached else wpe(steps))
         return nn.Dropout(cfg.dropout)(x_BxTxD, deterministic=deterministic), wte
 
     def _layer_inputs(self, tokens_BxT, backend: Backend):

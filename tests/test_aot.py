@@ -87,6 +87,20 @@ def test_train_step_and_generate_compile_for_the_target(target, kind, fsdp):
 
 
 @needs_aot
+def test_a_2d_mesh_step_with_splash_compiles_for_a_tpu():
+    # train.mesh (which implies parallel=mesh): splash runs per batch shard in shard_map, the state is
+    # sharded over fsdp only (parameters gathered over it, gradients reduce-scattered back)
+    aot.prepare_environment()
+    config = _tiny(parallel="pmap", mesh="data=2,fsdp=2", grad_accum=2)
+    train = aot.compile_for_target(config, aot.parse_target("tpu:v5e:2x2"), progress=False,
+                                   programs=("train",))["programs"]["train"]
+    assert train["fits"] and train["kernels"] == "tpu" and train["parallel"] == "mesh (data=2, fsdp=2)"
+    assert train["custom_calls"].get("tpu_custom_call", 0) > 0  # splash's forward and backward kernels
+    assert train["collectives"]["all-gather"] > 0 and train["collectives"]["reduce-scatter"] > 0
+    assert 0.8 < train["flops_ratio"] < 1.5
+
+
+@needs_aot
 def test_a_step_too_big_is_refused_in_one_line(tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "jaxgpt.cli.aot", "--target=tpu:v5e:2x2", "--programs=train", "--vocab_size=2000000",

@@ -179,13 +179,16 @@ def test_distributed_config_validation_and_auto_mode(monkeypatch):
 # no biases: the key part of c_attn's bias has a gradient that is zero up to rounding noise, which
 # Adam's normalisation turns into updates of up to lr, so it cannot match across reduction orders.
 
-MODES = {"pmap": ("pmap", False), "mesh": ("mesh", False), "mesh-fsdp": ("mesh", True)}
+# mode -> (train.parallel, train.fsdp, train.mesh); "mesh-dcn": the dcn axis across the two processes, the
+# state sharded over each process's own devices
+MODES = {"pmap": ("pmap", False, ""), "mesh": ("mesh", False, ""), "mesh-fsdp": ("mesh", True, ""),
+         "mesh-dcn": ("mesh", False, "dcn=2,fsdp=-1")}
 
 
 def _config(root, mode, out, **train_kw):
-    parallel, fsdp = MODES[mode]
+    parallel, fsdp, mesh = MODES[mode]
     kw = dict(max_steps=5, decay_steps=10, warmup_steps=2, log_interval=1, eval_interval=100, eval_steps=1,
-              checkpoint_interval=3, peak_flops=1e9, parallel=parallel, fsdp=fsdp)
+              checkpoint_interval=3, peak_flops=1e9, parallel=parallel, fsdp=fsdp, mesh=mesh)
     kw.update(train_kw)
     c = tiny_config(root, **kw)
     c.model.n_layer = 1
@@ -215,8 +218,8 @@ def one_process(tmp_path_factory):
 
 
 def test_fsdp_spec():
-    assert fsdp_spec((50, 32), 4) == P(None, "data") and fsdp_spec((128, 32), 4) == P("data")
-    assert fsdp_spec((32, 128), 4) == P(None, "data") and fsdp_spec((12, 12), 4) == P("data")
+    assert fsdp_spec((50, 32), 4) == P(None, "fsdp") and fsdp_spec((128, 32), 4) == P("fsdp")
+    assert fsdp_spec((32, 128), 4) == P(None, "fsdp") and fsdp_spec((12, 12), 4, "data") == P("data")
     assert fsdp_spec((3, 5), 4) == P() and fsdp_spec((), 4) == P() and fsdp_spec((8,), 1) == P()
 
 
@@ -230,9 +233,9 @@ def test_fsdp_shards_params_and_equals_replicated_training(one_process):
     for tree in (state.params, state.opt_state):
         for x in jax.tree_util.tree_leaves(tree):
             if x.ndim:
-                assert "data" in x.sharding.spec, (x.shape, x.sharding)
+                assert "fsdp" in x.sharding.spec, (x.shape, x.sharding)  # (train.fsdp: the mesh 'fsdp=-1')
                 assert x.addressable_shards[0].data.size * 4 == x.size
-    assert state.params["h_0"]["mlp"]["c_fc"]["kernel"].sharding.spec == P(None, "data")  # (32, 128)
+    assert state.params["h_0"]["mlp"]["c_fc"]["kernel"].sharding.spec == P(None, "fsdp")  # (32, 128)
     assert state.step.sharding.spec == P() and state.rng.sharding.spec == P()
     assert all(x.sharding.is_fully_replicated for x in jax.tree_util.tree_leaves(s_rep["state"]))
     # and trains as the replicated run does: losses of the first 3 steps, state after 3 steps

@@ -7,11 +7,13 @@ never names an implementation; `jaxgpt.backends.resolve` picks the value once pe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import math
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from jaxgpt.attention import AttentionFn, check_shapes, dot_product_attention, get_attention
 from jaxgpt.cache import CacheLayout
@@ -41,6 +43,10 @@ class Backend:
     - `fast_bf16`: whether bfloat16 matmuls are faster than float32 here (a bf16 run says so if not).
     - `run_once_options`: XLA options for programs run once (parameter init), as (key, value) pairs.
     - `setup()`: process-wide preparation, called when a step or decoder is built.
+    - `per_shard_attention`: its attention kernels are calls XLA cannot partition (Pallas TPU's Mosaic
+      kernels): under jit over a mesh whose axes shard the batch they run per batch shard in shard_map.
+    - `batch_mesh`: (mesh, batch axes) of the jit the programs run under, set by `on_mesh` (MeshRunner);
+      None: no mesh, or one device.
     """
 
     name: str
@@ -52,10 +58,23 @@ class Backend:
     fast_bf16: bool = True
     run_once_options: tuple = ()
     setup: Callable[[], None] = _nothing
+    per_shard_attention: bool = False
+    batch_mesh: Optional[tuple] = None
 
     def attention(self, name: str) -> AttentionFn:
         """The function that computes the registered attention `name` on this backend."""
-        return dict(self.attention_kernels).get(name) or get_attention(name)
+        kernel = dict(self.attention_kernels).get(name)
+        if kernel is None:
+            return get_attention(name)
+        if self.per_shard_attention and self.batch_mesh is not None:
+            return per_batch_shard(kernel, *self.batch_mesh)
+        return kernel
+
+    def on_mesh(self, mesh, batch_axes: tuple) -> "Backend":
+        """This backend for programs jitted over `mesh` with the batch sharded over `batch_axes`."""
+        if math.prod(mesh.shape[a] for a in batch_axes) == 1:
+            return self
+        return dataclasses.replace(self, batch_mesh=(mesh, tuple(batch_axes)))
 
     def activation_dtype(self, compute_dtype) -> jnp.dtype:
         """The dtype activations travel in between matmuls."""
@@ -87,6 +106,29 @@ def decode_weights(backend: Backend, params: Any, batch_size: int, compute_dtype
     """The params cast to the compute dtype plus `backend.prepare_decode`'s forms for `batch_size` rows."""
     params = cast_floats(params, compute_dtype)
     return DecodeWeights(params, backend.prepare_decode(params, batch_size, compute_dtype, tie_embeddings))
+
+
+def per_batch_shard(attend: AttentionFn, mesh, batch_axes: tuple) -> AttentionFn:
+    """`attend` (the registry's signature; every argument batch-first, rows independent) run in shard_map
+    over `batch_axes` of `mesh`, each device on its rows, heads whole. A batch the axes do not divide
+    runs whole on every device (right, only slower)."""
+    n = math.prod(mesh.shape[a] for a in batch_axes)
+
+    def sharded(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None):
+        args = (q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
+        given = tuple(i for i, a in enumerate(args) if a is not None)
+        rows = P(batch_axes) if q_BxTxNxH.shape[0] % n == 0 else P()
+
+        def per_shard(*arrays):
+            full = [None] * len(args)
+            for i, a in zip(given, arrays):
+                full[i] = a
+            return attend(*full)
+
+        # (check_vma=False: Pallas calls carry no varying-manual-axes rule; every output is per row)
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows,) * len(given), out_specs=rows,
+                             check_vma=False)(*(args[i] for i in given))
+    return sharded
 
 
 def self_attention_kernel(kernel: Callable) -> AttentionFn:

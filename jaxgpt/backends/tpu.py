@@ -19,4 +19,5 @@ def _splash(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, interpret: bool):
 @functools.lru_cache(maxsize=None)
 def make_backend(interpret: bool) -> Backend:
     attend = self_attention_kernel(functools.partial(_splash, interpret=interpret))
-    return Backend(name="tpu", attention_kernels=(("dot_product", attend),))
+    # (a Mosaic call cannot be partitioned by XLA: under jit over a mesh it runs per batch shard)
+    return Backend(name="tpu", attention_kernels=(("dot_product", attend),), per_shard_attention=True)

@@ -39,7 +39,10 @@ def _kernel(num_heads: int, t_padded: int, block: int, interpret: bool):
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                               block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                               block_q_dq=block, block_kv_dq=block)
-    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    # its mask tables are made with jnp.array: made concrete even inside a trace (shard_map stages them
+    # out), or the cached kernel would hold the first trace's tracers
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = False) -> jax.Array:

@@ -7,12 +7,15 @@ becomes a GPTConfig.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ml_collections import config_dict
 
 from jaxgpt import distributed
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.lora import LoraSpec
+from jaxgpt.training.mesh import mesh_sizes, parse_mesh
 
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "dropout", "bias", "tie_embeddings",
               "dtype", "attention", "block", "kernels", "scan_layers", "remat", "position", "rope_theta", "norm", "mlp",
@@ -63,7 +66,11 @@ def default_config():
     c.train.eval_steps = 20
     c.train.log_interval = 10
     c.train.parallel = "pmap"    # pmap | mesh
-    c.train.fsdp = False         # mesh only: shard params and optimizer state over the data axis
+    c.train.fsdp = False         # mesh only: shard params and optimizer state over the devices ("fsdp=-1")
+    # the mesh's axes and sizes, e.g. "data=-1,fsdp=2" or "dcn=2,data=-1,fsdp=4" (implies parallel=mesh): batch
+    # over all of dcn (across slices), data and fsdp, the state sharded over fsdp; -1: the rest of the devices.
+    # "": "data=-1", or "fsdp=-1" with fsdp=True (jaxgpt/training/mesh.py)
+    c.train.mesh = ""
     c.train.checkpoint_interval = 250
     c.train.keep_checkpoints = 2
     c.train.peak_flops = placeholder(float)  # per device, for MFU; None: measured or known for the device
@@ -113,6 +120,11 @@ def _model_section():
     return m
 
 
+def parallel_mode(train_cfg) -> str:
+    """How the step runs: 'mesh' whenever train.mesh names a mesh, else train.parallel."""
+    return "mesh" if train_cfg.get("mesh") else train_cfg.parallel
+
+
 def model_config_from(config, vocab_size: int) -> GPTConfig:
     """The GPTConfig described by a training config's `model` section."""
     m = config.model
@@ -131,8 +143,24 @@ def _check_keys(config, schema, prefix=""):
             _check_keys(config[k], schema[k], prefix + k + ".")
 
 
-def validate_config(config, device_count: int = 1) -> None:
-    """Raise ValueError naming the key for unknown keys or values that cannot work."""
+def _check_mesh(t, device_count: Optional[int]) -> None:
+    """train.mesh: well formed, and with a known device count one whose sizes multiply to it."""
+    if not isinstance(t.mesh, str):
+        raise ValueError(f"config.train.mesh must be a string such as 'data=-1,fsdp=2', got {t.mesh!r}")
+    if not t.mesh:
+        return
+    if t.fsdp:
+        raise ValueError("config.train.fsdp: train.fsdp=True is the mesh 'fsdp=-1'; with train.mesh set, "
+                         "leave it False and name an fsdp axis in train.mesh (e.g. 'data=-1,fsdp=2')")
+    if device_count is None:
+        parse_mesh(t.mesh)
+    else:
+        mesh_sizes(t.mesh, device_count)
+
+
+def validate_config(config, device_count: Optional[int] = None) -> None:
+    """Raise ValueError naming the key for unknown keys or values that cannot work; `device_count` (the
+    devices the step will run on) None leaves out the checks that need it."""
     _check_keys(config, default_config())
     if not isinstance(config.out_dir, str) or not config.out_dir.strip():
         raise ValueError(f"config.out_dir must name a folder, got {config.out_dir!r}; e.g. --config.out_dir=out")
@@ -152,13 +180,15 @@ def validate_config(config, device_count: int = 1) -> None:
          "float16 training has no loss scaling (gradients underflow); use bfloat16 or float32")
     need(t.parallel in PARALLEL_MODES, "train.parallel", f"must be one of {PARALLEL_MODES}, got {t.parallel!r}")
     need(isinstance(t.fsdp, bool), "train.fsdp", f"must be True or False, got {t.fsdp!r}")
-    need(not t.fsdp or t.parallel == "mesh", "train.fsdp",
+    need(not t.fsdp or t.parallel == "mesh" or t.mesh, "train.fsdp",
          "needs train.parallel='mesh' (pmap keeps a whole copy of the state on every device)")
+    _check_mesh(t, device_count)
     if "distributed" in config:
         distributed.check_config(config.distributed)
-    need(t.batch_size % (device_count * t.grad_accum) == 0, "train.batch_size",
-         f"{t.batch_size} must be divisible by the device count ({device_count}) times "
-         f"train.grad_accum ({t.grad_accum})")
+    n = device_count or 1  # (every mesh axis carries batch: the batch axes span all the devices)
+    need(t.batch_size % (n * t.grad_accum) == 0, "train.batch_size",
+         f"{t.batch_size} must be divisible by the device count ({n}; the product of the batch axes "
+         f"of train.mesh) times train.grad_accum ({t.grad_accum})")
     need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     need(0 <= t.min_lr <= t.lr, "train.min_lr", f"must be in [0, lr={t.lr}], got {t.min_lr}")
     # warmup past max_steps is allowed (a short smoke run of a long config): the loop warns about it

@@ -23,7 +23,7 @@ from jaxgpt.lora import LoraSpec, init_adapters
 from jaxgpt.model import convert_layers, flops_per_token, init_params, num_params
 from jaxgpt.report import warn
 from jaxgpt.training import run_dir
-from jaxgpt.training.config import model_config_from, validate_config
+from jaxgpt.training.config import model_config_from, parallel_mode, validate_config
 from jaxgpt.training.metrics import MetricsLog, peak_flops
 from jaxgpt.training.parallel import make_runner
 from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
@@ -108,7 +108,7 @@ def train(config) -> dict:
     validate_config(config)  # the device-independent checks, before the first JAX call
     from jaxgpt import distributed
     distributed.initialize(config)  # jax.distributed as config.distributed says (a no-op if it already ran)
-    n_devices = jax.device_count() if cfg_t.parallel == "mesh" else jax.local_device_count() * jax.process_count()
+    n_devices = jax.device_count() if parallel_mode(cfg_t) == "mesh" else jax.local_device_count() * jax.process_count()
     validate_config(config, n_devices)
     is_main = jax.process_index() == 0
     out_dir = run_dir.resolve_out_dir(config.out_dir)
@@ -200,8 +200,8 @@ class _Run:
             gcfg = gcfg.replace(dtype="float32")
         self.gcfg = gcfg
         self.optimizer, self.schedule = make_optimizer(cfg_t), make_schedule(cfg_t)
-        self.runner = make_runner(cfg_t.parallel, gcfg, self.optimizer, cfg_t.grad_accum, self.schedule,
-                                  fsdp=cfg_t.fsdp, backend=self.backend)
+        self.runner = make_runner(parallel_mode(cfg_t), gcfg, self.optimizer, cfg_t.grad_accum, self.schedule,
+                                  fsdp=cfg_t.fsdp, backend=self.backend, mesh=cfg_t.mesh)
         self.init_args = () if params is None else (params,)
 
     def make_state(self, *pretrained):

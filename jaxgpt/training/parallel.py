@@ -7,11 +7,12 @@ each process hands its runner only its own rows of the global batch, and the sta
 - `PmapRunner`: data parallel with `jax.pmap` over this process's devices; the axis spans all
   processes' devices, so `pmean` averages over the whole global batch. State is replicated with a
   leading local-device axis.
-- `MeshRunner`: `jax.jit` over a 1-D `Mesh` of all global devices, batch sharded over `data`. State is
-  replicated, or with `fsdp=True` sharded over the same `data` axis (each leaf along its largest
-  dimension divisible by the number of devices; leaves with no such dimension stay replicated). XLA
-  gathers the parameters for the forward and backward passes and reduce-scatters the gradients; the
-  update is the same as replicated training.
+- `MeshRunner`: `jax.jit` over a `Mesh` of all global devices with axes dcn, data and fsdp
+  (jaxgpt.training.mesh; `train.mesh`), the batch sharded over all of them. State is replicated over
+  dcn and data and sharded over fsdp (each leaf along its largest dimension divisible by the fsdp axis'
+  size; leaves with no such dimension stay replicated). XLA gathers the parameters for the forward and
+  backward passes and reduce-scatters the gradients; the update is the same as replicated training.
+  Without `train.mesh` the mesh is 1-D: 'data=-1' (replicated), or 'fsdp=-1' with `fsdp=True`.
 """
 
 from __future__ import annotations
@@ -24,23 +25,25 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.backends import Backend, resolve
 from jaxgpt.config import GPTConfig
+from jaxgpt.training.mesh import build_mesh, mesh_text
 from jaxgpt.training.step import make_eval_step, make_train_step, map_batches, repeat_steps
 
-AXIS = "data"
+AXIS = "data"  # pmap's axis, and the mesh's replicated batch axis
+FSDP = "fsdp"  # the mesh axis that shards the state
 
 tree_map = jax.tree_util.tree_map
 
 
-def fsdp_spec(shape: tuple[int, ...], n: int) -> P:
-    """The PartitionSpec that shards the largest dimension divisible by `n` over the data axis (the
-    first such one on ties); P() (replicated) when no dimension divides, or when n == 1."""
+def fsdp_spec(shape: tuple[int, ...], n: int, axis: str = FSDP) -> P:
+    """The PartitionSpec that shards the largest dimension divisible by `n` over `axis` (of size n; the
+    first such dimension on ties); P() (replicated) when no dimension divides, or when n == 1."""
     best = None
     for i, d in enumerate(shape):
         if n > 1 and d >= n and d % n == 0 and (best is None or d > shape[best]):
             best = i
     if best is None:
         return P()
-    return P(*([None] * best), AXIS)
+    return P(*([None] * best), axis)
 
 
 def _local_value(a) -> np.ndarray:
@@ -207,33 +210,40 @@ class PmapRunner:
 
 
 class MeshRunner:
-    """The same step under `jax.jit` over a 1-D Mesh of all devices: batch sharded over `data`; state
-    replicated, or sharded over `data` too with `fsdp=True`."""
+    """The same step under `jax.jit` over a Mesh of all devices (`mesh`, a train.mesh string; default
+    'data=-1', or 'fsdp=-1' with `fsdp=True`): batch sharded over every axis, state over fsdp."""
 
     name = "mesh"
 
     def __init__(self, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, devices=None,
-                 fsdp: bool = False, backend: Optional[Backend] = None):
-        self.mesh = Mesh(np.array(devices if devices is not None else jax.devices()), (AXIS,))
+                 fsdp: bool = False, backend: Optional[Backend] = None, mesh: str = ""):
+        self.mesh = build_mesh(mesh_text(mesh, fsdp), devices)
         self.n = self.mesh.size
-        self.fsdp = bool(fsdp)
-        if self.fsdp:
+        self.fsdp_size = self.mesh.shape[FSDP] if FSDP in self.mesh.axis_names else 0  # 0: no fsdp axis
+        self.fsdp = self.fsdp_size > 0
+        if mesh:
+            self.name = f"mesh ({', '.join(f'{a}={s}' for a, s in self.mesh.shape.items())})"
+        elif self.fsdp:
             self.name = "mesh (fsdp)"
+        axes = tuple(self.mesh.axis_names)  # every axis carries batch
+        self.batch_axes = axes
+        rows = axes[0] if len(axes) == 1 else axes
         self.replicated = NamedSharding(self.mesh, P())
-        self.batch_sharding = NamedSharding(self.mesh, P(AXIS))
-        backend = backend or resolve(config)
+        self.batch_sharding = NamedSharding(self.mesh, P(rows))
+        self.stack_sharding = NamedSharding(self.mesh, P(None, rows))  # [K, rows, T]: rows over the batch axes
+        backend = (backend or resolve(config)).on_mesh(self.mesh, axes)  # (splash runs per batch shard)
+        self.backend = backend
         self._train_step = make_train_step(config, optimizer, grad_accum, axis_name=None, schedule=schedule,
-                                           backend=backend)
+                                           backend=backend, batch_sharding=self.batch_sharding)
         self._once = backend.compile_once_options()  # for init_state
         self._eval_step = make_eval_step(config, backend=backend)
-        self.stack_sharding = NamedSharding(self.mesh, P(None, AXIS))  # [K, rows, T]: rows over the data axis
         self._step = self._steps = self._eval = None  # jitted on first use, when the state's structure is known
 
     def state_shardings(self, state):
-        """Per leaf: replicated, or with fsdp its largest dimension divisible by the mesh size sharded."""
+        """Per leaf: replicated, or with an fsdp axis its largest dimension divisible by its size sharded."""
         if not self.fsdp:
             return tree_map(lambda _: self.replicated, state)
-        return tree_map(lambda x: NamedSharding(self.mesh, fsdp_spec(tuple(x.shape), self.n)), state)
+        return tree_map(lambda x: NamedSharding(self.mesh, fsdp_spec(tuple(x.shape), self.fsdp_size)), state)
 
     def abstract_state(self, make_state: Callable, *args):
         """ShapeDtypeStructs of `make_state(*args)` laid out as this runner keeps it: a restore target."""
@@ -255,7 +265,7 @@ class MeshRunner:
         return state
 
     def put_batch(self, x: np.ndarray):
-        """This process's rows -> one global array sharded over the data axis."""
+        """This process's rows -> one global array, rows sharded over the batch axes."""
         global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
         return jax.make_array_from_process_local_data(self.batch_sharding, x, global_shape)
 
@@ -281,7 +291,7 @@ class MeshRunner:
         return self._steps(state, self._put_stack(xs), self._put_stack(ys))
 
     def _put_stack(self, a: np.ndarray):
-        """This process's rows of K batches [K, b, T] -> one global array, rows sharded over the data axis."""
+        """This process's rows of K batches [K, b, T] -> one global array, rows sharded over the batch axes."""
         shape = (a.shape[0], a.shape[1] * jax.process_count()) + a.shape[2:]
         return jax.make_array_from_process_local_data(self.stack_sharding, a, shape)
 
@@ -300,11 +310,16 @@ class MeshRunner:
 
 
 def make_runner(kind: str, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, fsdp: bool = False,
-                backend: Optional[Backend] = None):
-    """A PmapRunner or MeshRunner by name ('pmap' | 'mesh'); `fsdp` applies to the mesh only. The backend
-    (default `resolve(config)`) is chosen here, once, for every program the runner compiles."""
+                backend: Optional[Backend] = None, mesh: str = ""):
+    """A PmapRunner or MeshRunner by name ('pmap' | 'mesh'); `fsdp` and `mesh` (a train.mesh string, which
+    means 'mesh' whatever `kind` says) apply to the mesh only. The backend (default `resolve(config)`) is
+    chosen here, once, for every program the runner compiles."""
     backend = backend or resolve(config)
     backend.setup()
+    if mesh:
+        if fsdp:
+            raise ValueError("train.fsdp and train.mesh both set: put an fsdp axis in train.mesh instead")
+        return MeshRunner(config, optimizer, grad_accum, schedule, backend=backend, mesh=mesh)
     if kind == "pmap":
         if fsdp:
             raise ValueError("train.fsdp needs train.parallel='mesh' (pmap keeps a full copy per device)")

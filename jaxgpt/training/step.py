@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import NamedSharding
 
 from jaxgpt.backends import Backend, resolve
 from jaxgpt.config import GPTConfig
@@ -146,15 +147,17 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, grad_accum: int = 1,
                     axis_name: Optional[str] = None, schedule: Optional[optax.Schedule] = None,
-                    backend: Optional[Backend] = None):
+                    backend: Optional[Backend] = None, batch_sharding: Optional[NamedSharding] = None):
     """Build `train_step(state, x, y) -> (state, metrics)` for x, y int [b, T].
 
     The b rows are split into `grad_accum` micro-batches whose gradients are averaged, which equals one
     step on all b rows. With `axis_name` (under pmap) gradients and metrics are averaged over that axis.
-    `backend` None: `resolve(config)`, once, here.
+    `backend` None: `resolve(config)`, once, here. `batch_sharding` (under jit over a mesh): the rows'
+    sharding, which every micro-batch is held to (XLA would otherwise be free to lay them out otherwise).
     """
     model = GPT(config, backend or resolve(config))
     deterministic = config.dropout == 0.0
+    rows = _constrain_rows(batch_sharding)
 
     def loss_fn(params, frozen, x, y, rng):
         logits = model.apply(model_variables(params, frozen), x, deterministic=deterministic, rngs={"dropout": rng})
@@ -176,11 +179,12 @@ def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, 
         def micro(carry, inputs):
             loss_sum, grad_sum = carry
             i, xi, yi = inputs
+            xi, yi = rows(xi), rows(yi)
             loss, grads = grad_fn(state.params, state.frozen, xi, yi, jax.random.fold_in(rng, i))
             return (loss_sum + loss, jax.tree_util.tree_map(jnp.add, grad_sum, grads)), None
 
         if grad_accum == 1:
-            loss, grads = grad_fn(state.params, state.frozen, x, y, rng)
+            loss, grads = grad_fn(state.params, state.frozen, rows(x), rows(y), rng)
         else:
             zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
             (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros),
@@ -199,6 +203,13 @@ def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, 
         return new_state, metrics
 
     return train_step
+
+
+def _constrain_rows(sharding: Optional[NamedSharding]):
+    """`x [b, T] -> x` held to `sharding` inside a jit (the identity without one)."""
+    if sharding is None:
+        return lambda x: x
+    return lambda x: jax.lax.with_sharding_constraint(x, sharding)
 
 
 def repeat_steps(train_step):
