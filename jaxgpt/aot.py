@@ -392,19 +392,22 @@ def _compile(program: str, lowered_fn: Callable[[], Any], devs: Devices, progres
 
 
 def _report(program: str, compiled, seconds: float, devs: Devices, formula_flops: Optional[float],
-            extra: dict, loop_trips: int = 1, layer_loop: bool = False) -> dict:
+            extra: dict, loop_trips: int = 1, layer_loop: bool = False, loss_loop: bool = False) -> dict:
     """The figures of one compiled program. XLA's cost analysis counts a while loop's body once: the
     compiler's flops are compared with the formula over `loop_trips` (grad_accum micro-batches times
-    steps_per_call), and not at all when the layers run as a loop (scan_layers: one layer counted)."""
+    steps_per_call), and not at all when the layers run as a loop (scan_layers: one layer counted) or the
+    loss does (train.loss_chunk: one chunk of the head counted)."""
     mem = _memory(compiled)
     flops = _flops(compiled)
     hlo = compiled.as_text() or ""
-    comparable = formula_flops and flops is not None and not layer_loop
+    comparable = formula_flops and flops is not None and not layer_loop and not loss_loop
+    once = " and ".join(w for w, on in (("one layer (scan_layers)", layer_loop),
+                                        ("one chunk of the loss (train.loss_chunk)", loss_loop)) if on)
     out = {"program": program, **extra, "compile_s": round(seconds, 2), **mem,
            "memory_bytes": devs.memory_bytes, "limit_bytes": devs.limit_bytes,
            "fits": mem.get("peak_bytes", 0) <= devs.limit_bytes,
            "flops_per_device": flops, "formula_flops_per_device": formula_flops,
-           "flops_counted_for": (None if not formula_flops else "one layer (scan_layers)" if layer_loop else
+           "flops_counted_for": (None if not formula_flops else once if once else
                                  f"1/{loop_trips} of the step (XLA counts a loop body once)" if loop_trips > 1 else
                                  "the whole step"),
            "flops_ratio": round(flops * loop_trips / formula_flops, 4) if comparable else None,
@@ -438,8 +441,9 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
     t = config.train
     gcfg, backend = model_config(config, vocab_size, devs.target.platform)
     optimizer, schedule = make_optimizer(t), make_schedule(t)
+    loss_chunk = t.get("loss_chunk", 0)
     runner = MeshRunner(gcfg, optimizer, t.grad_accum, schedule, devices=devs.devices, fsdp=t.fsdp, backend=backend,
-                        mesh=t.mesh)
+                        mesh=t.mesh, loss_chunk=loss_chunk)
     on_mesh = parallel_mode(t) == "mesh"
     lora = LoraSpec.from_config(t.lora)
     seed = config.seed
@@ -459,18 +463,19 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
     else:
         batch = jax.ShapeDtypeStruct((rows, block), np.int32, sharding=runner.batch_sharding)
     step = runner.jitted_step(state, many=k > 1) if on_mesh else \
-        _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, t.grad_accum, k, state)
+        _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, t.grad_accum, k, state, loss_chunk)
     compiled, seconds = _compile("train step", lambda: step.lower(state, batch, batch), devs, progress)
     formula = flops_per_token(gcfg, block) * rows * block * k / n
     extra = {"parallel": runner.name if on_mesh else "pmap (compiled as its per-device step under shard_map)",
              "batch_size": rows, "seq_len": block, "grad_accum": t.grad_accum, "steps_per_call": k,
              "per_device_batch": rows // n, "remat": gcfg.remat, "scan_layers": gcfg.scan_layers,
-             "dtype": gcfg.dtype, "kernels": backend.name, "attention": gcfg.attention}
+             "dtype": gcfg.dtype, "kernels": backend.name, "attention": gcfg.attention, "loss_chunk": loss_chunk}
     return _report("train step", compiled, seconds, devs, formula, extra, loop_trips=t.grad_accum * k,
-                   layer_loop=gcfg.scan_layers)
+                   layer_loop=gcfg.scan_layers, loss_loop=bool(loss_chunk))
 
 
-def _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, grad_accum: int, k: int, state):
+def _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, grad_accum: int, k: int, state,
+                       loss_chunk: int = 0):
     """The jitted per-device step of PmapRunner (axis "data", pmean of gradients) under shard_map."""
     import jax
     from jax.sharding import PartitionSpec as P
@@ -478,7 +483,8 @@ def _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, grad_accum: i
     from jaxgpt.training.parallel import AXIS
     from jaxgpt.training.step import make_train_step, repeat_steps
 
-    step = make_train_step(gcfg, optimizer, grad_accum, axis_name=AXIS, schedule=schedule, backend=backend)
+    step = make_train_step(gcfg, optimizer, grad_accum, axis_name=AXIS, schedule=schedule, backend=backend,
+                           loss_chunk=loss_chunk)
     step = repeat_steps(step) if k > 1 else step
     rows = P(None, AXIS) if k > 1 else P(AXIS)
     mapped = jax.shard_map(step, mesh=runner.mesh, in_specs=(P(), rows, rows), out_specs=(P(), P()),
@@ -582,7 +588,8 @@ def format_result(result: dict) -> str:
         if p["program"] == "train step":
             head = (f"train step via {p['parallel']}: batch {p['batch_size']} x {p['seq_len']} ({p['per_device_batch']} "
                     f"rows per device), grad_accum {p['grad_accum']}, steps_per_call {p['steps_per_call']}, remat "
-                    f"{p['remat']}, dtype {p['dtype']}, kernels {p['kernels']}")
+                    f"{p['remat']}, dtype {p['dtype']}, kernels {p['kernels']}"
+                    + (f", loss in chunks of {p['loss_chunk']} positions" if p.get("loss_chunk") else ""))
         else:
             head = (f"generate: batch {p['batch_size']}, prompt {p['prompt_len']}, {p['max_new_tokens']} new tokens, "
                     f"dtype {p['dtype']}, kernels {p['kernels']}")

@@ -216,17 +216,29 @@ class GPT(nn.Module):
     """Token (+ position) embeddings, `n_layer` registered blocks, a final norm, a (tied) head -> float32
     logits [B, T, V]. With `cache=` the tokens continue each row at its cache length and the call returns
     `(logits, new_cache)` (NaN logits for a row that overflows it, under jit); `token_lengths` [B] counts
-    each row's real tokens, `logits_index` [B] keeps one position per row. `backend` None: resolve(config)."""
+    each row's real tokens, `logits_index` [B] keeps one position per row. `hidden=True` returns the final
+    norm's output [B, T, D] instead of logits, for `head` to turn into logits a piece at a time (the
+    chunked loss, jaxgpt.training.step). `backend` None: resolve(config)."""
 
     config: GPTConfig
     backend: Optional[Backend] = None
 
+    def setup(self):
+        # the untied head is made here, not inline in __call__, so that `head` also runs on its own
+        # (`model.apply(variables, h, method=GPT.head)`); its parameters keep the name lm_head
+        if not self.config.tie_embeddings:
+            self.lm_head = Dense(self.config.vocab_size, False, self.config, self._backend(), out_dtype=jnp.float32)
+
+    @nn.nowrap
+    def _backend(self) -> Backend:
+        return self.backend or resolve(self.config)
+
     @nn.compact
     def __call__(self, tokens_BxT: jax.Array, cache: Optional[KVCache] = None, *,
                  token_lengths: Optional[jax.Array] = None, logits_index: Optional[jax.Array] = None,
-                 deterministic: bool = True):
+                 deterministic: bool = True, hidden: bool = False):
         cfg = self.config
-        backend = self.backend or resolve(cfg)
+        backend = self._backend()
         if tokens_BxT.ndim != 2:
             raise ValueError(f"tokens must be int [batch, time], got shape {tokens_BxT.shape}")
         b, t = tokens_BxT.shape
@@ -235,7 +247,7 @@ class GPT(nn.Module):
         steps = jnp.arange(t, dtype=jnp.int32)[None, :]
         positions_BxT = jnp.broadcast_to(steps, (b, t)) if cache is None else cache.lengths[:, None] + steps
         overflow_B = None if cache is None else cache.overflow(t)
-        x_BxTxD, wte = self._embed(tokens_BxT, positions_BxT, backend, deterministic, cache is not None)
+        x_BxTxD = self._embed(tokens_BxT, positions_BxT, backend, deterministic, cache is not None)
         skip_Lx2, ve_L = self._layer_inputs(tokens_BxT, backend)
         x0_BxTxD = x_BxTxD if skip_Lx2 is not None else None
         if cfg.scan_layers:
@@ -251,14 +263,15 @@ class GPT(nn.Module):
                     x_BxTxD, positions_BxT, cache, None if cache is None else i, **extras)
         if logits_index is not None:
             x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_index.astype(jnp.int32)[:, None, None], axis=1)
-        logits = self._head(norm(cfg, backend, "ln_f")(x_BxTxD), wte, backend)
+        h_BxTxD = norm(cfg, backend, "ln_f")(x_BxTxD)
+        out = h_BxTxD if hidden else self.head(h_BxTxD)
         if cache is None:
-            return logits
+            return out
         cache = cache.advance(t if token_lengths is None else token_lengths)
-        return jnp.where(overflow_B[:, None, None], jnp.nan, logits), cache
+        return jnp.where(overflow_B[:, None, None], jnp.nan, out), cache
 
     def _embed(self, tokens_BxT, positions_BxT, backend: Backend, deterministic: bool, cached: bool):
-        """Token (+ learned position) embeddings, after dropout; and the token table (for a tied head)."""
+        """Token (+ learned position) embeddings, after dropout."""
         cfg = self.config
         act_dtype = backend.activation_dtype(cfg.compute_dtype)
         wte = nn.Embed(cfg.vocab_size, cfg.n_embd, embedding_init=_init, dtype=act_dtype,
@@ -271,7 +284,7 @@ class GPT(nn.Module):
             # (its gradient a sum over the rows, which a batch sharded on a mesh reduces where it lies)
             steps = jnp.arange(tokens_BxT.shape[1], dtype=jnp.int32)[None, :]
             x_BxTxD = x_BxTxD + (wpe(positions_BxT) if cached else wpe(steps))
-        return nn.Dropout(cfg.dropout)(x_BxTxD, deterministic=deterministic), wte
+        return nn.Dropout(cfg.dropout)(x_BxTxD, deterministic=deterministic)
 
     def _layer_inputs(self, tokens_BxT, backend: Backend):
         """What each block takes besides the residual stream: the embedding-skip weights [L, 2]
@@ -295,15 +308,17 @@ class GPT(nn.Module):
                 for i in range(cfg.n_layer)]
         return skip_Lx2, ve_L
 
-    def _head(self, x_BxTxD, wte: nn.Embed, backend: Backend):
-        """float32 logits: the untied `lm_head`, or x @ wte.T contracting the table as it is stored (or the
-        backend's prepared copy of it); soft-capped to (-cap, cap) with `logit_softcap`."""
+    def head(self, h_BxTxD: jax.Array) -> jax.Array:
+        """float32 logits [B, T, V] of final-norm outputs h [B, T, D]: the untied `lm_head`, or h @ wte.T
+        contracting the table as it is stored (or the backend's prepared copy of it); soft-capped to
+        (-cap, cap) with `logit_softcap`. The model's one head, for the full forward and the chunked loss."""
         cfg = self.config
         if not cfg.tie_embeddings:
-            logits = Dense(cfg.vocab_size, False, cfg, backend, out_dtype=jnp.float32, name="lm_head")(x_BxTxD)
+            logits = self.lm_head(h_BxTxD)
         else:
-            head = self.get_variable("prepared", "head") if self.has_variable("prepared", "head") else wte.embedding
-            logits = backend.linear(x_BxTxD, head, cfg.compute_dtype, w_out_in=True, out_dtype=jnp.float32)
+            head = (self.get_variable("prepared", "head") if self.has_variable("prepared", "head")
+                    else self.get_variable("params", "wte")["embedding"])
+            logits = self._backend().linear(h_BxTxD, head, cfg.compute_dtype, w_out_in=True, out_dtype=jnp.float32)
         if cfg.logit_softcap:
             logits = cfg.logit_softcap * jnp.tanh(logits / cfg.logit_softcap)
         return logits

@@ -106,7 +106,7 @@ class PmapRunner:
     name = "pmap"
 
     def __init__(self, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, devices=None,
-                 backend: Optional[Backend] = None):
+                 backend: Optional[Backend] = None, loss_chunk: int = 0):
         # Without explicit devices pmap maps over the local devices (on several processes its axis, and
         # so pmean, still spans all of them); explicit devices are for single-process subsets.
         self.devices = list(devices) if devices is not None else jax.local_devices()
@@ -118,7 +118,8 @@ class PmapRunner:
         self._layout = NamedSharding(Mesh(np.array(self.devices), (AXIS,)), P(AXIS))
         kw = {} if devices is None else {"devices": self.devices}
         backend = backend or resolve(config)
-        step = make_train_step(config, optimizer, grad_accum, axis_name=AXIS, schedule=schedule, backend=backend)
+        step = make_train_step(config, optimizer, grad_accum, axis_name=AXIS, schedule=schedule, backend=backend,
+                               loss_chunk=loss_chunk)
         self._once = backend.compile_once_options()  # for init_state
         self._impls = None  # the key implementation of each state leaf (None: not a key), from put_state
 
@@ -130,8 +131,8 @@ class PmapRunner:
 
         self._step = jax.pmap(raw(step), axis_name=AXIS, donate_argnums=(0,), **kw)
         self._steps = jax.pmap(raw(repeat_steps(step)), axis_name=AXIS, donate_argnums=(0,), **kw)
-        self._eval = jax.pmap(map_batches(make_eval_step(config, axis_name=AXIS, backend=backend)), axis_name=AXIS,
-                              **kw)
+        evals = map_batches(make_eval_step(config, axis_name=AXIS, backend=backend, loss_chunk=loss_chunk))
+        self._eval = jax.pmap(evals, axis_name=AXIS, **kw)
 
     def state_shardings(self, state):
         """Shardings of the state as get_state returns it (and checkpoints hold it): replicated."""
@@ -216,7 +217,7 @@ class MeshRunner:
     name = "mesh"
 
     def __init__(self, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, devices=None,
-                 fsdp: bool = False, backend: Optional[Backend] = None, mesh: str = ""):
+                 fsdp: bool = False, backend: Optional[Backend] = None, mesh: str = "", loss_chunk: int = 0):
         self.mesh = build_mesh(mesh_text(mesh, fsdp), devices)
         self.n = self.mesh.size
         self.fsdp_size = self.mesh.shape[FSDP] if FSDP in self.mesh.axis_names else 0  # 0: no fsdp axis
@@ -234,9 +235,9 @@ class MeshRunner:
         backend = (backend or resolve(config)).on_mesh(self.mesh, axes)  # (splash runs per batch shard)
         self.backend = backend
         self._train_step = make_train_step(config, optimizer, grad_accum, axis_name=None, schedule=schedule,
-                                           backend=backend, batch_sharding=self.batch_sharding)
+                                           backend=backend, batch_sharding=self.batch_sharding, loss_chunk=loss_chunk)
         self._once = backend.compile_once_options()  # for init_state
-        self._eval_step = make_eval_step(config, backend=backend)
+        self._eval_step = make_eval_step(config, backend=backend, loss_chunk=loss_chunk)
         self._step = self._steps = self._eval = None  # jitted on first use, when the state's structure is known
 
     def state_shardings(self, state):
@@ -310,24 +311,24 @@ class MeshRunner:
 
 
 def make_runner(kind: str, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, fsdp: bool = False,
-                backend: Optional[Backend] = None, mesh: str = ""):
+                backend: Optional[Backend] = None, mesh: str = "", loss_chunk: int = 0):
     """A PmapRunner or MeshRunner by name ('pmap' | 'mesh'); `fsdp` and `mesh` (a train.mesh string, which
-    means 'mesh' whatever `kind` says) apply to the mesh only. The backend (default `resolve(config)`) is
-    chosen here, once, for every program the runner compiles."""
+    means 'mesh' whatever `kind` says) apply to the mesh only; `loss_chunk` (train.loss_chunk) to both. The
+    backend (default `resolve(config)`) is chosen here, once, for every program the runner compiles."""
     backend = backend or resolve(config)
     backend.setup()
     if mesh:
         if fsdp:
             raise ValueError("train.fsdp and train.mesh both set: put an fsdp axis in train.mesh instead")
-        return MeshRunner(config, optimizer, grad_accum, schedule, backend=backend, mesh=mesh)
+        return MeshRunner(config, optimizer, grad_accum, schedule, backend=backend, mesh=mesh, loss_chunk=loss_chunk)
     if kind == "pmap":
         if fsdp:
             raise ValueError("train.fsdp needs train.parallel='mesh' (pmap keeps a full copy per device)")
         if jax.device_count() == 1:  # nothing to map over: plain jit skips pmap's per-call overhead
-            runner = MeshRunner(config, optimizer, grad_accum, schedule, backend=backend)
+            runner = MeshRunner(config, optimizer, grad_accum, schedule, backend=backend, loss_chunk=loss_chunk)
             runner.name = "pmap (one device: jit)"
             return runner
-        return PmapRunner(config, optimizer, grad_accum, schedule, backend=backend)
+        return PmapRunner(config, optimizer, grad_accum, schedule, backend=backend, loss_chunk=loss_chunk)
     if kind == "mesh":
-        return MeshRunner(config, optimizer, grad_accum, schedule, fsdp=fsdp, backend=backend)
+        return MeshRunner(config, optimizer, grad_accum, schedule, fsdp=fsdp, backend=backend, loss_chunk=loss_chunk)
     raise ValueError(f"train.parallel must be one of ['mesh', 'pmap'], got {kind!r}")
