@@ -264,3 +264,50 @@ def test_zero_init_projections_export_like_any_gpt2(tmp_path):
     from jaxgpt.pretrained import save_pretrained
     cfg = GPTConfig(**BASE, zero_init_proj=True)
     assert (save_pretrained(init_params(cfg, jax.random.key(0)), cfg, tmp_path / "hf") / "config.json").exists()
+
+
+def test_newton_schulz_in_bfloat16_stays_near_float32_and_float32_equals_optax_muon():
+    from jaxgpt.training.step import newton_schulz
+    rng = np.random.default_rng(3)
+    g = jnp.asarray(rng.normal(size=(24, 8)), jnp.float32)  # tall: orthogonalised on its wide orientation
+    want = np.asarray(_newton_schulz(g))
+    np.testing.assert_allclose(newton_schulz(g), want, rtol=2e-4, atol=1e-6)
+    half = np.asarray(newton_schulz(g, dtype=jnp.bfloat16))
+    assert np.abs(half - want).max() < 0.05 * np.abs(want).max() and np.abs(half - want).max() > 0
+    # stacked [L, in, out] matrices are orthogonalised one by one
+    stack = jnp.stack([g, 2 * g + 1])
+    np.testing.assert_allclose(newton_schulz(stack)[1], _newton_schulz(2 * g + 1), rtol=2e-4, atol=1e-6)
+    # the whole Muon transform, float32, against optax's own Muon with its 5 iterations
+    params = {"h_0": {"mlp": {"c_fc": {"kernel": g}}}}
+    t = _train_cfg(min_lr=1e-3, weight_decay=0.0)
+    ours = make_optimizer(t)
+    theirs = optax.chain(optax.contrib.scale_by_muon(beta=t.muon_momentum, nesterov=True,
+                                                     weight_dimension_numbers=muon_dimensions),
+                         optax.scale(-t.muon_lr))
+    s1, s2 = ours.init(params), theirs.init(params)
+    for step in range(3):
+        grads = {"h_0": {"mlp": {"c_fc": {"kernel": jnp.asarray(rng.normal(size=g.shape), jnp.float32)}}}}
+        u1, s1 = ours.update(grads, s1, params)
+        u2, s2 = theirs.update(grads, s2, params)
+        np.testing.assert_allclose(u1["h_0"]["mlp"]["c_fc"]["kernel"], u2["h_0"]["mlp"]["c_fc"]["kernel"],
+                                   rtol=2e-4, atol=1e-6)
+    t.muon_ns_dtype = "float16"
+    c = default_config()
+    c.train = t
+    with pytest.raises(ValueError, match="muon_ns_dtype"):
+        validate_config(c)
+
+
+def test_a_target_val_loss_stops_the_run_at_the_first_eval_that_reaches_it_with_a_checkpoint(tmp_path, capsys):
+    from jaxgpt.checkpoint import existing_steps
+    c = tiny_config(tmp_path, max_steps=30, eval_interval=10, checkpoint_interval=30, target_val_loss=50.0)
+    summary = train(c)
+    assert summary["steps"] == 10 and summary["reached_target"] and summary["target_step"] == 10
+    assert existing_steps(c.out_dir) == [10]
+    assert "<= train.target_val_loss 50 at step 10" in capsys.readouterr().out
+    c = tiny_config(tmp_path / "b", max_steps=20, eval_interval=10, target_val_loss=0.01)  # out of reach
+    summary = train(c)
+    assert summary["steps"] == 20 and "reached_target" not in summary
+    c.train.target_val_loss = -1.0
+    with pytest.raises(ValueError, match="target_val_loss"):
+        validate_config(c)

@@ -7,12 +7,14 @@ becomes a GPTConfig.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from ml_collections import config_dict
 
 from jaxgpt import distributed
-from jaxgpt.checks import is_int
+from jaxgpt.checks import is_int, is_real
+from jaxgpt.compile_cache import cache_folder
 from jaxgpt.config import GPTConfig
 from jaxgpt.lora import LoraSpec
 from jaxgpt.training.mesh import mesh_sizes, parse_mesh
@@ -34,6 +36,8 @@ def default_config():
     c.seed = 1337
     c.init_from = "scratch"  # "scratch", "resume", a GPT-2 name ("gpt2", ...), a jaxgpt run folder or an HF folder
     c.overwrite = False      # allow a fresh start in an out_dir that already holds checkpoints
+    # compiled programs kept on disk for the next run: "auto" ($JAXGPT_CACHE/xla), "off", or a folder
+    c.compile_cache = "auto"
 
     c.model = _model_section()
     c.data = config_dict.ConfigDict()
@@ -49,9 +53,13 @@ def default_config():
     c.train.grad_accum = 1       # micro-batches per step; the update equals one batch_size batch
     c.train.max_steps = 2000
     c.train.steps_per_call = 1   # optimizer steps per compiled call (a lax.scan): fewer host round trips
+    # > 0: the loss over chunks of this many positions of every row, logits [rows, loss_chunk, V] at a time
+    # (recomputed in the backward), never the whole [rows, T, V]: memory for large vocabularies. 0: off
+    c.train.loss_chunk = 0
     c.train.optimizer = "adamw"  # or "muon": Muon for the blocks' matmul kernels, AdamW (lr) for the rest
     c.train.muon_lr = 0.02       # Muon's peak learning rate (on the same schedule as lr)
     c.train.muon_momentum = 0.95
+    c.train.muon_ns_dtype = "float32"  # Muon's Newton-Schulz matmul operands: "float32" or "bfloat16" (float32 sums)
     c.train.lr = 1e-3
     c.train.min_lr = 1e-4
     c.train.schedule = "cosine"  # "cosine" (warmup, cosine decay) or "wsd" (warmup, stable, linear decay)
@@ -64,6 +72,7 @@ def default_config():
     c.train.grad_clip = 1.0      # 0 disables clipping
     c.train.eval_interval = 250
     c.train.eval_steps = 20
+    c.train.target_val_loss = placeholder(float)  # stop (and save) once an eval's val loss is at or below it
     c.train.log_interval = 10
     c.train.parallel = "pmap"    # pmap | mesh
     c.train.fsdp = False         # mesh only: shard params and optimizer state over the devices ("fsdp=-1")
@@ -200,16 +209,23 @@ def validate_config(config, device_count: Optional[int] = None) -> None:
     need(t.schedule in SCHEDULES, "train.schedule", f"must be one of {SCHEDULES}, got {t.schedule!r}")
     need(0 < t.decay_fraction <= 1, "train.decay_fraction", f"must be in (0, 1], got {t.decay_fraction}")
     need(t.muon_lr > 0, "train.muon_lr", f"must be > 0, got {t.muon_lr}")
+    need(t.muon_ns_dtype in ("float32", "bfloat16"), "train.muon_ns_dtype",
+         f"must be 'float32' or 'bfloat16', got {t.muon_ns_dtype!r}")
     need(0 <= t.muon_momentum < 1, "train.muon_momentum", f"must be in [0, 1), got {t.muon_momentum}")
     need(t.optimizer != "muon" or not t.lora.rank, "train.optimizer",
          "'muon' trains whole models; LoRA adapters train with 'adamw'")
     need(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
     need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2", f"must be in [0, 1), got {t.beta1}, {t.beta2}")
     need(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 disables), got {t.grad_clip}")
+    need(is_int(t.loss_chunk) and t.loss_chunk >= 0, "train.loss_chunk",
+         f"must be an integer >= 0 (positions per chunk of the loss; 0: whole logits), got {t.loss_chunk!r}")
+    need(t.target_val_loss is None or (is_real(t.target_val_loss) and 0 < t.target_val_loss < math.inf),
+         "train.target_val_loss", f"must be a finite loss > 0 (None: train to max_steps), got {t.target_val_loss!r}")
     need(t.peak_flops is None or t.peak_flops > 0, "train.peak_flops", f"must be > 0, got {t.peak_flops}")
     need(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
     need(d.tokenizer != "bpe" or (d.vocab_size or 0) > 256, "data.vocab_size",
          "the bpe tokenizer needs data.vocab_size > 256")
+    cache_folder(config.compile_cache)
     need(isinstance(config.init_from, str) and config.init_from != "", "init_from",
          "must be 'scratch', 'resume', a GPT-2 name or a folder")
     lora = t.lora

@@ -16,6 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxgpt import checkpoint as ckpt_lib
+from jaxgpt import compile_cache
 from jaxgpt.backends import resolve
 from jaxgpt.backends.cpu import cpu_dispatch
 from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset, tokenizer_difference, tokenizer_fingerprint
@@ -108,6 +109,7 @@ def train(config) -> dict:
     validate_config(config)  # the device-independent checks, before the first JAX call
     from jaxgpt import distributed
     distributed.initialize(config)  # jax.distributed as config.distributed says (a no-op if it already ran)
+    compile_cache.enable(config.get("compile_cache", "auto"))  # before the first compilation
     n_devices = jax.device_count() if parallel_mode(cfg_t) == "mesh" else jax.local_device_count() * jax.process_count()
     validate_config(config, n_devices)
     is_main = jax.process_index() == 0
@@ -201,7 +203,8 @@ class _Run:
         self.gcfg = gcfg
         self.optimizer, self.schedule = make_optimizer(cfg_t), make_schedule(cfg_t)
         self.runner = make_runner(parallel_mode(cfg_t), gcfg, self.optimizer, cfg_t.grad_accum, self.schedule,
-                                  fsdp=cfg_t.fsdp, backend=self.backend, mesh=cfg_t.mesh)
+                                  fsdp=cfg_t.fsdp, backend=self.backend, mesh=cfg_t.mesh,
+                                  loss_chunk=cfg_t.get("loss_chunk", 0))
         self.init_args = () if params is None else (params,)
 
     def make_state(self, *pretrained):
@@ -377,8 +380,11 @@ class _Run:
                 pending = None
             if do_eval:
                 last_val = self._eval_and_log()
-            if do_save:
+            reached = do_eval and self._reached_target(last_val)
+            if do_save or reached:
                 self._save(last_val if do_eval else None)
+            if reached:
+                break
             if stop:
                 self._stopped(preempt, do_save)
                 break
@@ -394,6 +400,16 @@ class _Run:
                   f"{ev['val_ppl']:.2f} | val bits/byte {ev['val_bpb']:.3f} | best val {self.best_val:.4f}")
         self.summary.update(ev)
         return ev["val_loss"]
+
+    def _reached_target(self, val_loss: float) -> bool:
+        """Whether train.target_val_loss is set and `val_loss` reaches it (the run then saves and stops)."""
+        target = self.cfg_t.get("target_val_loss")
+        if target is None or val_loss > target:
+            return False
+        self.summary.update(reached_target=True, target_step=self.step, target_s=time.time() - self.t0)
+        self.note(f"jaxgpt: val loss {val_loss:.4f} <= train.target_val_loss {target:g} at step {self.step} "
+                  f"({self.summary['target_s']:.1f}s from the start): stopping with a checkpoint")
+        return True
 
     def _save(self, val_loss: Optional[float]) -> None:
         state = self.runner.get_state(self.state).replace(frozen=None)

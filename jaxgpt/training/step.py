@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from flax import struct
 from jax.sharding import NamedSharding
 
 from jaxgpt.backends import Backend, resolve
+from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.lora import trainable_labels
 from jaxgpt.model import GPT
@@ -96,13 +98,45 @@ def scale_by_width() -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Muon's quintic (optax's default, Keller Jordan's modded-nanogpt)
+
+
+def newton_schulz(x: jax.Array, steps: int = 5, dtype=jnp.float32) -> jax.Array:
+    """Muon's orthogonalisation of the matrices x [..., m, n] (leading axes batch): on the wide orientation,
+    scaled to unit Frobenius norm, `steps` quintic iterations x <- a x + (b A + c A^2) x with A = x x^T,
+    their matmuls on `dtype` operands accumulating in float32 (bfloat16 halves the time on CPUs with it)."""
+    a, b, c = NS_COEFFS
+    tall = x.shape[-2] > x.shape[-1]
+    x = jnp.swapaxes(x, -1, -2) if tall else x
+    x = x.astype(jnp.float32)
+    x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + 1e-8)
+    mm = lambda u, v: jnp.matmul(u.astype(dtype), v.astype(dtype), preferred_element_type=jnp.float32)  # noqa: E731
+    for _ in range(steps):
+        gram = mm(x, jnp.swapaxes(x, -1, -2))
+        x = a * x + mm(b * gram + c * mm(gram, gram), x)
+    return jnp.swapaxes(x, -1, -2) if tall else x
+
+
+def orthogonalize(steps: int = 5, dtype=jnp.float32) -> optax.GradientTransformation:
+    """`newton_schulz` over every update (the matrices' last two axes)."""
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map(lambda u: newton_schulz(u, steps, dtype).astype(u.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def muon(train_cfg, schedule: optax.Schedule) -> optax.GradientTransformation:
-    """Muon (optax.contrib.scale_by_muon: Nesterov momentum train.muon_momentum, 5 Newton-Schulz steps),
-    the width factor, decoupled weight decay, and train.muon_lr on the schedule's shape."""
+    """Muon (optax.contrib.scale_by_muon's Nesterov momentum train.muon_momentum; then 5 Newton-Schulz
+    steps, in train.muon_ns_dtype), the width factor, decoupled weight decay, and train.muon_lr on the
+    schedule's shape."""
     scale = train_cfg.muon_lr / train_cfg.lr
+    ns_dtype = jnp.dtype(train_cfg.get("muon_ns_dtype", "float32"))
     return optax.chain(
-        optax.contrib.scale_by_muon(beta=train_cfg.muon_momentum, nesterov=True,
+        # optax's momentum and normalisation (ns_steps=0), then the iterations in the chosen precision
+        optax.contrib.scale_by_muon(ns_steps=0, beta=train_cfg.muon_momentum, nesterov=True,
                                     weight_dimension_numbers=muon_dimensions),
+        orthogonalize(5, ns_dtype),
         scale_by_width(),
         optax.add_decayed_weights(train_cfg.weight_decay),
         optax.scale_by_learning_rate(lambda step: schedule(step) * scale))
@@ -145,23 +179,73 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return losses.mean()
 
 
+def chunked_cross_entropy(head: Callable[[Any, jax.Array], jax.Array], head_vars: Any, h_BxTxD: jax.Array,
+                          targets_BxT: jax.Array, chunk: int) -> jax.Array:
+    """cross_entropy(head(head_vars, h), targets) for hidden states h [B, T, D], computed over chunks of
+    `chunk` positions of every row: one [B, chunk, V] block of logits at a time, recomputed in the backward
+    pass (jax.checkpoint) instead of kept, so the whole [B, T, V] logits never exist. Each chunk spans all
+    the rows, so rows sharded over devices stay sharded; a last partial chunk is padded and masked out."""
+    if check_loss_chunk(chunk) == 0:
+        raise ValueError("config.train.loss_chunk: chunked_cross_entropy needs chunks of >= 1 positions")
+    b, t, d = h_BxTxD.shape
+    c = min(chunk, t)
+    n = -(-t // c)
+    pad = n * c - t
+    mask_BxT = jnp.pad(jnp.ones((b, t), jnp.float32), ((0, 0), (0, pad)))
+    h_BxTxD = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0)))
+    targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+    hs_NxBxCxD = h_BxTxD.reshape(b, n, c, d).swapaxes(0, 1)
+    ys_NxBxC, ms_NxBxC = (a.reshape(b, n, c).swapaxes(0, 1) for a in (targets_BxT, mask_BxT))
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk_sum(head_vars, h_BxCxD, y_BxC, m_BxC):
+        logits_BxCxV = head(head_vars, h_BxCxD).astype(jnp.float32)
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits_BxCxV, y_BxC) * m_BxC)
+
+    def body(total, xs):
+        return total + chunk_sum(head_vars, *xs), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hs_NxBxCxD, ys_NxBxC, ms_NxBxC))
+    return total / (b * t)
+
+
+def check_loss_chunk(loss_chunk) -> int:
+    """`loss_chunk` itself when it is an integer >= 0 (0: whole logits); else a ValueError naming the key."""
+    if not is_int(loss_chunk) or loss_chunk < 0:
+        raise ValueError(f"config.train.loss_chunk: must be an integer >= 0 (positions per chunk of the loss; "
+                         f"0 computes the whole logits), got {loss_chunk!r}")
+    return int(loss_chunk)
+
+
+def model_loss(model: GPT, variables: dict, x: jax.Array, y: jax.Array, loss_chunk: int = 0, **apply_kw) -> jax.Array:
+    """Mean next-token cross-entropy of `model` on x, y int [B, T]: from the whole logits [B, T, V], or with
+    `loss_chunk` > 0 from the final hidden states, `loss_chunk` positions at a time (the same value)."""
+    if not loss_chunk:
+        return cross_entropy(model.apply(variables, x, **apply_kw), y)
+    h_BxTxD = model.apply(variables, x, hidden=True, **apply_kw)
+    return chunked_cross_entropy(lambda v, h: model.apply(v, h, method=GPT.head), variables, h_BxTxD, y, loss_chunk)
+
+
 def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, grad_accum: int = 1,
                     axis_name: Optional[str] = None, schedule: Optional[optax.Schedule] = None,
-                    backend: Optional[Backend] = None, batch_sharding: Optional[NamedSharding] = None):
+                    backend: Optional[Backend] = None, batch_sharding: Optional[NamedSharding] = None,
+                    loss_chunk: int = 0):
     """Build `train_step(state, x, y) -> (state, metrics)` for x, y int [b, T].
 
     The b rows are split into `grad_accum` micro-batches whose gradients are averaged, which equals one
     step on all b rows. With `axis_name` (under pmap) gradients and metrics are averaged over that axis.
     `backend` None: `resolve(config)`, once, here. `batch_sharding` (under jit over a mesh): the rows'
     sharding, which every micro-batch is held to (XLA would otherwise be free to lay them out otherwise).
+    `loss_chunk` > 0 (train.loss_chunk): the loss over that many positions at a time (`model_loss`).
     """
     model = GPT(config, backend or resolve(config))
     deterministic = config.dropout == 0.0
     rows = _constrain_rows(batch_sharding)
+    loss_chunk = check_loss_chunk(loss_chunk)
 
     def loss_fn(params, frozen, x, y, rng):
-        logits = model.apply(model_variables(params, frozen), x, deterministic=deterministic, rngs={"dropout": rng})
-        return cross_entropy(logits, y)
+        return model_loss(model, model_variables(params, frozen), x, y, loss_chunk, deterministic=deterministic,
+                          rngs={"dropout": rng})
 
     grad_fn = jax.value_and_grad(loss_fn)
 
@@ -231,12 +315,15 @@ def map_batches(eval_step):
     return evals
 
 
-def make_eval_step(config: GPTConfig, axis_name: Optional[str] = None, backend: Optional[Backend] = None):
-    """Build `eval_step(params, x, y, frozen=None) -> mean loss` (deterministic, float32)."""
+def make_eval_step(config: GPTConfig, axis_name: Optional[str] = None, backend: Optional[Backend] = None,
+                   loss_chunk: int = 0):
+    """Build `eval_step(params, x, y, frozen=None) -> mean loss` (deterministic, float32), over chunks of
+    `loss_chunk` positions when > 0 (as the train step)."""
     model = GPT(config, backend or resolve(config))
+    loss_chunk = check_loss_chunk(loss_chunk)
 
     def eval_step(params, x, y, frozen=None):
-        loss = cross_entropy(model.apply(model_variables(params, frozen), x), y)
+        loss = model_loss(model, model_variables(params, frozen), x, y, loss_chunk)
         return jax.lax.pmean(loss, axis_name) if axis_name is not None else loss
 
     return eval_step
