@@ -144,7 +144,7 @@ def main():
             results["ablations"][f"{how} {name}"] = {**r, "overrides": overrides}
             print(f"{how} {name} ({' '.join(flags)}): {describe(r)}", flush=True)
     summarise(results, args, modes)
-    print(f"results: {write_results('speedrun', results)}")
+    print(f"results: {write_results('speedrun_ablation' if args.pieces else 'speedrun', results)}")
 
 
 def summarise(results: dict, args, modes) -> None:

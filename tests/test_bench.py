@@ -79,3 +79,19 @@ def test_train_benchmark_times_every_side_in_every_round(tmp_path, monkeypatch):
                                                              "nanogpt": 6}
     assert row["ms_per_step"] > 0 and row["peer"]["ms_per_step"] > 0 and row["nanogpt"]["ms_per_step"] > 0
     assert row["speedup_vs_nanogpt"] == pytest.approx(row["nanogpt"]["ms_per_step"] / row["ms_per_step"])
+
+
+def test_speedrun_ablations_toggle_each_piece_into_a_valid_config():
+    from bench.speedrun import PIECES, load_config, toggles
+    from jaxgpt.training.config import validate_config
+    config = load_config("configs/speedrun_char_cpu.py")
+    t = toggles(config, sorted(PIECES))
+    assert t["muon"] == ("without", {"train.optimizer": "adamw"})
+    assert t["embed_skip"] == ("with", {"model.embed_skip": True})  # off in the speedrun config
+    for name, (how, overrides) in t.items():
+        c = load_config("configs/speedrun_char_cpu.py")
+        for key, value in overrides.items():
+            section, field = key.split(".")
+            assert c[section][field] != value, f"toggling {name} changes nothing"
+            c[section][field] = value
+        validate_config(c, device_count=1)
