@@ -429,7 +429,7 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
 
     from jaxgpt.training.config import parallel_mode, validate_config
     from jaxgpt.lora import LoraSpec, init_adapters
-    from jaxgpt.model import abstract_params, flops_per_token
+    from jaxgpt.model import abstract_params, flops_per_token, recompute_flops_per_token
     from jaxgpt.training.parallel import MeshRunner
     from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
 
@@ -465,7 +465,8 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
     step = runner.jitted_step(state, many=k > 1) if on_mesh else \
         _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, t.grad_accum, k, state, loss_chunk)
     compiled, seconds = _compile("train step", lambda: step.lower(state, batch, batch), devs, progress)
-    formula = flops_per_token(gcfg, block) * rows * block * k / n
+    # the formula's work plus what remat recomputes (the compiler counts the recomputed forward too)
+    formula = (flops_per_token(gcfg, block) + recompute_flops_per_token(gcfg, block)) * rows * block * k / n
     extra = {"parallel": runner.name if on_mesh else "pmap (compiled as its per-device step under shard_map)",
              "batch_size": rows, "seq_len": block, "grad_accum": t.grad_accum, "steps_per_call": k,
              "per_device_batch": rows // n, "remat": gcfg.remat, "scan_layers": gcfg.scan_layers,
@@ -601,7 +602,8 @@ def format_result(result: dict) -> str:
             got = "not reported by this compiler" if p["flops_per_device"] is None else \
                 f"{p['flops_per_device']:.4g} (compiler, for {p['flops_counted_for']})"
             ratio = "" if p["flops_ratio"] is None else f"; compiler over formula {p['flops_ratio']:.3f}"
-            lines.append(f"  flops per device: {got}; 6N + 12LTD for the step {p['formula_flops_per_device']:.4g}{ratio}")
+            formula = "6N + 12LTD" + (" + remat's recomputed forward" if p.get("remat") == "block" else "")
+            lines.append(f"  flops per device: {got}; {formula} for the step {p['formula_flops_per_device']:.4g}{ratio}")
         elif p["flops_per_device"] is not None:
             lines.append(f"  flops per device: {p['flops_per_device']:.4g} (compiler)")
         lines.append("  collectives: " + ", ".join(f"{k} {v}" for k, v in p["collectives"].items())

@@ -401,6 +401,22 @@ def num_params(config: GPTConfig, non_embedding: bool = True) -> int:
     return count_params(abstract_params(config), non_embedding=non_embedding)
 
 
+def recompute_flops_per_token(config: GPTConfig, seq_len: Optional[int] = None) -> float:
+    """The forward FLOPs per token that `config.remat` does again in the backward, beyond flops_per_token:
+    with "block" each block's forward from its saved input (attention's 4 * n_layer * T * n_embd and 2 x
+    the matmul parameters, less the projections whose outputs feed only the block's output: the MLP's
+    c_proj, and attention's too in the parallel block; XLA drops those); 0 with "none" (nothing
+    recomputed) and "dots" (matmul outputs kept: only elementwise work is redone)."""
+    if config.remat != "block":
+        return 0.0
+    t = config.block_size if seq_len is None else seq_len
+    params = abstract_params(config)
+    blocks = [v for k, v in params.items() if k == "h" or (k.startswith("h_") and k[2:].isdigit())]
+    last = ("attn", "mlp") if config.block == "parallel" else ("mlp",)
+    skipped = sum(count_params(b[part]["c_proj"]) for b in blocks for part in last if "c_proj" in b.get(part, {}))
+    return 2.0 * (sum(count_params(b) for b in blocks) - skipped) + 4 * config.n_layer * t * config.n_head * config.head_dim
+
+
 def flops_per_token(config: GPTConfig, seq_len: Optional[int] = None, causal_halved: bool = False) -> float:
     """Training FLOPs per token: 6N plus attention's 12 * n_layer * T * n_embd (PaLM appendix B), N the
     parameters that take part in a matmul; `causal_halved` halves the attention term."""
