@@ -602,6 +602,9 @@ def format_result(result: dict) -> str:
             got = "not reported by this compiler" if p["flops_per_device"] is None else \
                 f"{p['flops_per_device']:.4g} (compiler, for {p['flops_counted_for']})"
             ratio = "" if p["flops_ratio"] is None else f"; compiler over formula {p['flops_ratio']:.3f}"
+            if ratio and p["custom_calls"].get("tpu_custom_call"):  # Mosaic kernels: their flops go uncounted
+                ratio += (" (libtpu does not count the Pallas kernels' flops, here attention's; "
+                          "--config.model.kernels=portable compares the whole step)")
             formula = "6N + 12LTD" + (" + remat's recomputed forward" if p.get("remat") == "block" else "")
             lines.append(f"  flops per device: {got}; {formula} for the step {p['formula_flops_per_device']:.4g}{ratio}")
         elif p["flops_per_device"] is not None:

@@ -82,6 +82,7 @@ def test_train_step_and_generate_compile_for_the_target(target, kind, fsdp):
     if target.startswith("tpu"):  # the TPU compiler counts flops (the GPU one does not)
         assert 0.8 < train["flops_ratio"] < 1.5
         assert train["kernels"] == "tpu" and train["custom_calls"].get("tpu_custom_call", 0) > 0  # splash
+        assert "does not count the Pallas kernels' flops" in aot.format_result(r)  # why the ratio is low
     else:
         assert train["kernels"] == "gpu" and train["custom_calls"].get("__gpu$xla.gpu.triton", 0) > 0  # Pallas
 
