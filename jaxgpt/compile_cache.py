@@ -7,12 +7,10 @@ has the figures, cold and warm.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Optional
 
 MIN_COMPILE_SECONDS = 0.25  # programs that compile faster are not worth a file (JAX's own default: 1 s)
-MAX_BYTES = 4 << 30  # the least recently used programs go past this (JAX's own default: no limit)
 
 
 def cache_folder(setting: str) -> Optional[str]:
@@ -43,7 +41,5 @@ def enable(setting: str = "auto") -> Optional[str]:
     jax.config.update("jax_compilation_cache_dir", folder)
     if jax.config.jax_persistent_cache_min_compile_time_secs == 1.0:  # JAX's default: not set by the user
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
-    # JAX's default is unbounded; its eviction needs the filelock package (huggingface_hub's, so usually here)
-    if jax.config.jax_compilation_cache_max_size == -1 and importlib.util.find_spec("filelock") is not None:
-        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    # (no size bound: JAX's eviction fails on entries written without it, "...-atime" FileNotFoundError)
     return folder

@@ -118,6 +118,9 @@ def test_sample_mistakes_are_one_line_and_found_before_generating(tmp_path, monk
 @pytest.mark.slow
 def test_a_5_step_run_of_the_cpu_config_just_works_and_is_quiet(tmp_path):
     env = dict(os.environ, JAXGPT_CACHE=_fresh_cache(tmp_path))
+    # as a user runs it: JAX_PLATFORMS unset (with the `aot` extra installed, JAX would otherwise probe the
+    # TPU and CUDA plugins and print their failed start-ups: jaxgpt.cli.cpu_unless_accelerated)
+    env.pop("JAX_PLATFORMS", None)
     run = [sys.executable, "train.py", "--config=configs/shakespeare_char_cpu.py",
            f"--config.out_dir={tmp_path / 'out'}", "--config.train.max_steps=5"]
     r = subprocess.run(run, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -205,3 +208,24 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_earlier_checkpoints
                                "the earlier checkpoints are whole"), r.stderr
     assert "--config.init_from=resume" in r.stderr
     assert existing_steps(str(tmp_path / "out")) == [2]
+
+
+@pytest.mark.parametrize("environ, present, platform, want", [
+    ({}, (), "linux", "cpu"),                                 # no accelerator: the CPU alone, plugins unprobed
+    ({"JAX_PLATFORMS": "cuda"}, (), "linux", None),           # the user's choice stands
+    ({}, ("/dev/nvidiactl",), "linux", None),                 # an NVIDIA GPU: JAX picks it
+    ({}, ("/dev/accel0",), "linux", None),                    # a TPU (v4, v5e)
+    ({}, ("/dev/vfio",), "linux", None),                      # a TPU (v5p, v6e)
+    ({}, ("/dev/kfd",), "linux", None),                       # an AMD GPU (ROCm)
+    ({}, (), "darwin", None),                                 # macOS (Metal): left to JAX
+])
+def test_the_cpu_is_chosen_only_where_no_accelerator_can_be(environ, present, platform, want, monkeypatch):
+    import jax
+    from jaxgpt import cli
+    monkeypatch.setattr(cli, "_installed", lambda name: True)  # as with the aot extra
+    updates = []
+    monkeypatch.setattr(jax.config, "update", lambda k, v: updates.append((k, v)))
+    assert cli.cpu_unless_accelerated(dict(environ), exists=lambda p: p in present, platform=platform) == want
+    assert updates == ([("jax_platforms", "cpu")] if want else [])
+    monkeypatch.setattr(cli, "_installed", lambda name: False)  # neither plugin: nothing to silence
+    assert cli.cpu_unless_accelerated({}, exists=lambda p: False, platform="linux") is None

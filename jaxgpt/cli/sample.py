@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from jaxgpt.cli import cpu_unless_accelerated
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxgpt-sample", description=__doc__)
@@ -117,6 +119,7 @@ def _check_writable(path: str) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    cpu_unless_accelerated()  # before JAX picks its backends: no plugin tracebacks on a CPU-only machine
     from jaxgpt.checkpoint import CheckpointError
     from jaxgpt.backends.cpu import inline_cpu_dispatch
     from jaxgpt.report import one_line

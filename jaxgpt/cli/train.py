@@ -17,6 +17,8 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jaxgpt.cli import cpu_unless_accelerated
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "a configs/*.py file defining get_config(); override keys with --config.KEY=VALUE",
     lock_config=True)
@@ -204,6 +206,7 @@ def _run_command(argv) -> None:
 
 
 def main() -> None:
+    cpu_unless_accelerated()  # before JAX picks its backends: no plugin tracebacks on a CPU-only machine
     app.run(_run, flags_parser=_parse_flags)
 
 
