@@ -9,7 +9,10 @@ bisecting to within a quarter. Results go to
 bench/results/memory_fit.json (merged with earlier runs) and, with --write-readme, as a table into
 bench/README.md between the memory-fit markers.
 
-    python bench/memory_fit.py [--rows headline|all|NAME...] [--budget-min 25] [--write-readme]
+    python bench/memory_fit.py [--rows headline|fast|all|NAME...] [--budget-min 25] [--write-readme]
+
+Rows named with a fifth part "fast" compile as a user's config runs on the target by default: its
+attention kernels (splash on TPUs, Pallas flash on GPUs) and train.loss_chunk=256.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ HEADLINE = [("gpt2-124m", "v5e-8", "fsdp", "block"), ("gpt2-1.5b", "v5e-8", "fsd
             ("gpt2-124m", "v5e-8", "replicated", "none"), ("gpt2-350m", "v5e-8", "fsdp", "block"),
             ("gpt2-774m", "v5e-8", "fsdp", "block"), ("gpt2-1.5b", "v5e-8", "fsdp", "none"),
             ("gpt2-1.5b", "h200x8", "fsdp", "block"), ("llama-1b", "v5e-8", "fsdp", "block")]
+# the same rows compiled as a user's config runs by default on the target: the target's attention kernels
+# (kernels=auto: splash on TPUs, the Pallas flash kernel on GPUs) and the loss over chunks of 256 positions
+VARIANTS = {"portable": ["--config.model.kernels=portable"],
+            "fast": ["--config.model.kernels=auto", "--config.train.loss_chunk=256"]}
+FAST = [row + ("fast",) for row in HEADLINE if row[3] == "block"]
 ALL = HEADLINE + [(m, t, p, r) for m in MODELS for t in ("v5e-8", "h100x8", "v4-8", "v5p-8", "h200x8")
                   for p in PARALLEL for r in ("none", "block")]
 
@@ -57,14 +65,13 @@ def row_name(row) -> str:
 
 def compile_once(row, per_device: int, timeout: int) -> dict:
     """One jaxgpt-aot run of the row's train step at `per_device` rows per device; its JSON (or an error)."""
-    model, target, parallel, remat = row
+    model, target, parallel, remat, variant = (*row, "portable")[:5]
     spec = TARGETS[target]
     devices = _device_count(spec)
     args = [f"--config.model.{k}={v}" for k, v in MODELS[model].items()]
-    # kernels=portable: XLA's attention, as the table was compiled (the tpu backend's splash call does not
-    # compile under the mesh step yet)
+    # "portable" (XLA's attention, whole logits: how the first table was compiled) or "fast" (VARIANTS)
     args += PARALLEL[parallel] + [f"--config.model.remat={remat}", "--config.model.scan_layers=True",
-                                  "--config.model.kernels=portable",
+                                  *VARIANTS[variant],
                                   f"--config.train.batch_size={per_device * devices}", "--config.train.grad_accum=1"]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
@@ -156,14 +163,17 @@ def _summary(tried):
 
 def table(results: dict) -> str:
     """The markdown table of the results (one line per row)."""
-    lines = ["| model | target | params/state | remat | largest batch per device (T) | peak at it / limit per device | "
-             "first batch that failed (its peak) | collectives in the HLO (all-gather, reduce-scatter, all-reduce) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | target | params/state | remat | attention, loss | largest batch per device (T) | peak at it / "
+             "limit per device | first batch that failed (its peak) | collectives in the HLO (all-gather, "
+             "reduce-scatter, all-reduce) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
-        model, target, parallel, remat = name.split("/")
+        model, target, parallel, remat, variant = (*name.split("/"), "portable")[:5]
+        kernels = "XLA, whole logits" if variant == "portable" else \
+            ("splash" if target.startswith("v") else "Pallas flash") + ", chunks of 256"
         t = MODELS[model].get("block_size", 1024)
         if "error" in r and not r.get("best"):
-            lines.append(f"| {model} | {target} | {parallel} | {remat} | error: {r['error']} | | | |")
+            lines.append(f"| {model} | {target} | {parallel} | {remat} | {kernels} | error: {r['error']} | | | |")
             continue
         b = r.get("best") or {}
         fit = r.get("largest_fitting", 0)
@@ -175,7 +185,7 @@ def table(results: dict) -> str:
         coll = f"{coll.get('all-gather', 0)}, {coll.get('reduce-scatter', 0)}, {coll.get('all-reduce', 0)}" if coll else ""
         failed = r.get("smallest_failing") or (0 if not fit else None)
         failed = "not reached" if failed is None else f"{failed or 1}" + _peak_of(r, failed or 1)
-        lines.append(f"| {model} | {target} | {parallel} | {remat} | {batch} | {peak} | {failed} | {coll} |")
+        lines.append(f"| {model} | {target} | {parallel} | {remat} | {kernels} | {batch} | {peak} | {failed} | {coll} |")
     return "\n".join(lines)
 
 
@@ -186,7 +196,9 @@ def _peak_of(r: dict, batch: int) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", nargs="+", default=["headline"], help="headline, all, or MODEL/TARGET/PARALLEL/REMAT")
+    ap.add_argument("--rows", nargs="+", default=["headline"],
+                    help="headline, fast (the headline's remat rows with the target's kernels and a chunked loss), all, "
+                         "or MODEL/TARGET/PARALLEL/REMAT[/fast]")
     ap.add_argument("--budget-min", type=float, default=25.0, help="stop starting compiles after this many minutes")
     ap.add_argument("--timeout", type=int, default=900, help="seconds one compile may take")
     ap.add_argument("--write-readme", action="store_true", help="put the table into bench/README.md")
@@ -194,7 +206,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rows = []
     for r in args.rows:
-        rows += HEADLINE if r == "headline" else ALL if r == "all" else [tuple(r.split("/"))]
+        rows += HEADLINE if r == "headline" else FAST if r == "fast" else ALL if r == "all" else [tuple(r.split("/"))]
     rows = list(dict.fromkeys(rows))
     results = {}
     if os.path.exists(RESULTS):

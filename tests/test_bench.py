@@ -95,3 +95,16 @@ def test_speedrun_ablations_toggle_each_piece_into_a_valid_config():
             assert c[section][field] != value, f"toggling {name} changes nothing"
             c[section][field] = value
         validate_config(c, device_count=1)
+
+
+def test_memory_fit_table_names_each_rows_attention_and_loss():
+    from bench.memory_fit import FAST, table
+    best = {"peak_bytes": 5 * 2 ** 30, "limit_bytes": 16 * 2 ** 30, "collectives": {"all-gather": 3}}
+    rows = {"gpt2-1.5b/v5e-8/fsdp/block": {"largest_fitting": 6, "smallest_failing": 7, "best": best},
+            "gpt2-1.5b/v5e-8/fsdp/block/fast": {"largest_fitting": 40, "smallest_failing": 48, "best": best},
+            "gpt2-1.5b/h100x8/fsdp/block/fast": {"largest_fitting": 20, "smallest_failing": 24, "best": best}}
+    lines = table(rows).splitlines()[2:]
+    assert "| XLA, whole logits | 6 x 1024 |" in lines[0]
+    assert "| splash, chunks of 256 | 40 x 1024 |" in lines[1]
+    assert "| Pallas flash, chunks of 256 | 20 x 1024 |" in lines[2]
+    assert all(row[4] == "fast" and row[3] == "block" for row in FAST)
