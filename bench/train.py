@@ -38,6 +38,7 @@ from jaxgpt.training.metrics import measured_matmul_flops  # noqa: E402
 CONFIGS = {  # name: (n_layer, n_head, n_embd, block_size, batch, vocab)
     "baby": (4, 4, 128, 64, 12, 65),
     "6l": (6, 6, 384, 256, 8, 65),
+    "tiny": (1, 2, 32, 16, 4, 65),  # not a benchmark: the tests' run through every side (tests/test_bench.py)
 }
 
 

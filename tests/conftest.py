@@ -4,9 +4,10 @@ persistent compilation cache shared by this session's tests and the training pro
 import os
 import tempfile
 
-# --xla_backend_optimization_level=0: the tests' programs are tiny and many, so LLVM's optimisation passes
-# cost more compile time than they save in run time (the whole suite: see bench/README.md, issue 14)
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
+from tests.xla_flags import with_devices
+
+# flags that make compiling the tests' many tiny programs cheaper (tests/xla_flags.py)
+os.environ.setdefault("XLA_FLAGS", with_devices(4))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # many tests train the same tiny model; each train() builds new jitted functions, whose XLA programs are
 # identical, so a per-session disk cache saves most of the compile time

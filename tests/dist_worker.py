@@ -11,7 +11,9 @@ import json
 import os
 
 if __name__ == "__main__":  # before JAX is first imported: two fake CPU devices per process
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+    from xla_flags import with_devices  # tests/xla_flags.py (this script's folder is on sys.path)
+
+    os.environ["XLA_FLAGS"] = with_devices(2)
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 

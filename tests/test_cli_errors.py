@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.xla_flags import COMPILE_FAST
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INFO_LINE = re.compile(r"^I\d{4} ", re.M)  # absl's INFO prefix (orbax and JAX log through absl)
 
@@ -116,45 +118,32 @@ def test_sample_mistakes_are_one_line_and_found_before_generating(tmp_path, monk
 
 
 @pytest.mark.slow
-def test_a_5_step_run_of_the_cpu_config_just_works_and_is_quiet(tmp_path):
-    env = dict(os.environ, JAXGPT_CACHE=_fresh_cache(tmp_path))
-    # as a user runs it: JAX_PLATFORMS unset (with the `aot` extra installed, JAX would otherwise probe the
-    # TPU and CUDA plugins and print their failed start-ups: jaxgpt.cli.cpu_unless_accelerated)
-    env.pop("JAX_PLATFORMS", None)
-    run = [sys.executable, "train.py", "--config=configs/shakespeare_char_cpu.py",
-           f"--config.out_dir={tmp_path / 'out'}", "--config.train.max_steps=5"]
-    r = subprocess.run(run, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "warmup_steps (100) > train.max_steps (5): the learning rate never reaches its peak" in r.stderr
-    assert "jaxgpt-train: done at step 5; best val loss" in r.stdout
-    assert "; CPU dispatch inline" in r.stdout  # computations on the calling thread (backends.cpu.inline_cpu_dispatch)
-    assert not INFO_LINE.search(r.stdout + r.stderr)  # orbax's and JAX's INFO logs are off by default
-    assert len((r.stdout + r.stderr).splitlines()) <= 6
-    resume = run + ["--config.init_from=resume"]  # at max_steps already: restores, says so, exits
-    quiet, verbose = (_run_all([cmd], env=env)[0] for cmd in (resume, resume + ["--verbosity=0"]))  # (one lock)
-    assert quiet[0] == verbose[0] == 0
-    assert "nothing to train" in quiet[1] and not INFO_LINE.search(quiet[1])
-    assert INFO_LINE.search(verbose[1])  # --verbosity=0 shows them
-
-
-@pytest.mark.slow
-def test_logged_throughput_is_timed_per_call_with_inline_dispatch(tmp_path):
-    """train.py dispatches CPU computations inline, so a call has finished when it returns: each logged
-    tokens/s must time the steps it covers, not the gap between two reads (which an eval can shrink to
-    nothing). Two steps per call, a log line per call, an eval forcing an early read at step 4."""
+def test_a_short_run_of_the_cpu_config_just_works_is_quiet_and_times_each_call(tmp_path):
+    """The README's config for 8 steps, as a user runs it: one device, JAX_PLATFORMS unset (with the `aot`
+    extra installed, JAX would otherwise probe the TPU and CUDA plugins and print their failed start-ups:
+    jaxgpt.cli.cpu_unless_accelerated). Its output is a few known lines, no INFO logs. train.py dispatches
+    CPU computations inline, so a call has finished when it returns: each logged tokens/s must time the
+    steps it covers, not the gap between two reads (which an eval can shrink to nothing). Two steps per
+    call, a log line per call, an eval forcing an early read at step 4."""
     import json
 
     out = tmp_path / "out"
     # one device, as a user's run has (the suite's four fake devices make pmap calls, which JAX dispatches
     # asynchronously whatever the setting)
-    env = dict(os.environ, JAXGPT_CACHE=_fresh_cache(tmp_path), XLA_FLAGS="--xla_backend_optimization_level=0")
-    r = subprocess.run([sys.executable, "train.py", "--config=configs/shakespeare_char_cpu.py",
-                        f"--config.out_dir={out}", "--config.train.max_steps=8", "--config.train.steps_per_call=2",
-                        "--config.train.log_interval=2", "--config.train.eval_interval=4",
-                        "--config.train.eval_steps=2", "--config.train.warmup_steps=2"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, JAXGPT_CACHE=_fresh_cache(tmp_path), XLA_FLAGS=COMPILE_FAST)
+    env.pop("JAX_PLATFORMS", None)
+    run = [sys.executable, "train.py", "--config=configs/shakespeare_char_cpu.py", f"--config.out_dir={out}",
+           "--config.train.max_steps=8", "--config.train.steps_per_call=2", "--config.train.log_interval=2",
+           "--config.train.eval_interval=4", "--config.train.eval_steps=2"]
+    r = subprocess.run(run, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "1 device(s)" in r.stdout and "CPU dispatch inline" in r.stdout
+    assert "warmup_steps (100) > train.max_steps (8): the learning rate never reaches its peak" in r.stderr
+    assert "jaxgpt-train: done at step 8; best val loss" in r.stdout
+    assert "1 device(s)" in r.stdout and "; CPU dispatch inline" in r.stdout  # backends.cpu.inline_cpu_dispatch
+    assert not INFO_LINE.search(r.stdout + r.stderr)  # orbax's and JAX's INFO logs are off by default
+    kinds = ("jaxgpt: warning: train.warmup_steps", "jaxgpt: 0.81M parameters", "step ", "eval ", "jaxgpt-train: done")
+    lines = (r.stdout + r.stderr).splitlines()
+    assert len(lines) == 9 and all(line.startswith(kinds) for line in lines), lines  # 4 step lines, 2 evals
     logged = [rec for rec in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
               if "tokens_per_s" in rec]
     assert [rec["step"] for rec in logged] == [2, 4, 6, 8]
@@ -162,6 +151,11 @@ def test_logged_throughput_is_timed_per_call_with_inline_dispatch(tmp_path):
         assert 0 < rec["mfu"] < 1, rec
     seconds = [rec["elapsed_s"] for rec in logged]
     assert seconds == sorted(seconds)
+    resume = run + ["--config.init_from=resume"]  # at max_steps already: restores, says so, exits
+    quiet, verbose = (_run_all([cmd], env=env)[0] for cmd in (resume, resume + ["--verbosity=0"]))  # (one lock)
+    assert quiet[0] == verbose[0] == 0
+    assert "nothing to train" in quiet[1] and not INFO_LINE.search(quiet[1])
+    assert INFO_LINE.search(verbose[1])  # --verbosity=0 shows them
 
 
 def _train_with(tmp_path, patch: str, *args):
