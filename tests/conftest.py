@@ -1,6 +1,7 @@
 """Test setup, before JAX is first imported: four fake CPU devices (for pmap and mesh tests) and a
 persistent compilation cache shared by this session's tests and the training processes they start."""
 
+import gc
 import os
 import tempfile
 
@@ -13,3 +14,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # identical, so a per-session disk cache saves most of the compile time
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxgpt-test-xla-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+# Tracing and lowering JAX programs allocate many short-lived objects, and every collection also runs
+# JAX's own garbage-collection callback: collect less often, and never rescan what exists once the tests
+# are collected (modules, fixtures' code). -19% on tests/test_sampling.py + test_cache.py, serially.
+gc.set_threshold(50_000, 50, 100)
+
+
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()

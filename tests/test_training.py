@@ -202,7 +202,9 @@ def test_model_settings_that_contradict_an_init_from_base_are_refused_and_free_o
         assert str(e.value).startswith(f"config.model contradicts the init_from base {base}: model.n_embd=64 but "
                                        "the base has n_embd=32, model.mlp='swiglu' but the base has mlp='gelu'")
         c.model.n_embd, c.model.mlp = 32, "gelu"  # agreeing with the base: fine; so are the free settings
-        c.model.dropout, c.model.attention, c.model.scan_layers, c.model.remat = 0.1, "einsum", True, "block"
+        c.model.scan_layers = True
+        if base == run.out_dir:  # (the costlier programs compiled for one base only)
+            c.model.dropout, c.model.attention, c.model.remat = 0.1, "einsum", "block"
         s = train(c)
         assert s["steps"] == 1 and "h" in s["state"].params  # stacked: scan_layers applied
 
