@@ -173,6 +173,13 @@ def _write_config(tmp_path, **train_kw):
     return path
 
 
+def _resume_here(tmp_path, max_steps, **train_kw):
+    """Resume _write_config(tmp_path, **train_kw)'s run in this process up to `max_steps`: the summary."""
+    c = tiny_config(tmp_path, **{**train_kw, "max_steps": max_steps})
+    c.init_from = "resume"
+    return train(c)
+
+
 def _run_until(cmd, out_dir, min_step, timeout=180):
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = os.path.join(out_dir, "metrics.jsonl")
@@ -193,8 +200,8 @@ def _run_until(cmd, out_dir, min_step, timeout=180):
 
 @pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_resume_finishes(tmp_path):
-    cfg = _write_config(tmp_path, max_steps=100000, decay_steps=1000, log_interval=1, checkpoint_interval=100000,
-                        eval_interval=100000)
+    kw = dict(decay_steps=1000, log_interval=1, checkpoint_interval=100000, eval_interval=100000)
+    cfg = _write_config(tmp_path, max_steps=100000, **kw)
     out = str(tmp_path / "out")
     proc = _run_until([sys.executable, "train.py", f"--config={cfg}"], out, 3)
     proc.send_signal(signal.SIGTERM)
@@ -204,11 +211,7 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes(tmp_path):
     assert len(steps) == 1 and steps[0] >= 3 and steps[0] == max(_losses(out))
     assert (f"stopped by SIGTERM at step {steps[0]}, checkpoint saved; resume with --config.init_from=resume"
             in log) and "done" not in log and "Traceback" not in log
-    done = subprocess.run([sys.executable, "train.py", f"--config={cfg}", "--config.init_from=resume",
-                           f"--config.train.max_steps={steps[0] + 3}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert f"resumed from step {steps[0]}" in done.stdout
+    assert _resume_here(tmp_path, steps[0] + 3, **kw)["start_step"] == steps[0]  # (here: no second start-up)
     assert max(_losses(out)) == steps[0] + 3
 
 
@@ -227,8 +230,8 @@ def _stop(proc):
 
 @pytest.mark.slow
 def test_sigkill_during_a_save_keeps_the_finished_checkpoints(tmp_path):
-    cfg = _write_config(tmp_path, max_steps=100000, decay_steps=1000, log_interval=1, checkpoint_interval=1,
-                        eval_interval=100000, keep_checkpoints=2)
+    kw = dict(decay_steps=1000, log_interval=1, checkpoint_interval=1, eval_interval=100000, keep_checkpoints=2)
+    cfg = _write_config(tmp_path, max_steps=100000, **kw)
     out = str(tmp_path / "out")
     ckpt_dir = os.path.join(out, "checkpoints")
     proc = _run_until([sys.executable, "train.py", f"--config={cfg}"], out, 3)
@@ -251,9 +254,5 @@ def test_sigkill_during_a_save_keeps_the_finished_checkpoints(tmp_path):
     assert in_flight is not None, "no save was caught in flight"
     steps = existing_steps(out)
     assert steps and max(steps) < in_flight, (steps, in_flight)  # the cut save does not count; earlier ones do
-    done = subprocess.run([sys.executable, "train.py", f"--config={cfg}", "--config.init_from=resume",
-                           f"--config.train.max_steps={in_flight + 1}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert f"resumed from step {max(steps)}" in done.stdout
+    assert _resume_here(tmp_path, in_flight + 1, **kw)["start_step"] == max(steps)
     assert in_flight + 1 in existing_steps(out)  # the step whose save was cut is written again on the way
