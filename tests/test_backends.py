@@ -18,6 +18,7 @@ from jaxgpt.backends import PORTABLE, DecodeWeights, cpu, native
 from jaxgpt.ops import linear
 from jaxgpt.training.step import cross_entropy
 from tests.helpers import varied_params
+from tests.xla_flags import AS_USERS_COMPILE
 
 AVX512 = frozenset({"avx512f", "avx512bw", "avx2", "fma"})
 AVX2 = frozenset({"avx2", "fma"})
@@ -160,7 +161,7 @@ def test_cpu_linear_in_bf16_multiplies_bf16_operands_in_the_compiled_backward(w_
     for a, b in zip(grads(x, w), jax.jit(jax.grad(loss(linear), (0, 1)))(x, w)):
         assert a.dtype == jnp.float32 and a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # the same bf16 products, float32 sums
-    dots = _dot_operand_dtypes(grads.lower(x, w).compile().as_text())
+    dots = _dot_operand_dtypes(grads.lower(x, w).compile(AS_USERS_COMPILE).as_text())
     assert len(dots) == 2 and all(dt == ("bf16", "bf16") for dt in dots), dots  # dx and dw
 
 
@@ -218,7 +219,7 @@ def test_cpu_cache_write_equals_the_portable_one_and_writes_bf16_rows_in_place_i
     np.testing.assert_array_equal(np.asarray(read.astype(jnp.float32)),
                                   np.asarray((portable if layer is None else portable[layer]).astype(jnp.float32)))
     if dtype == jnp.bfloat16:
-        hlo = write.lower(buf, new, lengths).compile().as_text()
+        hlo = write.lower(buf, new, lengths).compile(AS_USERS_COMPILE).as_text()
         assert f"f32[{','.join(map(str, shape))}]" not in hlo  # no float32 copy of the buffer
 
 
@@ -580,7 +581,7 @@ def test_train_gradients_equal_between_backends_through_the_native_attention(nat
     assert targets == {native.ATTENTION_TARGET, native.ATTENTION_BWD_FUSED_TARGET}
     # the kernel reads the fused q/k/v projection in place and writes its gradient so: XLA folds the
     # backend's join of the model's q, k, v back into the projection, and no slice of it is copied out
-    compiled = loss(on_cpu).lower(params).compile().as_text()
+    compiled = loss(on_cpu).lower(params).compile(AS_USERS_COMPILE).as_text()
     assert not re.findall(r"= \S+ (slice|concatenate)\(\S*c_attn", compiled)
     assert not [line for line in compiled.splitlines() if re.search(r"= f32\S* slice\(", line)]
     assert not re.findall(r"jaxgpt_\w+", loss(portable).lower(params).as_text())

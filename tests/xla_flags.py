@@ -16,3 +16,7 @@ COMPILE_FAST = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitter
 def with_devices(n: int) -> str:
     """XLA_FLAGS for a process with `n` fake CPU devices."""
     return f"--xla_force_host_platform_device_count={n} {COMPILE_FAST}"
+
+# compiler_options for a test that reads a compiled program (its HLO, memory or cost analysis): compiled
+# with the emitters users' programs get, since the flags above change how XLA:CPU wraps fusions
+AS_USERS_COMPILE = {"xla_cpu_use_fusion_emitters": True}
