@@ -323,8 +323,8 @@ def _native(monkeypatch, on: bool) -> None:
 
 
 # one row, the few rows (native panels, or XLA's [out, in] few-row sum), past them; the stacked layout
-# once (its layers run the same kernels); past the few rows only with the native kernels on (off, both
-# backends multiply through XLA there)
+# once (its layers run the same kernels); past the few rows once (there the native switch changes no
+# multiply: both are XLA's matmul)
 @pytest.mark.parametrize("batch,scan,native_on", [(1, False, True), (1, False, False), (3, False, True),
                                                   (3, False, False), (17, False, True), (3, True, False)])
 def test_generate_gives_the_same_tokens_with_both_backends(monkeypatch, batch, scan, native_on):
