@@ -3,6 +3,7 @@ persistent compilation cache shared by this session's tests and the training pro
 
 import gc
 import os
+import shutil
 import tempfile
 
 from tests.xla_flags import with_devices
@@ -11,8 +12,11 @@ from tests.xla_flags import with_devices
 os.environ.setdefault("XLA_FLAGS", with_devices(4))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # many tests train the same tiny model; each train() builds new jitted functions, whose XLA programs are
-# identical, so a per-session disk cache saves most of the compile time
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxgpt-test-xla-"))
+# identical, so a per-session disk cache saves most of the compile time. The process that makes the folder
+# (pytest's, or with -n its controller: the workers inherit the variable) removes it at the end.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxgpt-test-xla-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 # Tracing and lowering JAX programs allocate many short-lived objects, and every collection also runs
@@ -24,3 +28,8 @@ gc.set_threshold(50_000, 50, 100)
 def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -39,3 +39,17 @@ def test_compiled_programs_land_in_the_folder_and_a_folder_given_to_jax_wins(tmp
     theirs = tmp_path / "theirs"
     assert _enable_and_compile(tmp_path, str(folder), JAX_COMPILATION_CACHE_DIR=str(theirs))[0] == str(theirs)
     assert _enable_and_compile(tmp_path, "off")[0] == "None"
+
+
+def test_the_test_suite_removes_the_compile_cache_folder_it_made(tmp_path):
+    """tests/conftest.py makes a folder for the session's compile cache (the controller with -n, whose
+    workers share it) and removes it at the end: each run used to leave one, and an empty one per worker."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "PYTEST_XDIST_WORKER",
+                                                           "PYTEST_ADDOPTS")}
+    env["TMPDIR"] = str(tmp_path)
+    test = "tests/test_structure.py::test_the_checker_finds_a_cycle"  # (imports no JAX: a second or two)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "no:cacheprovider", test],
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("jaxgpt-test-xla-")]

@@ -18,7 +18,7 @@ def tiny(style="gpt2", **kw):
 def model_and_vars():
     cfg = tiny()
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
-    return cfg, GPT(cfg).init(jax.random.key(0), tokens), tokens
+    return cfg, jax.jit(GPT(cfg).init)(jax.random.key(0), tokens), tokens  # (eager: a compile per op)
 
 
 def test_gpt2_parameter_names(model_and_vars):
