@@ -8,12 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="parity tests need the torch extra: pip install torch==2.13.0")
-transformers = pytest.importorskip(
-    "transformers", reason="parity tests need the torch extra: pip install -e '.[torch]'")
+from jaxgpt import GPT, GPTConfig, generate, init_params
+from jaxgpt.pretrained import from_nanogpt, from_pretrained, save_pretrained
 
-from jaxgpt import GPT, GPTConfig, generate, init_params  # noqa: E402
-from jaxgpt.pretrained import from_nanogpt, from_pretrained, save_pretrained  # noqa: E402
+torch = transformers = None  # imported when this file's first test runs, not at collection (2 s a process)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_and_transformers():
+    global torch, transformers
+    torch = pytest.importorskip("torch", reason="parity tests need the torch extra: pip install torch==2.13.0")
+    transformers = pytest.importorskip(
+        "transformers", reason="parity tests need the torch extra: pip install -e '.[torch]'")
 
 V, P = 97, 64
 
