@@ -75,6 +75,37 @@ def test_pmap_mesh_and_one_device_agree_after_3_steps():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=name)
 
 
+def test_a_pmap_state_goes_onto_the_devices_and_back_in_one_program_per_device():
+    # put_state / get_state used to compile one program per device and leaf shape (88 at the start of a
+    # tiny 4-device run); shapes no other test uses, so nothing is compiled already
+    cfg = GPTConfig(vocab_size=41, block_size=8, n_layer=1, n_head=2, n_embd=24)
+    opt = make_optimizer(_train_cfg())
+    state = create_train_state(init_params(cfg, jax.random.key(0)), opt, jax.random.key(1))
+    assert len({np.shape(x) for x in jax.tree_util.tree_leaves(state)}) >= 10
+    runner = PmapRunner(cfg, opt)
+    lowered = []
+    listen = lambda event, seconds, **kw: lowered.append(1) if event.endswith("jaxpr_to_mlir_module_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        on_devices = runner.put_state(state)
+        back = runner.get_state(on_devices)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert 0 < len(lowered) <= 2 * runner.n
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(state)
+    for a, b, c in zip(*(jax.tree_util.tree_leaves(t) for t in (state, on_devices, back))):
+        assert c.sharding == runner.replicated and b.shape == (runner.n,) + np.shape(jax.random.key_data(a)
+                                                                                 if _is_key(a) else a)
+        if _is_key(a):  # (on the devices keys are held as their raw data)
+            a, c = jax.random.key_data(a), jax.random.key_data(c)
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(a))
+        np.testing.assert_array_equal(np.asarray(b), np.broadcast_to(np.asarray(a), b.shape))
+
+
+def _is_key(x):
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def test_weight_decay_mask_only_matrices():
     params = init_params(CFG, jax.random.key(0))
     mask = decay_mask(params)
