@@ -53,3 +53,16 @@ def test_the_test_suite_removes_the_compile_cache_folder_it_made(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("jaxgpt-test-xla-")]
+
+
+def test_a_failure_still_fails_the_run_when_the_test_workers_end_early(tmp_path):
+    """tests/conftest.py ends each pytest-xdist worker with os._exit once its session is over (freeing a
+    whole run's programs took the worker 5-7 s): the controller must still report a failure and exit 1."""
+    (tmp_path / "test_one.py").write_text("def test_fails():\n    assert 1 == 2\n\n\ndef test_passes():\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS")}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                        "--rootdir", str(tmp_path), str(tmp_path / "test_one.py")],
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "1 failed, 1 passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "FAILED" in r.stdout and "assert 1 == 2" in r.stdout
