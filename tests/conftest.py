@@ -31,8 +31,9 @@ gc.set_threshold(50_000, 50, 100)
 # With pytest-xdist (the README's `-n 2`) each test file runs whole on one worker (`--dist loadfile`): a
 # file's tests share its module fixtures and the programs they compile, which `--dist load` built in both
 # workers (user CPU 495 -> 480 s, tests' summed time 543 -> 518 s). The files go out heaviest first, so
-# the last ones to run are short and neither worker waits long for the other at the end. Seconds per file
-# in a whole run (2026-12-02, --durations=0); a file not listed runs after these, in collection order.
+# the last ones to run are short and neither worker waits long for the other at the end. In order of
+# seconds per file in a whole run (2026-12-02, --durations=0); a file not listed runs after them, in
+# collection order.
 _HEAVY_FIRST = ("test_backends.py", "test_distributed.py", "test_training.py", "test_checkpoint.py",
                 "test_lora.py", "test_recipe.py", "test_model_scan.py", "test_chunked_loss.py",
                 "test_sampling.py", "test_aot.py", "test_extension.py", "test_cli_errors.py", "test_cache.py",
@@ -40,7 +41,8 @@ _HEAVY_FIRST = ("test_backends.py", "test_distributed.py", "test_training.py", "
 
 
 def pytest_configure(config):
-    if getattr(config.option, "dist", None) == "load":  # -n given, --dist not: one file per worker at a time
+    # -n without --dist (or with --dist load, which looks the same here): one file per worker at a time
+    if getattr(config.option, "dist", None) == "load":
         config.option.dist = "loadfile"
         config.option.loadscopereorder = False  # (xdist would order the files by their number of tests)
 
