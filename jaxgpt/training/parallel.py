@@ -102,8 +102,8 @@ def _drop_lead_axis(arrays: list) -> list:
 
 def _per_device(fn: Callable, arrays: list[list]) -> list[list]:
     """`fn` applied to each leaf's single-device arrays (`arrays[leaf][copy]`), in one call per device
-    for all the leaves it holds: one program per device and state, not one per device and leaf shape,
-    as array by array would compile (88 programs at the start of a tiny 4-device run, 0.5 s)."""
+    for all the leaves it holds: one program per device and state, where array by array would compile
+    one per device and leaf shape."""
     by_device: dict = {}
     for i, copies in enumerate(arrays):
         for j, a in enumerate(copies):
@@ -181,7 +181,7 @@ class PmapRunner:
         self._impls = impls
         leaves, treedef = jax.tree_util.tree_flatten(state)
         shards = _per_device(_add_lead_axis, [self._copies(x) for x in leaves])
-        return treedef.unflatten([jax.make_array_from_single_device_arrays((self.n,) + s[0].shape[1:], self._layout, s)
+        return treedef.unflatten([jax.make_array_from_single_device_arrays((self.n, *s[0].shape[1:]), self._layout, s)
                                   for s in shards])
 
     def _copies(self, x) -> list:
