@@ -4,6 +4,7 @@ from jaxgpt.attention import attention, causal_mask, register_attention
 from jaxgpt.backends import Backend, resolve
 from jaxgpt.cache import KVCache, cache_bytes
 from jaxgpt.config import GPTConfig
+from jaxgpt.engine import Completion, Engine, Request
 from jaxgpt.model import GPT, convert_layers, count_params, flops_per_token, init_params, num_params, register_block
 from jaxgpt.pretrained import from_pretrained, save_pretrained
 from jaxgpt.sampling import (Decoder, GenerateOutput, generate, generate_stream, sample_logits, top_k_filter,
@@ -12,8 +13,8 @@ from jaxgpt.sampling import (Decoder, GenerateOutput, generate, generate_stream,
 __version__ = "0.1.0"
 
 __all__ = [
-    "Backend", "Decoder", "GPT", "GPTConfig", "GenerateOutput", "KVCache", "attention", "cache_bytes", "causal_mask",
+    "Backend", "Completion", "Decoder", "Engine", "GPT", "GPTConfig", "GenerateOutput", "KVCache", "attention", "cache_bytes", "causal_mask",
     "convert_layers", "count_params", "flops_per_token", "from_pretrained", "generate", "generate_stream",
-    "init_params", "num_params", "register_attention", "register_block", "resolve", "sample_logits",
+    "init_params", "num_params", "register_attention", "register_block", "Request", "resolve", "sample_logits",
     "save_pretrained", "top_k_filter", "top_p_filter",
 ]

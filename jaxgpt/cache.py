@@ -93,6 +93,32 @@ class KVCache:
 
         return self.replace(k=put(self.k, k_BxKxTxH), v=put(self.v, v_BxKxTxH))
 
+    def _map_rows(self, fn) -> "KVCache":
+        """Every layer's buffer through fn(buf, batch_axis, rows_per_slot): a layout stores the batch
+        first (or batch-major merged with the kv heads), after the layer axis of stacked buffers."""
+        def one(buf, axis):
+            return fn(buf, axis, buf.shape[axis] // self.batch_size)
+        if isinstance(self.k, tuple):
+            return self.replace(k=tuple(one(b, 0) for b in self.k), v=tuple(one(b, 0) for b in self.v))
+        return self.replace(k=one(self.k, 1), v=one(self.v, 1))
+
+    def slot(self, i: jax.Array) -> "KVCache":
+        """Row i (an int or traced int32) as a cache of batch 1."""
+        i = jnp.asarray(i, jnp.int32)
+        one = self._map_rows(lambda buf, axis, r: jax.lax.dynamic_slice_in_dim(buf, i * r, r, axis))
+        return one.replace(lengths=jax.lax.dynamic_slice_in_dim(self.lengths, i, 1))
+
+    def put_slot(self, i: jax.Array, one: "KVCache") -> "KVCache":
+        """This cache with row i replaced by `one`, a cache of batch 1 (from `slot`)."""
+        i = jnp.asarray(i, jnp.int32)
+        k_v = iter(jax.tree_util.tree_leaves((one.k, one.v)))
+        out = self._map_rows(lambda buf, axis, r: jax.lax.dynamic_update_slice_in_dim(buf, next(k_v), i * r, axis))
+        return out.replace(lengths=jax.lax.dynamic_update_slice_in_dim(self.lengths, one.lengths, i, 0))
+
+    def copy_slot(self, src: jax.Array, dst: jax.Array) -> "KVCache":
+        """Row `dst` made a copy of row `src`, keys, values and length (prefix reuse)."""
+        return self.put_slot(dst, self.slot(src))
+
     def advance(self, n: jax.Array) -> "KVCache":
         """Mark `n` (int or int [B]) more positions of each row as filled."""
         return self.replace(lengths=self.lengths + jnp.asarray(n, jnp.int32))

@@ -66,6 +66,94 @@ def sample_logits(rng: jax.Array, logits: jax.Array, temperature: float = 1.0,
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Per-row settings as traced values (the engine's sampler)
+
+TOP_K_FAST = 64  # a row's top_k up to this is drawn among lax.top_k's candidates; above, by a full sort
+
+
+class RowSettings(NamedTuple):
+    """Each row's sampler settings as arrays [S], traced (no value is part of a program's key):
+    temperature (0 = greedy), top_k (0 = off), top_p (1 = off), the row's PRNG key data uint32 [S, 2]
+    and the index of the token being drawn (it is folded into the key)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    key_data: jax.Array
+    index: jax.Array
+
+
+def _draw(key, logits_V, keep_V):
+    """One row's draw among the kept logits; noise is element-wise in the key, so drawing over a prefix of
+    a longer candidate list gives what `sample_logits` draws over that prefix alone."""
+    return jax.random.categorical(key, jnp.where(keep_V, logits_V, NEG_INF))
+
+
+def _top_p_rows(sorted_SxN, p_S):
+    """`_top_p_keep` per row; all kept in rows whose top_p is 1 (sample_logits skips the filter there)."""
+    return jax.vmap(_top_p_keep)(sorted_SxN, p_S) | (p_S >= 1.0)[:, None]
+
+
+def _rows_among_candidates(keys, scaled_SxV, k_S, p_S):
+    """Rows with 0 < top_k <= TOP_K_FAST: `sample_logits`'s top-k path, k per row."""
+    values, candidates = jax.lax.top_k(scaled_SxV, min(TOP_K_FAST, scaled_SxV.shape[-1]))
+    first_k = jnp.arange(values.shape[-1])[None, :] < k_S[:, None]
+    values = jnp.where(first_k, values, NEG_INF)
+    keep = _top_p_rows(values, p_S) & first_k
+    choice = jax.vmap(_draw)(keys, values, keep)
+    return jnp.take_along_axis(candidates, choice[:, None], axis=-1)[:, 0]
+
+
+def _rows_full(keys, scaled_SxV, k_S, p_S, sort: bool):
+    """Every other row: no filter (noise over the vocabulary), or (`sort`) top-p alone or a top_k above
+    TOP_K_FAST, by a full sort, as `sample_logits` does for those settings."""
+    if not sort:
+        return jax.vmap(_draw)(keys, scaled_SxV, jnp.ones(scaled_SxV.shape, bool))
+    v = scaled_SxV.shape[-1]
+    order = jnp.argsort(-scaled_SxV, axis=-1, stable=True)
+    sorted_SxV = jnp.take_along_axis(scaled_SxV, order, axis=-1)
+    first_k = jnp.arange(v)[None, :] < jnp.where(k_S > 0, k_S, v)[:, None]
+    keep_sorted = _top_p_rows(jnp.where(first_k, sorted_SxV, NEG_INF), p_S) & first_k
+    by_rank = jnp.take_along_axis(order, jax.vmap(_draw)(keys, sorted_SxV, keep_sorted)[:, None], axis=-1)[:, 0]
+    # without top_k, sample_logits draws over the vocabulary's order: the kept set put back in that order
+    keep_vocab = jnp.put_along_axis(jnp.zeros(scaled_SxV.shape, bool), order, keep_sorted, axis=-1, inplace=False)
+    by_vocab = jax.vmap(_draw)(keys, scaled_SxV, keep_vocab)
+    return jnp.where(k_S > 0, by_rank, by_vocab)
+
+
+def sample_rows(logits_SxV: jax.Array, rows: RowSettings) -> jax.Array:
+    """Draw int32 token ids [S], row s with its own settings and key: the token `sample_logits` draws for
+    that row alone with rng `fold_in(key, index)` (top_k 0 or >= V and top_p 1 mean off). One program for
+    every value of every setting; the costlier forms (noise over the vocabulary, a full sort) run only in
+    steps where some row needs them."""
+    v = logits_SxV.shape[-1]
+    greedy = rows.temperature == 0
+    k_S = jnp.where(rows.top_k >= v, 0, rows.top_k).astype(jnp.int32)
+    p_S = rows.top_p.astype(jnp.float32)
+    keys = jax.vmap(lambda d, i: jax.random.fold_in(jax.random.wrap_key_data(d), i))(rows.key_data, rows.index)
+    scaled = logits_SxV.astype(jnp.float32) / jnp.where(greedy, 1.0, rows.temperature)[:, None]
+    fast = (k_S > 0) & (k_S <= TOP_K_FAST)
+    needs_sort = ~greedy & ~fast & ((p_S < 1.0) | (k_S > 0))
+    needs_vocab = ~greedy & ~fast
+    branch = jnp.where(needs_sort.any(), 2, jnp.where(needs_vocab.any(), 1, 0))
+    other = jax.lax.switch(branch, [lambda: jnp.zeros(k_S.shape, jnp.int32),
+                                    lambda: _rows_full(keys, scaled, k_S, p_S, sort=False).astype(jnp.int32),
+                                    lambda: _rows_full(keys, scaled, k_S, p_S, sort=True).astype(jnp.int32)])
+    among = _rows_among_candidates(keys, scaled, k_S, p_S).astype(jnp.int32)
+    tok = jnp.where(fast, among, other)
+    return jnp.where(greedy, jnp.argmax(logits_SxV, axis=-1).astype(jnp.int32), tok)
+
+
+def token_logprobs(logits_SxV: jax.Array, tokens_S: jax.Array, n: int):
+    """log-softmax of float32 logits: each row's token's logprob [S] and the n most likely tokens' ids and
+    logprobs [S, n] (ties by index)."""
+    logp = jax.nn.log_softmax(logits_SxV.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens_S[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, n)
+    return chosen, top_ids.astype(jnp.int32), top_lp
+
+
 class GenerateOutput(NamedTuple):
     tokens: jax.Array   # int32 [B, P + N]: prompt then generated tokens, padding past `lengths`
     lengths: jax.Array  # int32 [B]

@@ -1,0 +1,539 @@
+"""The engine: many requests at once over one KV cache of fixed slots (continuous batching).
+
+Requests (token ids and their own settings) are admitted into free slots as they come. Each `step` runs
+at most `prefill_chunk` prompt tokens through the model (a long prompt enters over several steps, so the
+rows already decoding keep their pace) and then one compiled decode step over every slot, each slot's
+sampler settings passed as arrays (`sampling.RowSettings`): no setting is part of a program's key. A
+finished slot is free at the next step. A request's randomness is its own key folded with its token
+index, so its tokens depend only on its prompt, settings and seed, never on its neighbours.
+
+Programs: one decode step per (slots, max_len), one prefill per power-of-two chunk length (twice: with
+and without per-position logprobs), one slot copy. `warmup()` compiles them all.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import math
+from typing import Callable, Iterator, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.backends import Backend, DecodeWeights, resolve
+from jaxgpt.backends.base import cast_floats
+from jaxgpt.cache import KVCache
+from jaxgpt.checks import is_int
+from jaxgpt.config import GPTConfig
+from jaxgpt.model import GPT
+from jaxgpt.sampling import RowSettings, sample_rows, token_logprobs, validate_sampler
+
+# Traces of the engine's programs, by kind; `Engine.programs_compiled` reads it.
+TRACES: collections.Counter = collections.Counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request: prompt token ids and its own settings. `logprobs`: None, or how many most likely
+    alternatives to return with each token (0: the token's own logprob only). `prompt_logprobs`: also the
+    logprob of each prompt token from index `score_from` on, given the tokens before it (echo, scoring).
+    `seed` (an int) or `rng` (a PRNG key) makes its draws; `stop_token_ids` end it (the token is kept)."""
+
+    prompt: tuple
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: int = 0
+    rng: Optional[jax.Array] = None
+    stop_token_ids: tuple = ()
+    logprobs: Optional[int] = None
+    prompt_logprobs: bool = False
+    score_from: int = 1
+
+
+@dataclasses.dataclass
+class Token:
+    """A generated token, its logprob under the model (float32 log-softmax, before temperature and
+    filters) and the `logprobs` most likely alternatives as (id, logprob) pairs."""
+
+    id: int
+    logprob: float
+    top: list
+
+
+@dataclasses.dataclass
+class Completion:
+    """What a request produced: its tokens, why it ended ("length", "stop" or "cancelled"), and the prompt
+    tokens' logprobs (index i: token i given tokens < i; None before `score_from`) with their alternatives
+    and whether each was the most likely token."""
+
+    request_id: int
+    prompt: tuple
+    tokens: list = dataclasses.field(default_factory=list)
+    finish_reason: Optional[str] = None
+    prompt_logprobs: Optional[list] = None
+    prompt_top: Optional[list] = None
+    prompt_greedy: Optional[list] = None
+
+    @property
+    def token_ids(self) -> list:
+        return [t.id for t in self.tokens]
+
+
+@dataclasses.dataclass
+class Event:
+    """One step's news for one request: a new token, and the finish reason when it ended."""
+
+    request_id: int
+    token: Optional[Token]
+    finish_reason: Optional[str] = None
+
+
+@dataclasses.dataclass
+class _Live:
+    """A request in a slot: where its prompt has got to and what it has produced."""
+
+    rid: int
+    req: Request
+    key_data: np.ndarray
+    out: Completion
+    callback: Optional[Callable]
+    cursor: int = 0                   # prompt tokens whose keys and values are in the cache
+    wait_for: Optional[tuple] = None  # (slot, n): copy that slot's first n positions before prefilling
+    last: int = 0                     # the latest generated token (fed at the next decode step)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The programs
+
+def _count(kind: str) -> None:
+    TRACES[kind] += 1
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "prompt_logprobs", "n_logprobs"),
+                   donate_argnums=(1,))
+def _prefill(params, cache: KVCache, slot, start, tokens_1xC, n, targets_C, rows: RowSettings, *,
+             config: GPTConfig, backend: Backend, prompt_logprobs: bool, n_logprobs: int):
+    """The first `n` of tokens [1, C] into slot `slot` from position `start`, then a draw of the token
+    after them (used when they end the prompt) with its logprobs; with `prompt_logprobs` also each
+    position's logprob of `targets` (the next prompt token), its alternatives and whether it was argmax."""
+    _count("prefill")
+    model = GPT(config, backend)
+    params = cast_floats(params, config.compute_dtype)
+    one = cache.slot(slot).replace(lengths=start[None])
+    extra = {}
+    if prompt_logprobs:
+        logits_1xCxV, one = model.apply({"params": params}, tokens_1xC, one, token_lengths=n[None])
+        lp_C, top_ids, top_lps = token_logprobs(logits_1xCxV[0], targets_C, n_logprobs)
+        extra = dict(prompt_lp=lp_C, prompt_top_ids=top_ids, prompt_top_lps=top_lps,
+                     prompt_greedy=jnp.argmax(logits_1xCxV[0], axis=-1) == targets_C)
+        last_1xV = jax.lax.dynamic_slice_in_dim(logits_1xCxV[0], n - 1, 1, axis=0)
+    else:
+        logits_1x1xV, one = model.apply({"params": params}, tokens_1xC, one, token_lengths=n[None],
+                                        logits_index=(n - 1)[None])
+        last_1xV = logits_1x1xV[:, 0]
+    tok = sample_rows(last_1xV, rows)
+    lp, ids, lps = token_logprobs(last_1xV, tok, n_logprobs)
+    return cache.put_slot(slot, one), dict(token=tok[0], logprob=lp[0], top_ids=ids[0], top_lps=lps[0], **extra)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs"), donate_argnums=(1,))
+def _decode(weights: DecodeWeights, cache: KVCache, tokens_S, active_S, rows: RowSettings, *,
+            config: GPTConfig, backend: Backend, n_logprobs: int):
+    """Every slot's latest token through the model (inactive slots' lengths stay), then each active slot's
+    next token drawn with its own settings, with logprobs."""
+    _count("decode")
+    model = GPT(config, backend)
+    variables = DecodeWeights(cast_floats(weights.params, config.compute_dtype), weights.prepared).variables()
+    # an idle slot's step writes at its length, which a slot whose cache is full would take past the end:
+    # its write goes to the last position instead (never part of a prefix kept for reuse)
+    lengths = cache.lengths
+    cache = cache.replace(lengths=jnp.where(active_S, lengths, jnp.minimum(lengths, cache.max_len - 1)))
+    logits_Sx1xV, cache = model.apply(variables, tokens_S[:, None], cache, token_lengths=active_S.astype(jnp.int32))
+    cache = cache.replace(lengths=jnp.where(active_S, cache.lengths, lengths))
+    tok = sample_rows(logits_Sx1xV[:, 0], rows)
+    lp, ids, lps = token_logprobs(logits_Sx1xV[:, 0], tok, n_logprobs)
+    return cache, dict(token=tok, logprob=lp, top_ids=ids, top_lps=lps)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy(cache: KVCache, src, dst) -> KVCache:
+    _count("copy")
+    return cache.copy_slot(src, dst)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "batch_size"))
+def _prepare(params, *, config: GPTConfig, backend: Backend, batch_size: int):
+    return backend.prepare_decode(cast_floats(params, config.compute_dtype), batch_size, config.compute_dtype,
+                                  config.tie_embeddings)
+
+
+def chunk_lengths(prefill_chunk: int) -> tuple:
+    """The prefill programs' chunk lengths: powers of two below `prefill_chunk`, and `prefill_chunk`."""
+    return tuple(sorted({1 << i for i in range(prefill_chunk.bit_length()) if 1 << i < prefill_chunk}
+                        | {prefill_chunk}))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine
+
+class Engine:
+    """A pool of `slots` rows over one KV cache of `max_len` positions each, serving requests as they come.
+
+    `submit` queues a request and returns its id; each `step` admits waiting requests into free slots,
+    prefills at most `prefill_chunk` prompt tokens, decodes one token for every generating slot, and
+    returns the step's `Event`s (a request's `callback`, if given, gets its own as they happen). `run`
+    steps until every request is done; `stream` yields one request's tokens; `score` returns
+    log-likelihoods. A prompt that begins with tokens already in some slot's cache (a free slot's, or a
+    running request's) starts from a copy of them instead of computing them again.
+    """
+
+    def __init__(self, params, config: GPTConfig, *, slots: int = 8, max_len: Optional[int] = None,
+                 prefill_chunk: int = 256, max_logprobs: int = 20, backend: Optional[Backend] = None):
+        max_len = config.block_size if max_len is None else max_len
+        for name, value, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("prefill_chunk", prefill_chunk, 1),
+                                ("max_logprobs", max_logprobs, 1)):
+            if not is_int(value) or value < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+        if max_len > config.block_size:
+            raise ValueError(f"max_len ({max_len}) exceeds the model's block_size ({config.block_size})")
+        if max_logprobs > config.vocab_size:
+            raise ValueError(f"max_logprobs ({max_logprobs}) exceeds the vocabulary ({config.vocab_size})")
+        self.config = config.replace(remat="none")
+        self.backend = backend or resolve(config)
+        self.backend.setup()
+        self.slots, self.max_len = int(slots), int(max_len)
+        self.prefill_chunk, self.max_logprobs = min(int(prefill_chunk), self.max_len), int(max_logprobs)
+        self.params = params
+        self.weights = DecodeWeights(params, _prepare(params, config=self.config, backend=self.backend,
+                                                      batch_size=self.slots))
+        self.cache = KVCache.create(self.config, self.slots, self.max_len, layout=self.backend.cache_layout)
+        self._static = dict(config=self.config, backend=self.backend)
+        self._live: list[Optional[_Live]] = [None] * self.slots
+        self._cached: list[list] = [[] for _ in range(self.slots)]  # token ids whose k, v each slot holds
+        self._last_used = [0] * self.slots
+        self._waiting: collections.deque = collections.deque()
+        self._ids = itertools.count()
+        self._steps = 0
+        self._traces_at_start = sum(TRACES.values())
+        self.stats = collections.Counter()  # prefill_tokens, reused_tokens, decode_steps, copies
+
+    # -- sizes and programs -------------------------------------------------------------------------
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the KV cache's keys and values (all slots)."""
+        return self.cache.nbytes
+
+    @property
+    def programs_compiled(self) -> int:
+        """Engine programs traced (compiled) since this engine was made (shared with engines of the same
+        config and backend, which reuse them)."""
+        return sum(TRACES.values()) - self._traces_at_start
+
+    def warmup(self, prompt_logprobs: bool = True) -> int:
+        """Compile every program this engine can run (each chunk length, the decode step, the slot copy);
+        returns how many were compiled now."""
+        before = sum(TRACES.values())
+        rows = self._rows([None])
+        for c in chunk_lengths(self.prefill_chunk):
+            for lp in (False, True) if prompt_logprobs else (False,):
+                self.cache, _ = _prefill(self.params, self.cache, np.int32(0), np.int32(0), np.zeros((1, c), np.int32),
+                                         np.int32(1), np.zeros((c,), np.int32), rows, prompt_logprobs=lp,
+                                         n_logprobs=self.max_logprobs, **self._static)
+        self.cache, _ = _decode(self.weights, self.cache, np.zeros(self.slots, np.int32), np.zeros(self.slots, bool),
+                                self._rows(self._live), n_logprobs=self.max_logprobs, **self._static)
+        self.cache = _copy(self.cache, np.int32(0), np.int32(0))
+        self._cached = [[] for _ in range(self.slots)]
+        self.cache = self.cache.replace(lengths=jnp.zeros((self.slots,), jnp.int32))
+        return sum(TRACES.values()) - before
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], *, callback: Optional[Callable[[Event], None]] = None,
+               **settings) -> int:
+        """Queue a request (prompt token ids; settings as `Request`'s fields); returns its id."""
+        unknown = set(settings) - {f.name for f in dataclasses.fields(Request)}
+        if unknown:
+            raise TypeError(f"unknown request setting(s) {sorted(unknown)}; known: "
+                            f"{[f.name for f in dataclasses.fields(Request)]}")
+        tokens = np.asarray(prompt)
+        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+            raise ValueError(f"prompt must be a sequence of token ids (integers), got {prompt!r:.80}")
+        req = self._check(Request(tuple(tokens.tolist()), **settings))
+        rid = next(self._ids)
+        key = jax.random.key(req.seed) if req.rng is None else req.rng
+        out = Completion(rid, req.prompt)
+        if req.prompt_logprobs:
+            out.prompt_logprobs, out.prompt_top, out.prompt_greedy = ([None] * len(req.prompt) for _ in range(3))
+        self._waiting.append(_Live(rid, req, np.asarray(jax.random.key_data(key), np.uint32), out, callback))
+        return rid
+
+    def _check(self, req: Request) -> Request:
+        cfg, p = self.config, req.prompt
+        if not p:
+            raise ValueError("prompt must hold at least one token id")
+        if not all(is_int(t) and 0 <= t < cfg.vocab_size for t in p):
+            bad = next(t for t in p if not (is_int(t) and 0 <= t < cfg.vocab_size))
+            raise ValueError(f"prompt token {bad!r} is outside the vocabulary [0, {cfg.vocab_size})")
+        if not is_int(req.max_tokens) or req.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {req.max_tokens!r}")
+        if len(p) + req.max_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(p)} tokens) + max_tokens ({req.max_tokens}) exceeds the engine's "
+                             f"max_len ({self.max_len}); shorten the prompt or ask for fewer tokens")
+        validate_sampler(req.temperature, req.top_k, req.top_p)
+        if not is_int(req.seed):
+            raise ValueError(f"seed must be an integer, got {req.seed!r}")
+        for t in req.stop_token_ids:
+            if not is_int(t) or not 0 <= t < cfg.vocab_size:
+                raise ValueError(f"stop token {t!r} is outside the vocabulary [0, {cfg.vocab_size})")
+        if req.logprobs is not None and (not is_int(req.logprobs) or not 0 <= req.logprobs <= self.max_logprobs):
+            raise ValueError(f"logprobs must be an integer in [0, {self.max_logprobs}] or None, got {req.logprobs!r}")
+        if not is_int(req.score_from) or not 1 <= req.score_from <= max(1, len(p)):
+            raise ValueError(f"score_from must be in [1, {len(p)}], got {req.score_from!r}")
+        return dataclasses.replace(req, max_tokens=int(req.max_tokens), seed=int(req.seed),
+                                   stop_token_ids=tuple(int(t) for t in req.stop_token_ids))
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a request (waiting or running); its slot is free at the next step. False if unknown/done."""
+        for live in list(self._waiting):
+            if live.rid == request_id:
+                self._waiting.remove(live)
+                self._finish(live, "cancelled", [])
+                return True
+        for s, live in enumerate(self._live):
+            if live is not None and live.rid == request_id:
+                self._live[s] = None
+                self._finish(live, "cancelled", [])
+                return True
+        return False
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return sum(live is not None for live in self._live)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or self.num_running > 0
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Admit, prefill up to `prefill_chunk` prompt tokens, decode one token per generating slot."""
+        self._steps += 1
+        events: list[Event] = []
+        self._admit()
+        budget = self.prefill_chunk
+        for s in sorted(range(self.slots), key=lambda s: -1 if self._live[s] is None else self._live[s].rid):
+            live = self._live[s]
+            if live is None or live.cursor >= len(live.req.prompt) or budget <= 0:
+                continue
+            if live.wait_for is not None and not self._copy_prefix(s, live):
+                continue
+            budget -= self._prefill_chunk(s, live, budget, events)
+        self._decode_step(events)
+        return events
+
+    def _admit(self) -> None:
+        while self._waiting and None in self._live:
+            live = self._waiting.popleft()
+            prompt, cap = live.req.prompt, self._reusable(live.req)
+            free = [s for s in range(self.slots) if self._live[s] is None]
+            s = max(free, key=lambda s: (min(_common_prefix(self._cached[s], prompt), cap), -self._last_used[s]))
+            own = min(_common_prefix(self._cached[s], prompt), cap)
+            best, src = own, None
+            for t, other in enumerate(self._live):  # a running request's prompt, cached or on its way in
+                if other is not None:
+                    m = min(_common_prefix(other.req.prompt, prompt), cap)
+                    if m > best:
+                        best, src = m, t
+            self._live[s] = live
+            self._last_used[s] = self._steps
+            live.cursor = own
+            self._cached[s] = self._cached[s][:own]
+            if src is not None:
+                live.wait_for = (src, best)
+            self.stats["reused_tokens"] += own
+
+    def _reusable(self, req: Request) -> int:
+        """How many leading prompt tokens may come from a cache: not the last (its logits are needed), not
+        those whose logprobs are asked for, never the slot's last position."""
+        cap = len(req.prompt) - 1
+        if req.prompt_logprobs:
+            cap = min(cap, req.score_from - 1)
+        return min(cap, self.max_len - 1)
+
+    def _copy_prefix(self, s: int, live: _Live) -> bool:
+        """Copy the first n positions of the source slot once they are there; False while they are not."""
+        src, n = live.wait_for
+        if _common_prefix(self._cached[src], live.req.prompt) < n:
+            other = self._live[src]
+            if other is not None and other.cursor < len(other.req.prompt):
+                return False  # still on its way in
+            live.wait_for = None  # the source went away: compute them
+            return True
+        self.cache = _copy(self.cache, np.int32(src), np.int32(s))
+        self._cached[s] = list(self._cached[src][:n])
+        self.stats["reused_tokens"] += n - live.cursor
+        self.stats["copies"] += 1
+        live.cursor, live.wait_for = n, None
+        return True
+
+    def _chunk(self, start: int, remaining: int, budget: int) -> tuple[int, int]:
+        """(tokens, program length) of the next chunk: a power of two (or prefill_chunk) that fits the
+        slot's remaining positions without padding past them."""
+        n = min(remaining, budget, self.prefill_chunk)
+        c = next(c for c in chunk_lengths(self.prefill_chunk) if c >= n)
+        if start + c > self.max_len:  # the padding would not fit: a shorter chunk with none
+            c = 1 << int(math.log2(min(n, self.max_len - start)))
+            n = c
+        return n, c
+
+    def _prefill_chunk(self, s: int, live: _Live, budget: int, events: list) -> int:
+        req, start = live.req, live.cursor
+        n, c = self._chunk(start, len(req.prompt) - start, budget)
+        chunk = np.zeros((1, c), np.int32)
+        chunk[0, :n] = req.prompt[start:start + n]
+        targets = np.zeros((c,), np.int32)
+        nxt = req.prompt[start + 1:start + n + 1]
+        targets[:len(nxt)] = nxt
+        self.cache, out = _prefill(self.params, self.cache, np.int32(s), np.int32(start), chunk, np.int32(n), targets,
+                                   self._rows([live]), prompt_logprobs=req.prompt_logprobs,
+                                   n_logprobs=self.max_logprobs, **self._static)
+        out = jax.device_get(out)
+        live.cursor += n
+        self._cached[s].extend(req.prompt[start:start + n])
+        self.stats["prefill_tokens"] += n
+        if req.prompt_logprobs:
+            self._record_prompt(live, start, len(nxt), out)
+        if live.cursor == len(req.prompt):
+            self._emit(s, live, out["token"], out["logprob"], out["top_ids"], out["top_lps"], events)
+        return n
+
+    def _record_prompt(self, live: _Live, start: int, m: int, out: dict) -> None:
+        """Prompt token i + 1's logprob comes from position i (targets of this chunk's first m positions)."""
+        res = live.out
+        k = 0 if live.req.logprobs is None else live.req.logprobs
+        for j in range(m):
+            i = start + j + 1
+            if i >= live.req.score_from:
+                res.prompt_logprobs[i] = float(out["prompt_lp"][j])
+                res.prompt_greedy[i] = bool(out["prompt_greedy"][j])
+                res.prompt_top[i] = [(int(a), float(b)) for a, b in
+                                     zip(out["prompt_top_ids"][j][:k], out["prompt_top_lps"][j][:k])]
+
+    def _decode_step(self, events: list) -> None:
+        gen = [live is not None and live.cursor == len(live.req.prompt) and live.wait_for is None
+               for live in self._live]
+        if not any(gen):
+            return
+        tokens = np.array([live.last if g else 0 for live, g in zip(self._live, gen)], np.int32)
+        rows = self._rows([live if g else None for live, g in zip(self._live, gen)])
+        self.cache, out = _decode(self.weights, self.cache, tokens, np.asarray(gen), rows,
+                                  n_logprobs=self.max_logprobs, **self._static)
+        out = jax.device_get(out)
+        self.stats["decode_steps"] += 1
+        for s, g in enumerate(gen):
+            if g:
+                live = self._live[s]
+                self._cached[s].append(live.last)
+                self._emit(s, live, out["token"][s], out["logprob"][s], out["top_ids"][s], out["top_lps"][s],
+                           events)
+
+    def _rows(self, lives: Sequence[Optional[_Live]]) -> RowSettings:
+        """The sampler settings of these slots as arrays (greedy zeros for empty ones)."""
+        def col(fn, dtype):
+            return np.array([fn(x) if x is not None else 0 for x in lives], dtype)
+        return RowSettings(
+            temperature=col(lambda x: x.req.temperature, np.float32),
+            top_k=col(lambda x: x.req.top_k or 0, np.int32),
+            top_p=np.array([1.0 if x is None or x.req.top_p is None else x.req.top_p for x in lives], np.float32),
+            key_data=np.stack([x.key_data if x is not None else np.zeros(2, np.uint32) for x in lives]),
+            index=col(lambda x: len(x.out.tokens), np.int32))
+
+    def _emit(self, s: int, live: _Live, tok, lp, top_ids, top_lps, events: list) -> None:
+        """Record one generated token (if the request wants one) and end the request when it is done."""
+        req = live.req
+        if req.max_tokens == 0:
+            self._live[s] = None
+            self._finish(live, "length", events)
+            return
+        k = 0 if req.logprobs is None else req.logprobs
+        token = Token(int(tok), float(lp), [(int(a), float(b)) for a, b in zip(top_ids[:k], top_lps[:k])])
+        live.out.tokens.append(token)
+        live.last = token.id
+        reason = ("stop" if token.id in req.stop_token_ids else
+                  "length" if len(live.out.tokens) >= req.max_tokens else None)
+        event = Event(live.rid, token, reason)
+        events.append(event)
+        if live.callback is not None:
+            live.callback(event)
+        if reason is not None:
+            self._live[s] = None
+            live.out.finish_reason = reason
+
+    def _finish(self, live: _Live, reason: str, events: list) -> None:
+        live.out.finish_reason = reason
+        event = Event(live.rid, None, reason)
+        events.append(event)
+        if live.callback is not None:
+            live.callback(event)
+
+    # -- conveniences -------------------------------------------------------------------------------
+
+    def run(self, requests: Sequence[dict] = ()) -> list[Completion]:
+        """Submit `requests` (each a dict of `submit`'s arguments, with "prompt") and step until every
+        request is done (those submitted before too); the given requests' completions, in order."""
+        ids = [self.submit(**r) for r in requests]
+        outs = {live.rid: live.out for live in self._waiting if live.rid in set(ids)}
+        while self.has_work():
+            self.step()
+        return [outs[rid] for rid in ids]
+
+    def stream(self, prompt: Sequence[int], **settings) -> Iterator[Token]:
+        """One request's tokens as they are decoded (stepping the engine, others' requests included)."""
+        queue: collections.deque = collections.deque()
+        self.submit(prompt, callback=queue.append, **settings)
+        while True:
+            while queue:
+                event = queue.popleft()
+                if event.token is not None:
+                    yield event.token
+                if event.finish_reason is not None:
+                    return
+            self.step()
+
+    def score(self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]) -> list[tuple]:
+        """Each (context, continuation) pair's summed logprob of the continuation given the context, and
+        whether every continuation token is the most likely one: [(logprob, is_greedy)]. Pairs that share a
+        context compute it once."""
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
+        reqs = []
+        for ctx, cont in zip(contexts, continuations):
+            ctx, cont = [int(t) for t in ctx], [int(t) for t in cont]
+            if not ctx or not cont:
+                raise ValueError("each context and each continuation must hold at least one token")
+            reqs.append(dict(prompt=ctx + cont, max_tokens=0, prompt_logprobs=True, score_from=len(ctx)))
+        results = []
+        for out, ctx in zip(self.run(reqs), contexts):
+            lps = out.prompt_logprobs[len(ctx):]
+            results.append((float(np.sum(np.asarray(lps, np.float64))), all(out.prompt_greedy[len(ctx):])))
+        return results

@@ -1,0 +1,182 @@
+"""The engine: each request's tokens equal `generate` for its prompt alone, whatever its neighbours, slot,
+prompt chunks or slot reuse; logprobs equal the full forward's log-softmax; scoring with prefix reuse; a
+bounded set of programs; per-row sampling equal to `sample_logits`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxgpt
+from jaxgpt import engine as engine_mod
+from jaxgpt.engine import Engine
+from jaxgpt.sampling import TOP_K_FAST, RowSettings, sample_logits, sample_rows
+
+CFG = jaxgpt.GPTConfig(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=32)
+# every sampler path: greedy, top-k among the fast candidates, plain, top-p alone (full sort), top-k above
+# the fast candidates (full sort), top-k with top-p
+SETTINGS = [dict(temperature=0.0), dict(temperature=0.8, top_k=10, seed=3), dict(temperature=1.0, seed=5),
+            dict(temperature=0.7, top_p=0.9, seed=7), dict(temperature=1.2, top_k=TOP_K_FAST + 16, top_p=0.8, seed=1),
+            dict(temperature=0.9, top_k=5, top_p=0.5, seed=2)]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jaxgpt.init_params(CFG, jax.random.key(0))
+
+
+def _prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in lengths]
+
+
+def _alone(params, cfg, prompt, n, s):
+    out = jaxgpt.generate(params, cfg, np.array([prompt]), n, jax.random.key(s.get("seed", 0)),
+                          temperature=s["temperature"], top_k=s.get("top_k"), top_p=s.get("top_p"))
+    return np.asarray(out.tokens[0, len(prompt):]).tolist()
+
+
+def _log_softmax(params, cfg, tokens):
+    return np.asarray(jax.nn.log_softmax(jaxgpt.GPT(cfg).apply({"params": params}, jnp.array([tokens]))[0], -1))
+
+
+def test_requests_equal_generate_alone_whatever_their_neighbours(params):
+    # 6 requests through 4 slots (two reuse a slot), prompts longer than the 16-token chunk (chunked prefill)
+    eng = Engine(params, CFG, slots=4, max_len=64, prefill_chunk=16)
+    prompts = _prompts(0, (5, 20, 9, 33, 3, 12))
+    outs = eng.run([dict(prompt=p, max_tokens=10, logprobs=3, **s) for p, s in zip(prompts, SETTINGS)])
+    for p, s, o in zip(prompts, SETTINGS, outs):
+        assert o.token_ids == _alone(params, CFG, p, 10, s), s
+        assert o.finish_reason == "length"
+        lp = _log_softmax(params, CFG, p + o.token_ids)
+        rows = lp[len(p) - 1:len(p) - 1 + 10]
+        np.testing.assert_allclose([t.logprob for t in o.tokens], rows[np.arange(10), o.token_ids], atol=1e-5)
+        for t, row in zip(o.tokens, rows):  # the 3 alternatives: the 3 largest of the full forward's row
+            assert [a for a, _ in t.top] == np.argsort(-row, kind="stable")[:3].tolist()
+            np.testing.assert_allclose([b for _, b in t.top], np.sort(row)[::-1][:3], atol=1e-5)
+
+
+def test_a_request_alone_and_among_others_gives_the_same_tokens(params):
+    s = dict(temperature=0.9, top_k=20, top_p=0.95, seed=11)
+    prompt = _prompts(1, (7,))[0]
+    alone = Engine(params, CFG, slots=3, max_len=48, prefill_chunk=8).run([dict(prompt=prompt, max_tokens=12, **s)])
+    eng = Engine(params, CFG, slots=3, max_len=48, prefill_chunk=8)
+    others = [dict(prompt=p, max_tokens=n, temperature=1.0, seed=i) for i, (p, n) in
+              enumerate(zip(_prompts(2, (20, 4)), (5, 20)))]
+    crowd = eng.run(others + [dict(prompt=prompt, max_tokens=12, **s)])  # it lands in slot 2, then others end
+    assert crowd[-1].token_ids == alone[0].token_ids
+
+
+def test_prefill_in_chunks_keeps_the_decoding_rows_pace(params):
+    eng = Engine(params, CFG, slots=2, max_len=64, prefill_chunk=4)
+    first = eng.submit(_prompts(3, (3,))[0], max_tokens=30, temperature=0.0)
+    eng.step()
+    eng.submit(_prompts(4, (40,))[0], max_tokens=3, temperature=0.0)
+    for _ in range(10):  # the 40-token prompt enters 4 tokens a step; the first request gets a token each step
+        assert [e.request_id for e in eng.step() if e.token is not None].count(first) == 1
+
+
+def test_stop_tokens_cancel_and_stream(params):
+    eng = Engine(params, CFG, slots=2, max_len=64, prefill_chunk=16)
+    prompt = _prompts(5, (6,))[0]
+    greedy = eng.run([dict(prompt=prompt, max_tokens=12, temperature=0.0)])[0].token_ids
+    stop = greedy[4]
+    out = eng.run([dict(prompt=prompt, max_tokens=12, temperature=0.0, stop_token_ids=(stop,))])[0]
+    assert out.token_ids == greedy[:greedy.index(stop) + 1] and out.finish_reason == "stop"
+    assert [t.id for t in eng.stream(prompt, max_tokens=12, temperature=0.0)] == greedy
+    rid = eng.submit(prompt, max_tokens=12)
+    eng.step()
+    assert eng.num_running == 1 and eng.cancel(rid) and eng.num_running == 0 and not eng.cancel(rid)
+
+
+def test_scoring_equals_the_full_forward_and_reuses_a_shared_context(params):
+    ctx = _prompts(6, (20,))[0]
+    endings = [_prompts(7 + i, (1 + i,))[0] for i in range(4)]
+    eng = Engine(params, CFG, slots=4, max_len=64, prefill_chunk=16)
+    got = eng.score([ctx] * 4, endings)
+    assert eng.stats["reused_tokens"] >= 3 * (len(ctx) - 1)  # the context computed once, copied thrice
+    for (lp, greedy), end in zip(got, endings):
+        rows = _log_softmax(params, CFG, ctx + end)[len(ctx) - 1:-1]
+        np.testing.assert_allclose(lp, rows[np.arange(len(end)), end].sum(), atol=1e-4)
+        assert greedy == bool((rows.argmax(-1) == np.array(end)).all())
+    greedy_end = eng.run([dict(prompt=ctx, max_tokens=3, temperature=0.0)])[0].token_ids
+    lp_greedy, is_greedy = eng.score([ctx], [greedy_end])[0]
+    assert is_greedy and np.isfinite(lp_greedy)
+    # the same scores from an engine that has nothing to reuse
+    fresh = [Engine(params, CFG, slots=1, max_len=64, prefill_chunk=16).score([ctx], [e])[0] for e in endings[:2]]
+    np.testing.assert_allclose([f[0] for f in fresh], [g[0] for g in got[:2]], atol=1e-5)
+
+
+def test_no_program_is_compiled_for_new_settings_lengths_or_counts(params):
+    eng = Engine(params, CFG, slots=3, max_len=44, prefill_chunk=8)  # a shape no other test uses
+    assert eng.warmup() == 2 * len(engine_mod.chunk_lengths(8)) + 2  # prefill with/without logprobs, decode, copy
+    before = dict(engine_mod.TRACES)
+    prompts = _prompts(8, (1, 2, 3, 5, 7, 8, 9, 17, 30))
+    reqs = [dict(prompt=p, max_tokens=1 + i % 5, temperature=[0.0, 0.3, 1.7][i % 3], top_k=[None, 2, 90][i % 3],
+                 top_p=[None, 0.5, 1.0][(i + 1) % 3], seed=i, logprobs=i % 4) for i, p in enumerate(prompts)]
+    eng.run(reqs)
+    eng.run(reqs[:2])
+    eng.score([prompts[4]], [prompts[5]])
+    assert dict(engine_mod.TRACES) == before
+    assert eng.programs_compiled == 2 * len(engine_mod.chunk_lengths(8)) + 2
+    assert eng.warmup() == 0
+
+
+@pytest.mark.parametrize("kernels", ["portable", "cpu", "tpu", "gpu"])
+def test_every_backend_runs_the_engine(params, kernels):
+    cfg = CFG.replace(kernels=kernels)
+    prompts = _prompts(9, (4, 11))
+    eng = Engine(params, cfg, slots=2, max_len=32, prefill_chunk=8)
+    outs = eng.run([dict(prompt=p, max_tokens=6, temperature=0.0) for p in prompts])
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == _alone(params, cfg, p, 6, dict(temperature=0.0))
+
+
+def test_stacked_layers_grouped_queries_and_rope():
+    cfg = CFG.replace(scan_layers=True, n_kv_head=2, position="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    params = jaxgpt.init_params(cfg, jax.random.key(1))
+    prompts = _prompts(10, (5, 19, 2))
+    s = dict(temperature=0.8, top_k=30, seed=4)
+    eng = Engine(params, cfg, slots=2, max_len=40, prefill_chunk=8)
+    outs = eng.run([dict(prompt=p, max_tokens=8, **s) for p in prompts])
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == _alone(params, cfg, p, 8, s)
+    got = eng.score([prompts[1]] * 2, [[1, 2], [3]])
+    rows = _log_softmax(params, cfg, prompts[1] + [1, 2])[len(prompts[1]) - 1:-1]
+    np.testing.assert_allclose(got[0][0], rows[0, 1] + rows[1, 2], atol=1e-4)
+
+
+def test_sample_rows_is_sample_logits_per_row():
+    logits = jax.random.normal(jax.random.key(0), (len(SETTINGS) * 4, 97)) * 3
+    logits = logits.at[0, :5].set(10.0)  # ties
+    settings = SETTINGS * 4
+    rows = RowSettings(
+        temperature=np.array([s["temperature"] for s in settings], np.float32),
+        top_k=np.array([s.get("top_k") or 0 for s in settings], np.int32),
+        top_p=np.array([s.get("top_p") or 1.0 for s in settings], np.float32),
+        key_data=np.stack([np.asarray(jax.random.key_data(jax.random.key(s.get("seed", 0) + i))) for i, s in
+                           enumerate(settings)]),
+        index=np.arange(len(settings), dtype=np.int32) % 3)
+    got = np.asarray(jax.jit(sample_rows)(logits, rows))
+    for i, s in enumerate(settings):
+        rng = jax.random.fold_in(jax.random.key(s.get("seed", 0) + i), i % 3)
+        want = sample_logits(rng, logits[i:i + 1], s["temperature"], s.get("top_k"), s.get("top_p"))
+        assert got[i] == int(want[0]), (i, s)
+
+
+def test_engine_errors_name_the_setting(params):
+    eng = Engine(params, CFG, slots=1, max_len=32, prefill_chunk=8)
+    for prompt, kw, words in [([], {}, "at least one"), ([1, 200], {}, "outside the vocabulary"),
+                              ([1] * 30, dict(max_tokens=5), "max_len"), ([1], dict(max_tokens=-1), "max_tokens"),
+                              ([1], dict(temperature=-1.0), "temperature"), ([1], dict(logprobs=21), "logprobs"),
+                              ([1], dict(top_p=0.0), "top_p"), ([1], dict(stop_token_ids=(97,)), "stop token"),
+                              (["a"], {}, "token ids")]:
+        with pytest.raises(ValueError, match=words):
+            eng.submit(prompt, **kw)
+    with pytest.raises(TypeError, match="unknown request setting"):
+        eng.submit([1], temprature=0.5)
+    with pytest.raises(ValueError, match="block_size"):
+        Engine(params, CFG, slots=1, max_len=65)
+    with pytest.raises(ValueError, match="slots"):
+        Engine(params, CFG, slots=0)
+    assert not eng.has_work()
