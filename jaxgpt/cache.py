@@ -95,7 +95,7 @@ class KVCache:
 
     def _map_rows(self, fn) -> "KVCache":
         """Every layer's buffer through fn(buf, batch_axis, rows_per_slot): a layout stores the batch
-        first (or batch-major merged with the kv heads), after the layer axis of stacked buffers."""
+        first (or batch-major, joined with the kv heads), after the layer axis of stacked buffers."""
         def one(buf, axis):
             return fn(buf, axis, buf.shape[axis] // self.batch_size)
         if isinstance(self.k, tuple):
