@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import time
 from typing import Callable, Iterator, Optional, Sequence
 
 import jax
@@ -79,6 +80,11 @@ class Completion:
     prompt_logprobs: Optional[list] = None
     prompt_top: Optional[list] = None
     prompt_greedy: Optional[list] = None
+    # wall-clock times (time.perf_counter): submitted, first token out, finished; seconds in its prefill
+    submitted: float = 0.0
+    first_token: Optional[float] = None
+    finished: Optional[float] = None
+    prefill_s: float = 0.0
 
     @property
     def token_ids(self) -> list:
@@ -277,7 +283,7 @@ class Engine:
         req = self._check(Request(tuple(tokens.tolist()), **settings))
         rid = next(self._ids)
         key = jax.random.key(req.seed) if req.rng is None else req.rng
-        out = Completion(rid, req.prompt)
+        out = Completion(rid, req.prompt, submitted=time.perf_counter())
         if req.prompt_logprobs:
             out.prompt_logprobs, out.prompt_top, out.prompt_greedy = ([None] * len(req.prompt) for _ in range(3))
         self._waiting.append(_Live(rid, req, np.asarray(jax.random.key_data(key), np.uint32), out, callback))
@@ -414,10 +420,12 @@ class Engine:
         targets = np.zeros((c,), np.int32)
         nxt = req.prompt[start + 1:start + n + 1]
         targets[:len(nxt)] = nxt
+        t0 = time.perf_counter()
         self.cache, out = _prefill(self.params, self.cache, np.int32(s), np.int32(start), chunk, np.int32(n), targets,
                                    self._rows([live]), prompt_logprobs=req.prompt_logprobs,
                                    n_logprobs=self.max_logprobs, **self._static)
         out = jax.device_get(out)
+        live.out.prefill_s += time.perf_counter() - t0
         live.cursor += n
         self._cached[s].extend(req.prompt[start:start + n])
         self.stats["prefill_tokens"] += n
@@ -477,6 +485,8 @@ class Engine:
             return
         k = 0 if req.logprobs is None else req.logprobs
         token = Token(int(tok), float(lp), [(int(a), float(b)) for a, b in zip(top_ids[:k], top_lps[:k])])
+        if not live.out.tokens:
+            live.out.first_token = time.perf_counter()
         live.out.tokens.append(token)
         live.last = token.id
         reason = ("stop" if token.id in req.stop_token_ids else
@@ -487,10 +497,10 @@ class Engine:
             live.callback(event)
         if reason is not None:
             self._live[s] = None
-            live.out.finish_reason = reason
+            live.out.finish_reason, live.out.finished = reason, time.perf_counter()
 
     def _finish(self, live: _Live, reason: str, events: list) -> None:
-        live.out.finish_reason = reason
+        live.out.finish_reason, live.out.finished = reason, time.perf_counter()
         event = Event(live.rid, None, reason)
         events.append(event)
         if live.callback is not None:

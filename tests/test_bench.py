@@ -108,3 +108,15 @@ def test_memory_fit_table_names_each_rows_attention_and_loss():
     assert "| splash, chunks of 256 | 40 x 1024 |" in lines[1]
     assert "| Pallas flash, chunks of 256 | 20 x 1024 |" in lines[2]
     assert all(row[4] == "fast" and row[3] == "block" for row in FAST)
+
+
+def test_engine_benchmark_smoke():
+    """bench/engine.py replays arrivals on the engine and on fixed batches and times a lone request."""
+    from bench import engine
+
+    results = engine.main(["--tiny", "--concurrency", "2", "--new-tokens", "4", "--min-prompt", "2",
+                           "--max-prompt", "9", "--prefill-chunk", "8"])
+    (run,) = results["runs"]
+    assert run["requests"] == 4 and run["engine_programs"] >= 2
+    assert run["engine_tokens_per_s"] > 0 and run["fixed_tokens_per_s"] > 0 and run["engine_ttft_p99_s"] > 0
+    assert set(results) >= {"lone_request_slots_1", "lone_request_slots_2"}

@@ -1,0 +1,192 @@
+"""Engine benchmark: requests arriving over time, served by jaxgpt.Engine or by Decoder.generate in fixed batches.
+
+python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-prompt 16] [--max-prompt 256] [--tiny]
+
+GPT-2 124M shape, random float32 weights. Each request: a prompt of 16 to 256 random tokens (uniform), 128
+new tokens (no stop), top-k 50 sampling with its own seed. At concurrency c, 2c requests (at least 4)
+arrive one every `gap` seconds, gap = one decode step at c rows x new tokens / c: the rate c slots
+sustain. The engine (c slots) takes each request as it arrives and steps until all are done; the fixed
+batches group the same requests c at a time in arrival order, each batch starting when its last request
+has arrived and the batch before it is done, prompts padded to the batch's longest (compile excluded:
+every batch shape is run once first). Reports output tokens/s over the whole replay, time to first token
+(TTFT, from arrival; a fixed batch's tokens all come when its call returns), how far each engine TTFT is
+past its own prefill in decode steps, the engine's program count and warm-up time; and a lone request's
+decode rate on the engine against Decoder.generate at batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxgpt  # noqa: E402
+from bench.common import machine, median_time, write_results  # noqa: E402
+from jaxgpt.engine import Engine  # noqa: E402
+
+
+def config(tiny: bool) -> jaxgpt.GPTConfig:
+    if tiny:
+        return jaxgpt.GPTConfig(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    return jaxgpt.GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+
+
+def workload(cfg, n: int, lo: int, hi: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, cfg.vocab_size, int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+
+
+def percentile(xs, q) -> float:
+    return float(np.percentile(np.asarray(xs, np.float64), q))
+
+
+def step_time(engine: Engine, new_tokens: int, k: int = 8) -> float:
+    """Median seconds of one decode step with every slot generating (a throwaway batch of requests)."""
+    k = max(1, min(k, engine.max_len - 7))
+    for i in range(engine.slots):
+        engine.submit([1, 2, 3], max_tokens=k + 4, temperature=1.0, top_k=50, seed=i)
+    engine.step()  # prefill and the first decode
+    times = []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    while engine.has_work():
+        engine.step()
+    return float(np.median(times))
+
+
+def replay_engine(engine: Engine, prompts, arrivals, new_tokens: int) -> dict:
+    start, pending, outs = time.perf_counter(), list(range(len(prompts))), {}
+    while pending or engine.has_work():
+        now = time.perf_counter() - start
+        while pending and arrivals[pending[0]] <= now:
+            i = pending.pop(0)
+            rid = engine.submit(prompts[i], max_tokens=new_tokens, temperature=1.0, top_k=50, seed=i)
+            outs[i] = engine._waiting[-1].out
+            outs[i].submitted = start + arrivals[i]  # its arrival, not when this loop got to it
+            assert outs[i].request_id == rid
+        if engine.has_work():
+            engine.step()
+        elif pending:
+            time.sleep(max(0.0, arrivals[pending[0]] - (time.perf_counter() - start)))
+    total = time.perf_counter() - start
+    done = [outs[i] for i in range(len(prompts))]
+    return {"seconds": total, "tokens_per_s": sum(len(o.tokens) for o in done) / total,
+            "ttft_s": [o.first_token - o.submitted for o in done],
+            "ttft_past_prefill_s": [o.first_token - o.submitted - o.prefill_s for o in done]}
+
+
+def replay_fixed(decoder, prompts, arrivals, c: int, new_tokens: int) -> dict:
+    batches = [list(range(i, min(i + c, len(prompts)))) for i in range(0, len(prompts), c)]
+
+    def call(batch):
+        p = max(len(prompts[i]) for i in batch)
+        arr = np.zeros((len(batch), p), np.int32)
+        for r, i in enumerate(batch):
+            arr[r, :len(prompts[i])] = prompts[i]
+        out = decoder.generate(arr, new_tokens, jax.random.key(batch[0]), prompt_lengths=[len(prompts[i]) for i in batch],
+                               temperature=1.0, top_k=50)
+        out.tokens.block_until_ready()
+
+    for batch in batches:  # compile every shape first
+        call(batch)
+    start, now, ttft, tokens = time.perf_counter(), 0.0, [], 0
+    for batch in batches:
+        wait = max(arrivals[i] for i in batch) - now
+        if wait > 0:
+            time.sleep(wait)
+        call(batch)
+        now = time.perf_counter() - start
+        ttft += [now - arrivals[i] for i in batch]
+        tokens += len(batch) * new_tokens
+    total = time.perf_counter() - start
+    return {"seconds": total, "tokens_per_s": tokens / total, "ttft_s": ttft}
+
+
+def lone_decode(params, cfg, slots: int, new_tokens: int) -> dict:
+    """Decode tokens/s of one request: the engine (`slots` slots, one busy) and Decoder.generate at batch 1,
+    both from a 16-token prompt, prefill excluded (time for new_tokens minus time for 1)."""
+    prompt = workload(cfg, 1, 16, 16, seed=1)[0]
+    decoder = jaxgpt.Decoder(params, cfg)
+
+    def gen(n):
+        decoder.generate(np.array([prompt]), n, jax.random.key(0), temperature=1.0, top_k=50).tokens.block_until_ready()
+
+    engine = Engine(params, cfg, slots=slots, max_len=16 + new_tokens, prefill_chunk=16)
+
+    def eng(n):
+        engine.run([dict(prompt=prompt, max_tokens=n, temperature=1.0, top_k=50)])
+
+    out = {}
+    for name, fn in (("generate", gen), ("engine", eng)):
+        fn(1), fn(new_tokens)  # compile
+        t_all, _ = median_time(lambda: fn(new_tokens), 3)
+        t_one, _ = median_time(lambda: fn(1), 3)
+        out[name + "_tokens_per_s"] = (new_tokens - 1) / (t_all - t_one)
+    out["engine_over_generate"] = out["engine_tokens_per_s"] / out["generate_tokens_per_s"]
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--min-prompt", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=256)
+    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model and short runs (the smoke test)")
+    ap.add_argument("--out", default=None, help="results file name (default engine.json, tiny: not written)")
+    args = ap.parse_args(argv)
+    cfg = config(args.tiny)
+    params = jaxgpt.init_params(cfg, jax.random.key(0))
+    max_len = args.max_prompt + args.new_tokens
+    results = {"machine": machine(), "cpu_flags": sorted(f for f in jaxgpt.backends.cpu.cpu_flags()
+                                                         if f.startswith(("avx512", "amx", "avx2"))),
+               "config": "tiny" if args.tiny else "gpt2-124m", "new_tokens": args.new_tokens,
+               "prompt_range": [args.min_prompt, args.max_prompt], "runs": []}
+    decoder = jaxgpt.Decoder(params, cfg)
+    for c in args.concurrency:
+        engine = Engine(params, cfg, slots=c, max_len=max_len, prefill_chunk=args.prefill_chunk)
+        t0 = time.perf_counter()
+        programs = engine.warmup(prompt_logprobs=False)
+        warm = time.perf_counter() - t0
+        step = step_time(engine, args.new_tokens)
+        n = max(4, 2 * c)
+        prompts = workload(cfg, n, args.min_prompt, args.max_prompt, seed=c)
+        gap = step * args.new_tokens / c
+        arrivals = [i * gap for i in range(n)]
+        eng = replay_engine(engine, prompts, arrivals, args.new_tokens)
+        fixed = replay_fixed(decoder, prompts, arrivals, c, args.new_tokens)
+        run = {"concurrency": c, "requests": n, "arrival_gap_s": gap, "decode_step_s": step,
+               "engine_programs": programs, "engine_warmup_s": warm, "kv_cache_bytes": engine.cache_bytes,
+               "engine_tokens_per_s": eng["tokens_per_s"], "fixed_tokens_per_s": fixed["tokens_per_s"],
+               "engine_over_fixed": eng["tokens_per_s"] / fixed["tokens_per_s"],
+               "engine_ttft_p50_s": percentile(eng["ttft_s"], 50), "engine_ttft_p99_s": percentile(eng["ttft_s"], 99),
+               "fixed_ttft_p50_s": percentile(fixed["ttft_s"], 50), "fixed_ttft_p99_s": percentile(fixed["ttft_s"], 99),
+               "engine_ttft_past_prefill_p99_steps": percentile(eng["ttft_past_prefill_s"], 99) / step}
+        results["runs"].append(run)
+        print(f"c={c:3d}  engine {run['engine_tokens_per_s']:8.1f} tok/s  fixed {run['fixed_tokens_per_s']:8.1f} tok/s"
+              f"  x{run['engine_over_fixed']:.2f}  TTFT p50/p99 engine {run['engine_ttft_p50_s']:.3f}/"
+              f"{run['engine_ttft_p99_s']:.3f} s fixed {run['fixed_ttft_p50_s']:.3f}/{run['fixed_ttft_p99_s']:.3f} s"
+              f"  p99 past prefill {run['engine_ttft_past_prefill_p99_steps']:.2f} steps"
+              f"  ({programs} programs, warm-up {warm:.1f} s)", flush=True)
+    for slots in sorted({1, max(args.concurrency)}):
+        lone = lone_decode(params, cfg, slots, args.new_tokens)
+        results[f"lone_request_slots_{slots}"] = lone
+        print(f"lone request, engine of {slots} slot(s): {lone['engine_tokens_per_s']:.1f} tok/s, "
+              f"Decoder.generate batch 1: {lone['generate_tokens_per_s']:.1f} tok/s "
+              f"(x{lone['engine_over_generate']:.2f})", flush=True)
+    if args.out or not args.tiny:
+        print("wrote", write_results(args.out or "engine", results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
