@@ -65,3 +65,39 @@ def varied_params(config, seed=0):
 # property of the model run it for GPT-2 (no options) and for this.
 LLAMA = dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
 STYLES = {"gpt2": {}, "llama": LLAMA}
+
+
+def assert_same_training(got, want, atol: float, what: str = "", min_share: float = 0.8) -> None:
+    """Two TrainStates after the same AdamW steps, computed in orders that round differently (pmap, a
+    mesh or one device; micro-batches; the chunked loss; remat), hold the same gradients and parameters.
+
+    Adam's step lr * m / (sqrt(v) + eps) divides by the gradient's own scale: where a gradient is zero up to
+    rounding, a rounding difference moves the parameter by up to lr. So the gradients are compared through
+    Adam's first moments m (their running average: a rounding difference stays one) to 1e-5 of each
+    tensor's largest, which also catches a gradient off by a factor (Adam's step would not); and the
+    parameters within `atol` where the gradient's RMS sqrt(v) is at least 1e-3 of its tensor's largest,
+    which must be `min_share` of all the parameters (the comparison is not empty)."""
+    import jax
+    import numpy as np
+    import optax
+
+    def adam(state):
+        is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)  # noqa: E731
+        found = [s for s in jax.tree.leaves(state.opt_state, is_leaf=is_adam) if is_adam(s)]
+        assert len(found) == 1, f"{what}: expected one AdamW state, found {len(found)}"
+        return found[0]
+
+    (a_got, a_want), leaves = (adam(got), adam(want)), jax.tree.leaves
+    assert jax.tree.structure(got.params) == jax.tree.structure(want.params), what
+    compared = total = 0
+    for (path, p), q, m, n, v in zip(jax.tree_util.tree_leaves_with_path(got.params), leaves(want.params),
+                                     leaves(a_got.mu), leaves(a_want.mu), leaves(a_want.nu)):
+        name = f"{what} {jax.tree_util.keystr(path)}"
+        m, n, v = (np.asarray(x, np.float64) for x in (m, n, v))
+        np.testing.assert_allclose(m, n, rtol=0, atol=1e-5 * np.abs(n).max(), err_msg=f"{name}: gradients")
+        rms = np.sqrt(v)
+        steady = rms >= 1e-3 * rms.max()
+        np.testing.assert_allclose(np.asarray(p)[steady], np.asarray(q)[steady], rtol=0, atol=atol,
+                                   err_msg=f"{name}: parameters where the gradient is not tiny")
+        compared, total = compared + int(steady.sum()), total + steady.size
+    assert compared >= min_share * total, f"{what}: only {compared} of {total} parameters have gradients to compare"

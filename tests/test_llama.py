@@ -16,7 +16,7 @@ from jaxgpt.attention import rotary_embedding
 from jaxgpt.training.config import default_config
 from jaxgpt.model import count_params
 from jaxgpt.training import MeshRunner, PmapRunner, create_train_state, make_optimizer, train
-from tests.helpers import LLAMA, tiny_config
+from tests.helpers import LLAMA, assert_same_training, tiny_config
 
 CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, **LLAMA)
 
@@ -101,10 +101,10 @@ def test_llama_style_pmap_equals_mesh():
         s = runner.put_state(create_train_state(jax.tree.map(jnp.asarray, start), opt, jax.random.key(1)))
         for batch in tokens:
             s, metrics = runner.step(s, batch[:, :-1], batch[:, 1:])
-        out[runner.name] = jax.device_get(runner.get_state(s).params)
-    for a, b in zip(jax.tree.leaves(out["pmap"]), jax.tree.leaves(out["mesh"])):
-        np.testing.assert_allclose(a, b, atol=1e-6)
-    moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(out["pmap"]), jax.tree.leaves(start)))
+        out[runner.name] = jax.device_get(runner.get_state(s))
+    assert_same_training(out["mesh"], out["pmap"], atol=1e-6, what="mesh")
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(out["pmap"].params),
+                                                            jax.tree.leaves(start)))
     assert moved > 1e-3
 
 

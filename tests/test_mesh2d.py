@@ -13,7 +13,7 @@ from jaxgpt.checkpoint import Checkpointer, abstract_like
 from jaxgpt.training import MeshRunner, create_train_state, make_optimizer, train
 from jaxgpt.training.config import default_config, parallel_mode, validate_config
 from jaxgpt.training.mesh import build_mesh, mesh_sizes, parse_mesh
-from tests.helpers import tiny_config
+from tests.helpers import assert_same_training, tiny_config
 
 CFG = GPTConfig(vocab_size=48, block_size=16, n_layer=1, n_head=2, n_embd=32, bias=False, kernels="portable")
 STEPS = 3
@@ -91,8 +91,7 @@ def test_a_2d_mesh_trains_as_one_device_and_shards_over_fsdp_only(one_device):
     losses, state = _run(runner)
     np.testing.assert_allclose(flat, want_losses, rtol=1e-6)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
-    for got, ref in zip(jax.tree.leaves(state.params), jax.tree.leaves(want.params)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
+    assert_same_training(state, want, atol=1e-6, what="data=2,fsdp=2")
     # sharded over fsdp (each device half of it), replicated over data (the same half twice)
     kernel = state.params["h_0"]["mlp"]["c_fc"]["kernel"]  # (32, 128)
     assert kernel.sharding.spec == P(None, "fsdp")
