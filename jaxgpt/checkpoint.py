@@ -216,16 +216,20 @@ def _disk_full(error: BaseException) -> bool:
 class _FailureFilter(logging.Filter):
     """Drops orbax's log reports of a write the disk had no room for (each a traceback of tens of lines,
     from its background threads), and once a save failed so, all of its error reports that follow (the
-    writes still queued behind it): the run reports the failure itself, in one line. With --verbosity=0
-    (absl's INFO) every record passes."""
+    writes still queued behind it): the run reports the failure itself, in one line. Also asyncio's
+    "exception was never retrieved" reports of such writes: TensorStore's writes still in flight when
+    orbax gives up are never awaited, and asyncio reports each failed one when it is collected, often
+    after the run's own line. With --verbosity=0 (absl's INFO) every record passes."""
 
     failed = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "orbax" not in record.pathname or absl_logging.get_verbosity() >= absl_logging.INFO:
+        from_asyncio = record.name == "asyncio"
+        if not (from_asyncio or "orbax" in record.pathname) or absl_logging.get_verbosity() >= absl_logging.INFO:
             return True
         if self.failed and record.levelno >= logging.ERROR:
-            return False
+            if not from_asyncio or "exception was never retrieved" in record.getMessage():  # (not asyncio's others)
+                return False
         error = record.exc_info[1] if record.exc_info else None
         return not ((error is not None and _disk_full(error)) or _disk_full(Exception(record.getMessage())))
 
@@ -236,9 +240,9 @@ _FAILURE_FILTER = _FailureFilter()
 def _install_failure_filter() -> None:
     """Before any save: a write that fails reports from orbax's and TensorStore's threads at once, before
     the run hears of it."""
-    absl = absl_logging.get_absl_logger()
-    if _FAILURE_FILTER not in absl.filters:
-        absl.addFilter(_FAILURE_FILTER)
+    for logger in (absl_logging.get_absl_logger(), logging.getLogger("asyncio")):
+        if _FAILURE_FILTER not in logger.filters:
+            logger.addFilter(_FAILURE_FILTER)
     _hide_closed_loop_callbacks()
 
 
