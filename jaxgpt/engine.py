@@ -130,7 +130,6 @@ def _prefill(params, cache: KVCache, slot, start, tokens_1xC, n, targets_C, rows
     position's logprob of `targets` (the next prompt token), its alternatives and whether it was argmax."""
     _count("prefill")
     model = GPT(config, backend)
-    params = cast_floats(params, config.compute_dtype)
     one = cache.slot(slot).replace(lengths=start[None])
     extra = {}
     if prompt_logprobs:
@@ -155,7 +154,7 @@ def _decode(weights: DecodeWeights, cache: KVCache, tokens_S, active_S, rows: Ro
     next token drawn with its own settings, with logprobs."""
     _count("decode")
     model = GPT(config, backend)
-    variables = DecodeWeights(cast_floats(weights.params, config.compute_dtype), weights.prepared).variables()
+    variables = weights.variables()
     # an idle slot's step writes at its length, which a slot whose cache is full would take past the end:
     # its write goes to the last position instead (never part of a prefix kept for reuse)
     lengths = cache.lengths
@@ -175,8 +174,7 @@ def _copy(cache: KVCache, src, dst) -> KVCache:
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "batch_size"))
 def _prepare(params, *, config: GPTConfig, backend: Backend, batch_size: int):
-    return backend.prepare_decode(cast_floats(params, config.compute_dtype), batch_size, config.compute_dtype,
-                                  config.tie_embeddings)
+    return backend.prepare_decode(params, batch_size, config.compute_dtype, config.tie_embeddings)
 
 
 def chunk_lengths(prefill_chunk: int) -> tuple:
@@ -224,9 +222,11 @@ class Engine:
         self.backend.setup()
         self.slots, self.max_len = int(slots), int(max_len)
         self.prefill_chunk, self.max_logprobs = min(int(prefill_chunk), self.max_len), int(max_logprobs)
-        self.params = params
-        self.weights = DecodeWeights(params, _prepare(params, config=self.config, backend=self.backend,
-                                                      batch_size=self.slots))
+        # the params in the compute dtype (leaves already in it are kept, not copied) and the backend's
+        # decode forms, made once per engine, not per step
+        self.params = cast_floats(params, self.config.compute_dtype)
+        self.weights = DecodeWeights(self.params, _prepare(self.params, config=self.config, backend=self.backend,
+                                                           batch_size=self.slots))
         self.cache = KVCache.create(self.config, self.slots, self.max_len, layout=self.backend.cache_layout)
         self._static = dict(config=self.config, backend=self.backend)
         self._live: list[Optional[_Live]] = [None] * self.slots
