@@ -1,4 +1,5 @@
 import json
+import math
 import os
 
 import jax
@@ -257,6 +258,28 @@ def test_several_steps_per_call_give_the_same_run(tmp_path):
     assert resumed["start_step"] == 8
     c = [r["loss"] for r in _metrics(half.out_dir) if "loss" in r]
     assert c == [r["loss"] for r in b if "loss" in r]
+
+
+def test_throughput_with_several_steps_per_call_is_each_calls_own(tmp_path):
+    # 5 steps per call, a line per step: the steps of a call finish together; each line used to take the
+    # time since the line before, which is 0 (clamped to 1e-9 s: 10^11 tok/s) for all but a call's first,
+    # and that first reported one step's tokens over the whole call's time
+    c = tiny_config(tmp_path, max_steps=20, log_interval=1, steps_per_call=5)
+    train(c)
+    lines = [r for r in _metrics(c.out_dir) if "tokens_per_s" in r]
+    assert [r["step"] for r in lines] == list(range(1, 21))
+    tokens_per_step = c.train.batch_size * c.model.block_size
+    for r in lines:
+        assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0, r
+        assert 0 < r["mfu"] < 1, r  # an honest MFU is below 100%
+    for call in range(4):  # steps 1-5, 6-10, ...: one call each, whose steps share its rate
+        rates = [r["tokens_per_s"] for r in lines[5 * call:5 * call + 5]]
+        np.testing.assert_allclose(rates, rates[0], rtol=1e-2)  # (time.time()'s rounding: ~1e-7 s)
+    for before, r in zip(lines, lines[1:]):  # each line's rate: the tokens since the line before over its time
+        seconds = r["elapsed_s"] - before["elapsed_s"]
+        assert seconds > 0
+        np.testing.assert_allclose(r["tokens_per_s"] * seconds, tokens_per_step * (r["step"] - before["step"]),
+                                   rtol=1e-2)
 
 
 def _metrics(out_dir):

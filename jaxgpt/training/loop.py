@@ -329,6 +329,7 @@ class _Run:
         self.prefetch = Prefetcher(self.sampler, size=max(2, self.cfg_t.steps_per_call))
         self.summary = {"start_step": self.start_step, "out_dir": self.out_dir}
         self.last_log = (time.time(), self.start_step)
+        self.last_finished = self.last_log[0]  # when the last program call read finished
         self.step, self.saved_step = self.start_step, self.start_step if self.resume else None
         failed = False
         try:
@@ -430,11 +431,16 @@ class _Run:
                    "before this overwrite=True run's first checkpoint: nothing saved"))
 
     def _read(self, pending) -> None:
+        """Reads a call's metrics. Its `count` steps finish together, so each is timed at an even share of
+        the call's time (from the previous call's finish): tokens/s and MFU over any steps are then those
+        of the calls that ran them, however train.steps_per_call and train.log_interval fall."""
         first, count, metrics, finished = pending
         host = {k: np.asarray(v).reshape(count) for k, v in self.runner.to_host(metrics).items()}
         finished = time.time() if finished is None else finished
+        started, self.last_finished = self.last_finished, finished
         for i in range(count):
-            self._read_step(first + i, {k: float(v[i]) for k, v in host.items()}, finished)
+            self._read_step(first + i, {k: float(v[i]) for k, v in host.items()},
+                            started + (finished - started) * (i + 1) / count)
 
     def _read_step(self, s: int, m: dict, now: float) -> None:
         if not math.isfinite(m["loss"]):
