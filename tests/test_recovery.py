@@ -91,6 +91,28 @@ def test_resume_refuses_a_tokenizer_with_the_same_size_but_other_characters(two_
         train(c)
 
 
+@pytest.mark.parametrize("key, now, saved_is, now_is", [("optimizer", "muon", "'adamw'", "'muon'"),
+                                                       ("grad_clip", 0.0, "1.0 (clipping on)", "0.0 (clipping off)")])
+def test_resume_with_another_optimizer_names_the_setting_and_how_to_continue(two_checkpoints, tmp_path, key, now,
+                                                                             saved_is, now_is):
+    # orbax's words were "tree structures do not match: opt_state[1]... start again with --config.overwrite=True"
+    c = _copy(two_checkpoints, tmp_path)
+    c.train.max_steps, c.train[key] = 15, now
+    with pytest.raises(CheckpointError) as e:
+        train(c)
+    back = {"optimizer": "adamw", "grad_clip": "1.0"}[key]
+    assert str(e.value) == (
+        f"checkpoint 10's optimizer state does not fit this config's optimizer: train.{key} was {saved_is} when it "
+        f"was saved and is {now_is} now. To continue the run, put it back (--config.train.{key}={back}); to train "
+        "with the new setting, start a new run (another --config.out_dir, or --config.overwrite=True)")
+
+
+def test_resume_with_other_optimizer_values_of_the_same_layout_goes_on(two_checkpoints, tmp_path):
+    c = _copy(two_checkpoints, tmp_path, grad_clip=0.5, lr=1e-3, beta2=0.95)  # clipping stays on
+    c.train.max_steps = 11
+    assert train(c)["start_step"] == 10
+
+
 def test_tokenizer_comparison_and_checkpoints_without_a_fingerprint():
     a, b = CharTokenizer("abc"), CharTokenizer("abd")
     assert tokenizer_fingerprint(a.to_dict()) == tokenizer_fingerprint(CharTokenizer("cba").to_dict())

@@ -244,6 +244,7 @@ class _Run:
         def attempt(step):
             meta = checkpointer.restore_meta(step)
             _check_resume_meta(meta, gcfg, self.tokenizer)  # clear words before orbax's
+            _check_resume_optimizer(meta, self.cfg_t)
             # restored in the layer layout it was saved in, on any device count, converted below
             saved = gcfg.replace(scan_layers=bool(meta.get("model", {}).get("scan_layers", False)))
             saved_layers[step] = saved.scan_layers
@@ -490,6 +491,34 @@ def _check_resume_meta(meta: dict, gcfg, tokenizer) -> None:
         raise ckpt_lib.CheckpointError(
             "the checkpoint's model differs from the config: " +
             ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items()))
+
+
+# The train settings that shape the optimizer state, and what of each does: which optimizer, and whether
+# gradients are clipped (another lr, betas or clipping threshold fits the same state)
+_OPTIMIZER_LAYOUT = {"optimizer": lambda v: v, "grad_clip": lambda v: v > 0}
+
+
+def _check_resume_optimizer(meta: dict, cfg_t) -> None:
+    """Refuse, in one line naming the setting and both values, a checkpoint whose optimizer state another
+    optimizer made: another train.optimizer, or gradient clipping turned on or off since it was saved."""
+    saved = meta.get("config", {}).get("train")
+    if not isinstance(saved, dict):  # (a checkpoint without its config: orbax's words, as before)
+        return
+    saved = {"optimizer": "adamw", **saved}  # (checkpoints from before train.optimizer: AdamW's)
+    changed = [k for k, layout in _OPTIMIZER_LAYOUT.items() if k in saved and layout(saved[k]) != layout(cfg_t[k])]
+    if not changed:
+        return
+
+    def shown(key, value):
+        return f"{value!r}" + (f" (clipping {'on' if value > 0 else 'off'})" if key == "grad_clip" else "")
+
+    said = "; ".join(f"train.{k} was {shown(k, saved[k])} when it was saved and is {shown(k, cfg_t[k])} now"
+                     for k in changed)
+    back = " ".join(f"--config.train.{k}={saved[k]}" for k in changed)
+    raise ckpt_lib.CheckpointError(
+        f"checkpoint {meta.get('step')}'s optimizer state does not fit this config's optimizer: {said}. To "
+        f"continue the run, put it back ({back}); to train with the new setting, start a new run (another "
+        "--config.out_dir, or --config.overwrite=True)")
 
 
 def _load_init(config, tokenizer):
