@@ -547,3 +547,40 @@ class Engine:
             lps = out.prompt_logprobs[len(ctx):]
             results.append((float(np.sum(np.asarray(lps, np.float64))), all(out.prompt_greedy[len(ctx):])))
         return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ahead of time (jaxgpt-aot): the engine's programs lowered for abstract inputs
+
+def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, backend: Optional[Backend] = None,
+                 sharding=None, max_logprobs: int = 20, params=None) -> dict:
+    """The engine's decode step (every slot) and its prefill of a `chunk`-token piece, lowered for
+    abstract inputs placed on `sharding` (nothing allocated): {"decode": lowered, "prefill": lowered}.
+    `.compile()` them to check them for another platform's devices."""
+    from jaxgpt.model import abstract_params
+
+    backend = backend or resolve(config)
+    config = config.replace(remat="none")
+    params = abstract_params(config) if params is None else params
+    params = jax.eval_shape(lambda p: cast_floats(p, config.compute_dtype), params)
+    prepared = jax.eval_shape(lambda p: _prepare.__wrapped__(p, config=config, backend=backend, batch_size=slots),
+                              params)
+    cache = jax.eval_shape(lambda: KVCache.create(config, slots, max_len, layout=backend.cache_layout))
+
+    def place(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+    def arr(shape, dtype):
+        return place(jax.ShapeDtypeStruct(shape, dtype))
+
+    def rows(n):
+        return RowSettings(arr((n,), jnp.float32), arr((n,), jnp.int32), arr((n,), jnp.float32),
+                           arr((n, 2), jnp.uint32), arr((n,), jnp.int32))
+
+    static = dict(config=config, backend=backend, n_logprobs=max_logprobs)
+    weights, cache = place(DecodeWeights(params, prepared)), place(cache)
+    scalar = arr((), jnp.int32)
+    return {"decode": _decode.lower(weights, cache, arr((slots,), jnp.int32), arr((slots,), jnp.bool_), rows(slots),
+                                    **static),
+            "prefill": _prefill.lower(weights.params, cache, scalar, scalar, arr((1, chunk), jnp.int32), scalar,
+                                      arr((chunk,), jnp.int32), rows(1), prompt_logprobs=False, **static)}
