@@ -142,6 +142,24 @@ def test_config_validation(section, key, value, match):
         validate_config(c, device_count=4)
 
 
+def test_infinite_or_nan_train_hyperparameters_are_refused_naming_the_key():
+    # train.lr=inf, muon_lr=inf and weight_decay=inf used to compile and stop at step 2 with "loss is nan"
+    t = default_config().train
+    floats = [k for k, v in t.items() if isinstance(v, float)] + ["target_val_loss", "peak_flops"]
+    assert {"lr", "min_lr", "muon_lr", "weight_decay", "beta1", "beta2", "grad_clip", "decay_fraction"} <= set(floats)
+    for key in floats:
+        for bad in (math.inf, -math.inf, math.nan):
+            if key == "grad_clip" and bad == math.inf:
+                continue  # clipping at infinity, no clipping with the optimizer state kept as it is: allowed
+            c = default_config()
+            c.train[key] = bad
+            with pytest.raises(ValueError, match=rf"^config\.train\.{key}: must be"):
+                validate_config(c)
+    c = default_config()
+    c.train.grad_clip = math.inf
+    validate_config(c)
+
+
 def test_warmup_longer_than_training_is_allowed():
     c = default_config()  # a 5-step smoke run of a config with 100 warmup steps, as nanoGPT allows
     c.train.max_steps, c.train.warmup_steps = 5, 100

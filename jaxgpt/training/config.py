@@ -198,8 +198,9 @@ def validate_config(config, device_count: Optional[int] = None) -> None:
     need(t.batch_size % (n * t.grad_accum) == 0, "train.batch_size",
          f"{t.batch_size} must be divisible by the device count ({n}; the product of the batch axes "
          f"of train.mesh) times train.grad_accum ({t.grad_accum})")
-    need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
-    need(0 <= t.min_lr <= t.lr, "train.min_lr", f"must be in [0, lr={t.lr}], got {t.min_lr}")
+    # (is_real: finite; an infinite lr or weight decay compiles and gives a NaN loss at step 2)
+    need(is_real(t.lr) and t.lr > 0, "train.lr", f"must be a finite number > 0, got {t.lr!r}")
+    need(is_real(t.min_lr) and 0 <= t.min_lr <= t.lr, "train.min_lr", f"must be in [0, lr={t.lr}], got {t.min_lr!r}")
     # warmup past max_steps is allowed (a short smoke run of a long config): the loop warns about it
     need(is_int(t.warmup_steps) and t.warmup_steps >= 0,
          "train.warmup_steps", f"must be an integer >= 0, got {t.warmup_steps!r}")
@@ -208,20 +209,23 @@ def validate_config(config, device_count: Optional[int] = None) -> None:
     need(t.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {OPTIMIZERS}, got {t.optimizer!r}")
     need(t.schedule in SCHEDULES, "train.schedule", f"must be one of {SCHEDULES}, got {t.schedule!r}")
     need(0 < t.decay_fraction <= 1, "train.decay_fraction", f"must be in (0, 1], got {t.decay_fraction}")
-    need(t.muon_lr > 0, "train.muon_lr", f"must be > 0, got {t.muon_lr}")
+    need(is_real(t.muon_lr) and t.muon_lr > 0, "train.muon_lr", f"must be a finite number > 0, got {t.muon_lr!r}")
     need(t.muon_ns_dtype in ("float32", "bfloat16"), "train.muon_ns_dtype",
          f"must be 'float32' or 'bfloat16', got {t.muon_ns_dtype!r}")
     need(0 <= t.muon_momentum < 1, "train.muon_momentum", f"must be in [0, 1), got {t.muon_momentum}")
     need(t.optimizer != "muon" or not t.lora.rank, "train.optimizer",
          "'muon' trains whole models; LoRA adapters train with 'adamw'")
-    need(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
-    need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2", f"must be in [0, 1), got {t.beta1}, {t.beta2}")
+    need(is_real(t.weight_decay) and t.weight_decay >= 0, "train.weight_decay",
+         f"must be a finite number >= 0, got {t.weight_decay!r}")
+    for key in ("beta1", "beta2"):
+        need(0 <= t[key] < 1, f"train.{key}", f"must be in [0, 1), got {t[key]!r}")
     need(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 disables), got {t.grad_clip}")
     need(is_int(t.loss_chunk) and t.loss_chunk >= 0, "train.loss_chunk",
          f"must be an integer >= 0 (positions per chunk of the loss; 0: whole logits), got {t.loss_chunk!r}")
     need(t.target_val_loss is None or (is_real(t.target_val_loss) and 0 < t.target_val_loss < math.inf),
          "train.target_val_loss", f"must be a finite loss > 0 (None: train to max_steps), got {t.target_val_loss!r}")
-    need(t.peak_flops is None or t.peak_flops > 0, "train.peak_flops", f"must be > 0, got {t.peak_flops}")
+    need(t.peak_flops is None or (is_real(t.peak_flops) and t.peak_flops > 0), "train.peak_flops",
+         f"must be a finite number > 0 (FLOP/s of one device; None: measured or known), got {t.peak_flops!r}")
     need(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
     need(d.tokenizer != "bpe" or (d.vocab_size or 0) > 256, "data.vocab_size",
          "the bpe tokenizer needs data.vocab_size > 256")
