@@ -93,11 +93,13 @@ class Completion:
 
 @dataclasses.dataclass
 class Event:
-    """One step's news for one request: a new token, and the finish reason when it ended."""
+    """One step's news for one request: a new token, and the finish reason when it ended (then also the
+    request's `Completion`, with its prompt logprobs and times, for a caller that only sees events)."""
 
     request_id: int
     token: Optional[Token]
     finish_reason: Optional[str] = None
+    completion: Optional[Completion] = None
 
 
 @dataclasses.dataclass
@@ -491,7 +493,7 @@ class Engine:
         live.last = token.id
         reason = ("stop" if token.id in req.stop_token_ids else
                   "length" if len(live.out.tokens) >= req.max_tokens else None)
-        event = Event(live.rid, token, reason)
+        event = Event(live.rid, token, reason, live.out if reason is not None else None)
         events.append(event)
         if live.callback is not None:
             live.callback(event)
@@ -501,7 +503,7 @@ class Engine:
 
     def _finish(self, live: _Live, reason: str, events: list) -> None:
         live.out.finish_reason, live.out.finished = reason, time.perf_counter()
-        event = Event(live.rid, None, reason)
+        event = Event(live.rid, None, reason, live.out)
         events.append(event)
         if live.callback is not None:
             live.callback(event)
