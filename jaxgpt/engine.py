@@ -31,7 +31,7 @@ from jaxgpt.cache import KVCache
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
-from jaxgpt.sampling import RowSettings, sample_rows, token_logprobs, validate_sampler
+from jaxgpt.sampling import RowSettings, _check_rng, sample_rows, token_logprobs, validate_sampler
 
 # Traces of the engine's programs, by kind; `Engine.programs_compiled` reads it.
 TRACES: collections.Counter = collections.Counter()
@@ -285,6 +285,8 @@ class Engine:
         req = self._check(Request(tuple(tokens.tolist()), **settings))
         rid = next(self._ids)
         key = jax.random.key(req.seed) if req.rng is None else req.rng
+        if not jax.dtypes.issubdtype(getattr(key, "dtype", np.float32), jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))  # a raw uint32 [2] key
         out = Completion(rid, req.prompt, submitted=time.perf_counter())
         if req.prompt_logprobs:
             out.prompt_logprobs, out.prompt_top, out.prompt_greedy = ([None] * len(req.prompt) for _ in range(3))
@@ -306,6 +308,8 @@ class Engine:
         validate_sampler(req.temperature, req.top_k, req.top_p)
         if not is_int(req.seed):
             raise ValueError(f"seed must be an integer, got {req.seed!r}")
+        if req.rng is not None:
+            _check_rng(req.rng)
         for t in req.stop_token_ids:
             if not is_int(t) or not 0 <= t < cfg.vocab_size:
                 raise ValueError(f"stop token {t!r} is outside the vocabulary [0, {cfg.vocab_size})")

@@ -84,6 +84,10 @@ def test_stop_tokens_cancel_and_stream(params):
     out = eng.run([dict(prompt=prompt, max_tokens=12, temperature=0.0, stop_token_ids=(stop,))])[0]
     assert out.token_ids == greedy[:greedy.index(stop) + 1] and out.finish_reason == "stop"
     assert [t.id for t in eng.stream(prompt, max_tokens=12, temperature=0.0)] == greedy
+    # a request's rng: a typed key, or its raw uint32 data, draws as the seed it was made from
+    by_seed = eng.run([dict(prompt=prompt, max_tokens=6, seed=9)])[0].token_ids
+    for rng in (jax.random.key(9), jax.random.key_data(jax.random.key(9))):
+        assert eng.run([dict(prompt=prompt, max_tokens=6, rng=rng)])[0].token_ids == by_seed
     rid = eng.submit(prompt, max_tokens=12)
     eng.step()
     assert eng.num_running == 1 and eng.cancel(rid) and eng.num_running == 0 and not eng.cancel(rid)
@@ -173,6 +177,8 @@ def test_engine_errors_name_the_setting(params):
                               (["a"], {}, "token ids")]:
         with pytest.raises(ValueError, match=words):
             eng.submit(prompt, **kw)
+    with pytest.raises(ValueError, match="rng"):
+        eng.submit([1], rng=3)
     with pytest.raises(TypeError, match="unknown request setting"):
         eng.submit([1], temprature=0.5)
     with pytest.raises(ValueError, match="block_size"):
