@@ -102,14 +102,14 @@ class KVCache:
             return self.replace(k=tuple(one(b, 0) for b in self.k), v=tuple(one(b, 0) for b in self.v))
         return self.replace(k=one(self.k, 1), v=one(self.v, 1))
 
-    def slot(self, i: jax.Array) -> "KVCache":
-        """Row i (an int or traced int32) as a cache of batch 1."""
+    def slot(self, i: jax.Array, count: int = 1) -> "KVCache":
+        """Rows i .. i + count - 1 (i an int or traced int32) as a cache of batch `count`."""
         i = jnp.asarray(i, jnp.int32)
-        one = self._map_rows(lambda buf, axis, r: jax.lax.dynamic_slice_in_dim(buf, i * r, r, axis))
-        return one.replace(lengths=jax.lax.dynamic_slice_in_dim(self.lengths, i, 1))
+        one = self._map_rows(lambda buf, axis, r: jax.lax.dynamic_slice_in_dim(buf, i * r, count * r, axis))
+        return one.replace(lengths=jax.lax.dynamic_slice_in_dim(self.lengths, i, count))
 
     def put_slot(self, i: jax.Array, one: "KVCache") -> "KVCache":
-        """This cache with row i replaced by `one`, a cache of batch 1 (from `slot`)."""
+        """This cache with rows i .. i + one.batch_size - 1 replaced by `one` (from `slot`)."""
         i = jnp.asarray(i, jnp.int32)
         k_v = iter(jax.tree_util.tree_leaves((one.k, one.v)))
         out = self._map_rows(lambda buf, axis, r: jax.lax.dynamic_update_slice_in_dim(buf, next(k_v), i * r, axis))

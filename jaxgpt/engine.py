@@ -7,8 +7,9 @@ sampler settings passed as arrays (`sampling.RowSettings`): no setting is part o
 finished slot is free at the next step. A request's randomness is its own key folded with its token
 index, so its tokens depend only on its prompt, settings and seed, never on its neighbours.
 
-Programs: one decode step per (slots, max_len), one prefill per power-of-two chunk length (twice: with
-and without per-position logprobs), one slot copy. `warmup()` compiles them all.
+Programs: a decode step per power-of-two count of leading slots (up to all of them), one prefill per
+power-of-two chunk length (twice: with and without per-position logprobs), one slot copy, for one
+(slots, max_len). `warmup()` compiles them all.
 """
 
 from __future__ import annotations
@@ -152,9 +153,18 @@ def _prefill(params, cache: KVCache, slot, start, tokens_1xC, n, targets_C, rows
 @functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs"), donate_argnums=(1,))
 def _decode(weights: DecodeWeights, cache: KVCache, tokens_S, active_S, rows: RowSettings, *,
             config: GPTConfig, backend: Backend, n_logprobs: int):
-    """Every slot's latest token through the model (inactive slots' lengths stay), then each active slot's
-    next token drawn with its own settings, with logprobs."""
+    """The first S slots' latest tokens through the model (S = tokens' length, up to every slot; inactive
+    slots' lengths stay), then each active slot's next token drawn with its own settings, with logprobs."""
     _count("decode")
+    s = tokens_S.shape[0]
+    if s == cache.batch_size:
+        cache, out = _decode_rows(weights, cache, tokens_S, active_S, rows, config, backend, n_logprobs)
+        return cache, out
+    first, out = _decode_rows(weights, cache.slot(0, s), tokens_S, active_S, rows, config, backend, n_logprobs)
+    return cache.put_slot(0, first), out
+
+
+def _decode_rows(weights, cache, tokens_S, active_S, rows, config, backend, n_logprobs):
     model = GPT(config, backend)
     variables = weights.variables()
     # an idle slot's step writes at its length, which a slot whose cache is full would take past the end:
@@ -183,6 +193,12 @@ def chunk_lengths(prefill_chunk: int) -> tuple:
     """The prefill programs' chunk lengths: powers of two below `prefill_chunk`, and `prefill_chunk`."""
     return tuple(sorted({1 << i for i in range(prefill_chunk.bit_length()) if 1 << i < prefill_chunk}
                         | {prefill_chunk}))
+
+
+def decode_sizes(slots: int) -> tuple:
+    """The decode programs' row counts: a step decodes the first n slots, n the smallest of these that
+    covers every generating slot (a lone request does not pay for idle slots' rows)."""
+    return chunk_lengths(slots)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -233,7 +249,6 @@ class Engine:
         self._static = dict(config=self.config, backend=self.backend)
         self._live: list[Optional[_Live]] = [None] * self.slots
         self._cached: list[list] = [[] for _ in range(self.slots)]  # token ids whose k, v each slot holds
-        self._last_used = [0] * self.slots
         self._waiting: collections.deque = collections.deque()
         self._ids = itertools.count()
         self._steps = 0
@@ -263,8 +278,9 @@ class Engine:
                 self.cache, _ = _prefill(self.params, self.cache, np.int32(0), np.int32(0), np.zeros((1, c), np.int32),
                                          np.int32(1), np.zeros((c,), np.int32), rows, prompt_logprobs=lp,
                                          n_logprobs=self.max_logprobs, **self._static)
-        self.cache, _ = _decode(self.weights, self.cache, np.zeros(self.slots, np.int32), np.zeros(self.slots, bool),
-                                self._rows(self._live), n_logprobs=self.max_logprobs, **self._static)
+        for n in decode_sizes(self.slots):
+            self.cache, _ = _decode(self.weights, self.cache, np.zeros(n, np.int32), np.zeros(n, bool),
+                                    self._rows([None] * n), n_logprobs=self.max_logprobs, **self._static)
         self.cache = _copy(self.cache, np.int32(0), np.int32(0))
         self._cached = [[] for _ in range(self.slots)]
         self.cache = self.cache.replace(lengths=jnp.zeros((self.slots,), jnp.int32))
@@ -368,7 +384,9 @@ class Engine:
             live = self._waiting.popleft()
             prompt, cap = live.req.prompt, self._reusable(live.req)
             free = [s for s in range(self.slots) if self._live[s] is None]
-            s = max(free, key=lambda s: (min(_common_prefix(self._cached[s], prompt), cap), -self._last_used[s]))
+            # the free slot holding the longest part of the prompt, else the lowest (decode steps cover
+            # the first slots up to the highest busy one)
+            s = max(free, key=lambda s: (min(_common_prefix(self._cached[s], prompt), cap), -s))
             own = min(_common_prefix(self._cached[s], prompt), cap)
             best, src = own, None
             for t, other in enumerate(self._live):  # a running request's prompt, cached or on its way in
@@ -377,7 +395,6 @@ class Engine:
                     if m > best:
                         best, src = m, t
             self._live[s] = live
-            self._last_used[s] = self._steps
             live.cursor = own
             self._cached[s] = self._cached[s][:own]
             if src is not None:
@@ -458,6 +475,8 @@ class Engine:
                for live in self._live]
         if not any(gen):
             return
+        n = next(n for n in decode_sizes(self.slots) if n > max(s for s, g in enumerate(gen) if g))
+        gen = gen[:n]
         tokens = np.array([live.last if g else 0 for live, g in zip(self._live, gen)], np.int32)
         rows = self._rows([live if g else None for live, g in zip(self._live, gen)])
         self.cache, out = _decode(self.weights, self.cache, tokens, np.asarray(gen), rows,

@@ -113,7 +113,9 @@ def test_scoring_equals_the_full_forward_and_reuses_a_shared_context(params):
 
 def test_no_program_is_compiled_for_new_settings_lengths_or_counts(params):
     eng = Engine(params, CFG, slots=3, max_len=44, prefill_chunk=8)  # a shape no other test uses
-    assert eng.warmup() == 2 * len(engine_mod.chunk_lengths(8)) + 2  # prefill with/without logprobs, decode, copy
+    # prefill with and without logprobs per chunk length, decode per count of leading slots, the copy
+    programs = 2 * len(engine_mod.chunk_lengths(8)) + len(engine_mod.decode_sizes(3)) + 1
+    assert eng.warmup() == programs
     before = dict(engine_mod.TRACES)
     prompts = _prompts(8, (1, 2, 3, 5, 7, 8, 9, 17, 30))
     reqs = [dict(prompt=p, max_tokens=1 + i % 5, temperature=[0.0, 0.3, 1.7][i % 3], top_k=[None, 2, 90][i % 3],
@@ -122,7 +124,7 @@ def test_no_program_is_compiled_for_new_settings_lengths_or_counts(params):
     eng.run(reqs[:2])
     eng.score([prompts[4]], [prompts[5]])
     assert dict(engine_mod.TRACES) == before
-    assert eng.programs_compiled == 2 * len(engine_mod.chunk_lengths(8)) + 2
+    assert eng.programs_compiled == programs
     assert eng.warmup() == 0
 
 
