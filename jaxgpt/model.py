@@ -259,8 +259,9 @@ class GPT(nn.Module):
             for i in range(cfg.n_layer):
                 x_BxTxD = _mix_embedding(x_BxTxD, x0_BxTxD, None if skip_Lx2 is None else skip_Lx2[i])
                 extras = {} if ve_L is None else {"value_embed": ve_L[i]}
-                x_BxTxD, cache = block_cls(cfg, backend, deterministic, name=f"h_{i}")(
+                out = block_cls(cfg, backend, deterministic, name=f"h_{i}")(
                     x_BxTxD, positions_BxT, cache, None if cache is None else i, **extras)
+                x_BxTxD, cache = _checked_block_output(out, x_BxTxD, cfg)
         if logits_index is not None:
             x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_index.astype(jnp.int32)[:, None, None], axis=1)
         h_BxTxD = norm(cfg, backend, "ln_f")(x_BxTxD)
@@ -347,9 +348,9 @@ class GPT(nn.Module):
             variables, i, skip_2, ve = xs
             rngs = {} if dropout_rng is None else {"dropout": jax.random.fold_in(dropout_rng, i)}
             extras = {} if ve is None else {"value_embed": ve}
-            x, cache = block.apply(variables, _mix_embedding(x, x0_BxTxD, skip_2), positions_BxT, cache,
-                                   None if cache is None else i, rngs=rngs, **extras)
-            return (x, cache), None
+            out = block.apply(variables, _mix_embedding(x, x0_BxTxD, skip_2), positions_BxT, cache,
+                              None if cache is None else i, rngs=rngs, **extras)
+            return _checked_block_output(out, x, cfg), None
 
         if cfg.remat != "none" and cache is None:
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
@@ -357,6 +358,19 @@ class GPT(nn.Module):
               None if ve_L is None else jnp.stack(ve_L))
         (x_BxTxD, cache), _ = jax.lax.scan(layer, (x_BxTxD, cache), xs)
         return x_BxTxD, cache
+
+
+def _checked_block_output(out, x_BxTxD, cfg: GPTConfig):
+    """A block's (x, cache), checked while tracing: x must keep its input's shape [B, T, D], or the
+    logits and the loss would silently broadcast over a wrong one."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and hasattr(out[0], "shape")):
+        raise TypeError(f"block {cfg.block!r} ({BLOCKS.get(cfg.block).__name__}) returned "
+                        f"{type(out).__name__}; a block returns (x [B, T, D], cache)")
+    if out[0].shape != x_BxTxD.shape:
+        raise ValueError(f"block {cfg.block!r} ({BLOCKS.get(cfg.block).__name__}) returned x of shape "
+                         f"{tuple(out[0].shape)} for an input of {tuple(x_BxTxD.shape)}; a block returns x of "
+                         "its input's shape [B, T, D]")
+    return tuple(out)
 
 
 def _mix_embedding(x_BxTxD, x0_BxTxD, skip_2):
@@ -374,7 +388,9 @@ def init_params(config: GPTConfig, rng: jax.Array) -> dict:
     """Freshly initialised parameters (the `params` collection); built unrolled and stacked for
     `scan_layers`, so both layouts start from the same values. Backend-independent (portable)."""
     tokens = jnp.zeros((1, min(8, config.block_size)), jnp.int32)
-    unrolled = GPT(config.replace(scan_layers=False, remat="none"), backend=PORTABLE)
+    # an attention function has no parameters: the reference one builds the same tree without needing
+    # what another may (cuDNN's needs its libraries even to trace)
+    unrolled = GPT(config.replace(scan_layers=False, remat="none", attention="dot_product"), backend=PORTABLE)
     # one jitted program: eager init would compile every initializer op separately
     return jax.jit(lambda key: convert_layers(unrolled.init(key, tokens)["params"], config))(rng)
 

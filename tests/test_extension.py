@@ -136,3 +136,45 @@ def test_unknown_block_names_the_choices():
 
     with pytest.raises(ValueError, match=r"GPTConfig.block must be one of .*gpt2.*parallel"):
         GPTConfig(block="nope")
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan_layers"])
+def test_a_block_that_returns_the_wrong_shape_is_refused_by_name(scan_layers):
+    import flax.linen as nn
+
+    from jaxgpt import register_block
+    from jaxgpt.model import Block
+
+    @register_block("one_position")
+    class OnePosition(nn.Module):  # keeps the first position only: the logits used to broadcast to a loss
+        config: object
+        backend: object
+        deterministic: bool = True
+
+        @nn.compact
+        def __call__(self, x, positions, cache=None, layer=None, **extras):
+            x, cache = Block(self.config, self.backend, self.deterministic, name="inner")(x, positions, cache, layer)
+            return x[:, :1], cache
+
+    @register_block("no_cache")
+    class NoCache(nn.Module):  # returns x alone, not (x, cache)
+        config: object
+        backend: object
+        deterministic: bool = True
+
+        @nn.compact
+        def __call__(self, x, positions, cache=None, layer=None, **extras):
+            return nn.Dense(x.shape[-1], name="proj")(x)
+
+    try:
+        cfg = _tiny().replace(scan_layers=scan_layers)
+        with pytest.raises(ValueError, match=r"block 'one_position' \(OnePosition\) returned x of shape \(2, 1, 32\) "
+                                             r"for an input of \(2, 8, 32\)"):
+            GPT(cfg.replace(block="one_position")).init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))
+        with pytest.raises(ValueError, match="one_position"):
+            init_params(cfg.replace(block="one_position"), jax.random.key(0))
+        with pytest.raises(TypeError, match=r"block 'no_cache' \(NoCache\) returned .*\(x \[B, T, D\], cache\)"):
+            GPT(cfg.replace(block="no_cache")).init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))
+    finally:
+        BLOCKS.unregister("one_position")
+        BLOCKS.unregister("no_cache")

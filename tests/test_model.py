@@ -41,6 +41,15 @@ def test_untied_head_bias_off_and_param_count():
         jaxgpt.num_params(tiny(), non_embedding=False)
 
 
+def test_the_parameters_do_not_depend_on_the_attention_function():
+    # cuDNN's attention needs its libraries even to trace: the parameter count (jaxgpt-aot's first step)
+    # and init used to fail on a machine without them, though an attention function has no parameters
+    cfg = tiny(attention="cudnn", dtype="bfloat16")
+    assert jaxgpt.num_params(cfg) == jaxgpt.num_params(cfg.replace(attention="dot_product"))
+    got, want = (jaxgpt.init_params(c, jax.random.key(0)) for c in (cfg, cfg.replace(attention="einsum")))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), got, want))
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_flops_count_only_parameters_that_multiply(tied):
     # The N of 6N: position embeddings are a lookup; so is the token table when a separate lm_head
