@@ -13,6 +13,7 @@ Needs the `aot` extra (libtpu and the CUDA plugin, no CUDA libraries): `pip inst
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -22,12 +23,15 @@ from typing import Any, Callable, Optional
 
 GIB = 2 ** 30
 
-# Per-chip HBM (datasheets) and how many chips one host of that generation holds in a slice.
+# Per-chip HBM (datasheets), how many chips one host of that generation holds in a slice, and the largest
+# slice Cloud TPU offers (its docs' tables, checked 2026-12: v4 a 4096-chip pod of 16x16x16, v5p 16x16x24
+# = 6144 chips, v5e and v6e 2-D pods of 16x16 = 256). libtpu describes larger topologies but aborts the
+# process when it compiles for some of them (v5e: "Check failed: chip_bounds().x <= 16").
 TPU_CHIPS = {
-    "v4": {"memory_bytes": 32 * GIB, "host_chips": (2, 2, 1), "megacore": True},
-    "v5e": {"memory_bytes": 16 * GIB, "host_chips": (2, 4, 1), "megacore": False},
-    "v5p": {"memory_bytes": 95 * 10 ** 9, "host_chips": (2, 2, 1), "megacore": True},
-    "v6e": {"memory_bytes": 32 * GIB, "host_chips": (2, 4, 1), "megacore": False},
+    "v4": {"memory_bytes": 32 * GIB, "host_chips": (2, 2, 1), "megacore": True, "max_shape": (16, 16, 16)},
+    "v5e": {"memory_bytes": 16 * GIB, "host_chips": (2, 4, 1), "megacore": False, "max_shape": (16, 16, 1)},
+    "v5p": {"memory_bytes": 95 * 10 ** 9, "host_chips": (2, 2, 1), "megacore": True, "max_shape": (16, 16, 24)},
+    "v6e": {"memory_bytes": 32 * GIB, "host_chips": (2, 4, 1), "megacore": False, "max_shape": (16, 16, 1)},
 }
 TPU_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e"}
 
@@ -103,18 +107,52 @@ def parse_target(text: str, slices: int = 1) -> Target:
         if kind not in TPU_CHIPS:
             raise AotError(f"bad --target {text!r}: unknown TPU generation {kind!r}; known are {sorted(TPU_CHIPS)}")
         dims = shape.split("x")
-        if not 2 <= len(dims) <= 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+        if not 2 <= len(dims) <= 3 or not all(_COUNT_RE.match(d) and int(d) > 0 for d in dims):
             raise AotError(f"bad --target {text!r}: the topology {shape!r} must be chip counts per axis like "
                            "2x4 or 2x2x1")
         dims = tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
-        return Target(text, "tpu", kind, dims, slices)
+        target = Target(text, "tpu", kind, dims, slices)
+        tpu_host_bounds(target)  # refuses a slice larger than the generation's, or not made of whole hosts
+        return target
     if platform in ("gpu", "cuda"):
         if kind not in GPU_SPECS:
             raise AotError(f"bad --target {text!r}: unknown GPU {kind!r}; known are {sorted(GPU_SPECS)}")
-        if not shape.isdigit() or int(shape) < 1:
+        if not _COUNT_RE.match(shape) or int(shape) < 1:
             raise AotError(f"bad --target {text!r}: the GPU count {shape!r} must be a positive integer")
         return Target(text, "gpu", kind, (int(shape),), slices)
     raise AotError(f"bad --target {text!r}: unknown platform {platform!r}; {usage}")
+
+
+_COUNT_RE = re.compile(r"[0-9]+\Z")  # ASCII digits only: str.isdigit also takes "²", which int() refuses
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape if len(shape) < 3 or shape[2] > 1 else shape[:2]))
+
+
+def tpu_host_bounds(target: Target) -> tuple[int, int, int]:
+    """The chips per host (x, y, z) of a TPU target's slice, for libtpu's `chips_per_host_bounds`; AotError
+    for a slice the generation does not have: an axis beyond its largest slice (in any order of the
+    axes), a third axis on a 2-D generation, or a slice of several hosts that whole hosts do not tile."""
+    chip, shape = TPU_CHIPS[target.kind], target.shape
+    largest = chip["max_shape"]
+    where = f"bad --target {target.spec!r}: "
+    if largest[2] == 1 and shape[2] > 1:
+        raise AotError(where + f"{target.kind} slices are 2-D (AxB, at most {_shape_text(largest)}); got "
+                       f"{_shape_text(shape)}")
+    if any(a > b for a, b in zip(sorted(shape), sorted(largest))):
+        n = largest[0] * largest[1] * largest[2]
+        raise AotError(where + f"the largest {target.kind} slice is {_shape_text(largest)} ({n} chips); got "
+                       f"{_shape_text(shape)}: for more chips add slices (--slices=N)")
+    host = tuple(min(a, b) for a, b in zip(chip["host_chips"], shape))
+    if all(t % h == 0 for t, h in zip(shape, host)):
+        return host
+    per_host = chip["host_chips"][0] * chip["host_chips"][1] * chip["host_chips"][2]
+    if target.chips // target.slices <= per_host:  # a slice within one host
+        return shape
+    raise AotError(where + f"a {target.kind} slice of more than one host ({per_host} chips) is whole hosts of "
+                   f"{_shape_text(chip['host_chips'])} chips; {_shape_text(shape)} is not (e.g. "
+                   f"{'2x2x2, 2x4x4, 4x4x4' if largest[2] > 1 else '4x4, 4x8, 8x16, 16x16'})")
 
 
 def gpu_target_config(kind: str) -> str:
@@ -189,10 +227,8 @@ def target_devices(target: Target) -> Devices:
         raise AotError(f"cannot compile for {target}: {reason}")
     if target.platform == "tpu":
         chip = TPU_CHIPS[target.kind]
-        host = tuple(min(a, b) for a, b in zip(chip["host_chips"], target.shape))
-        if any(t % h for t, h in zip(target.shape, host)):
-            host = target.shape
-        name = f"{target.kind}:{'x'.join(map(str, target.shape if target.shape[2] > 1 else target.shape[:2]))}"
+        host = tpu_host_bounds(target)
+        name = f"{target.kind}:{_shape_text(target.shape)}"
         try:
             topo = topologies.get_topology_desc(
                 topology_name=name, platform="tpu", chip_config_name="megacore" if chip["megacore"] else "default",
@@ -202,6 +238,7 @@ def target_devices(target: Target) -> Devices:
         memory = limit = chip["memory_bytes"]  # (the compiler enforces its own limit, slightly less)
     else:
         spec = GPU_SPECS[target.kind]
+        fraction = gpu_mem_fraction()  # (before the CUDA plugin starts: it reads the variable too)
         try:
             topo = topologies.get_topology_desc(
                 "", platform="cuda", topology=f"1x{target.slices}x{target.shape[0]}",
@@ -209,13 +246,29 @@ def target_devices(target: Target) -> Devices:
         except Exception as e:
             raise AotError(f"the CUDA plugin cannot describe {target} ({_first_line(e)})") from None
         memory = spec["memory_bytes"]
-        limit = int(memory * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEM_FRACTION)))
+        limit = int(memory * fraction)
     devices = list(topo.devices)
     try:  # the order that puts mesh neighbours on physical neighbours (rings over ICI)
         devices = list(mesh_utils.create_device_mesh((len(devices),), devices).flat)
     except Exception:
         pass
     return Devices(target, devices, devices[0].device_kind, memory, limit)
+
+
+def gpu_mem_fraction() -> float:
+    """XLA_PYTHON_CLIENT_MEM_FRACTION, the share of GPU memory JAX's client gives XLA (default 0.75);
+    AotError unless it is a number in (0, 1]."""
+    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    if text is None:
+        return GPU_MEM_FRACTION
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise AotError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={text!r} must be a number in (0, 1] (the share of each "
+                       f"GPU's memory JAX gives XLA; unset: {GPU_MEM_FRACTION})")
+    return value
 
 
 def _first_line(e: BaseException) -> str:
@@ -256,20 +309,31 @@ def model_config(config, vocab_size: int, platform: str):
     if gcfg.kernels == "cpu":
         raise AotError("model.kernels='cpu' is XLA:CPU's backend and does not compile for accelerators; use "
                        "'auto' (the target's), 'portable', 'tpu' or 'gpu'")
+    if gcfg.kernels in ("tpu", "gpu") and gcfg.kernels != platform:
+        # (off its platform a backend runs its Pallas kernels in the interpreter: a program, but not the one
+        # the target would run)
+        raise AotError(f"model.kernels={gcfg.kernels!r} is the {gcfg.kernels.upper()} backend and does not compile "
+                       f"for a {platform.upper()} target; use 'auto' (the target's, here {platform!r}) or "
+                       "'portable'")
     return gcfg, resolve(gcfg, platform=platform)
 
 
 def _memory(compiled) -> dict:
+    """The compiled program's device memory per device. `peak_bytes` is what the device holds during the
+    call: arguments, outputs not aliased to a (donated) argument, and temporaries; it is the sum the TPU
+    compiler checks against HBM (its refusal, "memory required for HLO temporaries (X) exceeds available
+    HBM", states that X) and what a GPU allocates. The compiler's own `peak_memory_in_bytes` is kept as
+    `compiler_peak_bytes` but not used: libtpu's counts live buffers in every memory space (a copy
+    prefetched into VMEM too) and its temporaries are HBM's alone, so at tiny sizes it is above or
+    below the temporaries (0.12M params: the generate program's 1.4 MB against 2.3 MB of temporaries)."""
     m = compiled.memory_analysis()
     if m is None:
         return {}
     out = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
            "alias_bytes": int(m.alias_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
            "generated_code_bytes": int(m.generated_code_size_in_bytes)}
-    peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
-    if peak <= 0:  # (older jaxlibs): live arguments and outputs, donated ones counted once, plus temporaries
-        peak = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
-    out["peak_bytes"] = peak
+    out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+    out["compiler_peak_bytes"] = int(getattr(m, "peak_memory_in_bytes", 0) or 0) or None
     return out
 
 
@@ -367,7 +431,10 @@ class Progress:
 
 
 def _compile(program: str, lowered_fn: Callable[[], Any], devs: Devices, progress: bool) -> tuple[Any, float]:
-    """Lower and compile; (executable, seconds). TPU's out-of-memory refusal becomes DoesNotFit."""
+    """Lower and compile; (executable, seconds). TPU's out-of-memory refusal becomes DoesNotFit, the
+    compiler's other refusals AotError."""
+    import jax
+
     with Progress(f"the {program} for {devs.target} ({len(devs.devices)} x {devs.device_kind})",
                   enabled=progress) as p:
         try:
@@ -387,6 +454,8 @@ def _compile(program: str, lowered_fn: Callable[[], Any], devs: Devices, progres
                 raise AotError(f"compiling the {program} for {devs.target} needs cuDNN ({_first_line(e)}); "
                                "model.attention='cudnn' compiles only where the cuDNN libraries are "
                                "installed") from None
+            if isinstance(e, jax.errors.JaxRuntimeError):  # the compiler's refusal, in its own words
+                raise AotError(f"the compiler refused the {program} for {devs.target}: {_first_line(e)}") from None
             raise
     return compiled, p.seconds
 
@@ -531,11 +600,27 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     return _report("generate program", compiled, seconds, devs, None, extra)
 
 
+PROGRAMS = ("train", "generate")
+
+
+def check_programs(programs) -> tuple[str, ...]:
+    """The programs to compile, each once in the order given; AotError for none or an unknown name."""
+    names = tuple(dict.fromkeys(p.strip() for p in programs if p.strip()))
+    unknown = [p for p in names if p not in PROGRAMS]
+    if unknown:
+        raise AotError(f"unknown program {unknown[0]!r} in --programs; choose from {', '.join(PROGRAMS)}")
+    if not names:
+        raise AotError(f"--programs names no program; choose one or both of {', '.join(PROGRAMS)} "
+                       "(e.g. --programs=train)")
+    return names
+
+
 def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
                        programs: tuple[str, ...] = ("train", "generate"), progress: bool = True,
                        generate_args: Optional[dict] = None) -> dict:
     """Compile the train step and/or the generate program of `config` for `target`: the figures as a dict
     (see README "On a TPU"). Raises DoesNotFit (with the figures so far) when a program does not fit."""
+    programs = check_programs(programs)
     vocab = vocab_size_for(config, vocab_size)
     from jaxgpt.model import num_params
 
@@ -551,10 +636,8 @@ def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
         try:
             if name == "train":
                 out = compile_train_step(config, devs, vocab, progress)
-            elif name == "generate":
-                out = compile_generate(config, devs, vocab, progress=progress, **(generate_args or {}))
             else:
-                raise AotError(f"unknown program {name!r}; choose from train, generate")
+                out = compile_generate(config, devs, vocab, progress=progress, **(generate_args or {}))
         except DoesNotFit as e:
             result["programs"][name] = {"program": e.program, "fits": False, "peak_bytes": e.peak_bytes,
                                         "limit_bytes": e.limit_bytes}
@@ -596,8 +679,9 @@ def format_result(result: dict) -> str:
                     f"dtype {p['dtype']}, kernels {p['kernels']}")
         lines.append(head)
         lines.append(f"  compiled in {p['compile_s']:.1f}s; per device: arguments {_gib(p['argument_bytes'])}, outputs "
-                     f"{_gib(p['output_bytes'])} (aliased {_gib(p['alias_bytes'])}), temporaries {_gib(p['temp_bytes'])}, "
-                     f"peak {_gib(p['peak_bytes'])} of {_gib(p['limit_bytes'])}: {'fits' if p['fits'] else 'DOES NOT FIT'}")
+                     f"{_gib(p['output_bytes'])} (aliased {_gib(p['alias_bytes'])}), temporaries {_gib(p['temp_bytes'])}; "
+                     f"peak (their sum, aliased outputs once) {_gib(p['peak_bytes'])} of {_gib(p['limit_bytes'])}: "
+                     f"{'fits' if p['fits'] else 'DOES NOT FIT'}")
         if p.get("formula_flops_per_device"):
             got = "not reported by this compiler" if p["flops_per_device"] is None else \
                 f"{p['flops_per_device']:.4g} (compiler, for {p['flops_counted_for']})"

@@ -46,6 +46,20 @@ def _fail(message) -> None:
     sys.exit(EXIT_ERROR)
 
 
+def _check_writable(path: str) -> None:
+    """Fail now, in one line, if the --json file cannot be written (a folder, a missing or read-only folder)."""
+    if os.path.isdir(path):
+        _fail(f"--json={path!r} is a folder; give a file path, e.g. {os.path.join(path, 'aot.json')}")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):  # (appends nothing: an existing file is kept until the figures replace it)
+            pass
+    except OSError as e:
+        _fail(f"cannot write --json={path!r}: {e.strerror or e}")
+    if not existed:
+        os.remove(path)
+
+
 class _FilteredStderr:
     """File descriptor 2 through a pipe whose lines are passed on unless they are runtime start-up noise
     (native code writes there directly, past Python's sys.stderr)."""
@@ -93,8 +107,11 @@ def _run(argv) -> None:
         _fail("--target is required, e.g. --target=tpu:v5e:2x4 or --target=gpu:h100:8")
     try:
         target = aot.parse_target(FLAGS.target, FLAGS.slices)
+        aot.check_programs(FLAGS.programs)
     except aot.AotError as e:
         _fail(e)
+    if FLAGS.json:
+        _check_writable(FLAGS.json)  # before the compile, which may take minutes
     config = train_cli._load_config()
     aot.prepare_environment()
     gen = {"batch_size": FLAGS.gen_batch, "prompt_len": FLAGS.gen_prompt_len, "max_new_tokens": FLAGS.gen_new_tokens}
@@ -110,9 +127,12 @@ def _run(argv) -> None:
     if result is not None:
         print(aot.format_result(result), flush=True)
         if FLAGS.json:
-            with open(FLAGS.json, "w") as f:
-                json.dump(result, f, indent=2)
-                f.write("\n")
+            try:
+                with open(FLAGS.json, "w") as f:
+                    json.dump(result, f, indent=2)
+                    f.write("\n")
+            except OSError as e:
+                _fail(f"cannot write --json={FLAGS.json!r}: {e.strerror or e}")
     if error is not None:
         _fail(error)
 
