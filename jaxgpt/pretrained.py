@@ -130,9 +130,9 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
         if key not in hf:
             raise ValueError(f"config.json lacks the GPT-2 field {key!r}")
     act = hf.get("activation_function", "gelu_new")
-    if act not in _TANH_GELUS:
-        raise ValueError(f"config.json has activation_function={act!r}; jaxgpt's MLP computes GELU's tanh "
-                         f"approximation, which GPT-2 calls one of {_TANH_GELUS}")
+    if act not in _TANH_GELUS + ("relu2",):
+        raise ValueError(f"config.json has activation_function={act!r}; jaxgpt's GPT-2 MLP computes GELU's tanh "
+                         f"approximation, which GPT-2 calls one of {_TANH_GELUS}, or ReLU² ('relu2')")
     n_inner = hf.get("n_inner")
     if n_inner is not None and n_inner != 4 * hf["n_embd"]:
         raise ValueError(f"config.json has n_inner={n_inner}; jaxgpt's MLP width is 4 * n_embd "
@@ -145,7 +145,8 @@ def config_from_hf(hf: dict, **overrides) -> GPTConfig:
     fields = dict(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
                   n_head=hf["n_head"], n_embd=hf["n_embd"], n_kv_head=hf["n_head"], bias=True,
                   tie_embeddings=hf.get("tie_word_embeddings", True), dropout=0.0,
-                  layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)))
+                  layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+                  mlp="relu2" if act == "relu2" else "gelu")
     return _gpt_config(fields, overrides)
 
 
@@ -164,7 +165,9 @@ def config_to_hf(config: GPTConfig) -> dict:
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": config.vocab_size, "n_positions": config.block_size, "n_embd": config.n_embd,
         "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
-        "activation_function": "gelu_new", "layer_norm_epsilon": config.layer_norm_epsilon,
+        # (transformers' ACT2FN: "gelu_new" is GELU's tanh approximation, "relu2" relu(x) ** 2)
+        "activation_function": "relu2" if config.mlp == "relu2" else "gelu_new",
+        "layer_norm_epsilon": config.layer_norm_epsilon,
         "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
         "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False, "tie_word_embeddings": config.tie_embeddings,
@@ -384,14 +387,14 @@ def _gpt2_tensors(params, config: GPTConfig) -> dict:
 
 def hf_architecture(config: GPTConfig) -> str:
     """"gpt2" or "llama": the Hugging Face architecture that computes the same function as `config`."""
-    if (config.position, config.norm, config.mlp) == ("learned", "layernorm", "gelu") \
+    if (config.position, config.norm) == ("learned", "layernorm") and config.mlp in ("gelu", "relu2") \
             and config.mlp_hidden == 4 * config.n_embd:
-        return "gpt2"
+        return "gpt2"  # (GPT-2's config.json names its MLP's activation: gelu_new or relu2)
     if (config.position, config.norm, config.mlp) == ("rope", "rmsnorm", "swiglu"):
         return "llama"
     raise ValueError(f"no Hugging Face architecture computes position={config.position!r}, norm={config.norm!r}, "
-                     f"mlp={config.mlp!r} (GPT-2: learned/layernorm/gelu; Llama: rope/rmsnorm/swiglu); keep it "
-                     "as a jaxgpt checkpoint")
+                     f"mlp={config.mlp!r} (GPT-2: learned/layernorm/gelu or relu2; Llama: rope/rmsnorm/swiglu); "
+                     "keep it as a jaxgpt checkpoint")
 
 
 # speedrun options that no transformers architecture computes, with their "off" values

@@ -83,8 +83,8 @@ def test_greedy_generation_matches_transformers(hf_model, imported, tokens):
     np.testing.assert_array_equal(np.asarray(ours), theirs)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=2, bias=False, tie_embeddings=False)],
-                         ids=["gpt2", "gqa_nobias_untied"])
+@pytest.mark.parametrize("kw", [dict(), dict(n_kv_head=2, bias=False, tie_embeddings=False), dict(mlp="relu2")],
+                         ids=["gpt2", "gqa_nobias_untied", "relu2"])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tokens, kw):
     cfg = GPTConfig(vocab_size=V, block_size=P, n_layer=2, n_head=4, n_embd=32, **kw)
     rng = np.random.default_rng(1)

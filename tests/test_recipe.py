@@ -249,7 +249,7 @@ def test_bad_recipe_settings_are_refused_by_name(key, value, message):
     assert message in str(e.value) and name in str(e.value)
 
 
-@pytest.mark.parametrize("option", [dict(qk_norm=True), dict(mlp="relu2"), dict(logit_softcap=30.0),
+@pytest.mark.parametrize("option", [dict(qk_norm=True), dict(logit_softcap=30.0),
                                     dict(embed_skip=True), dict(value_embeds=1)])
 def test_export_to_hugging_face_refuses_what_transformers_cannot_compute(tmp_path, option):
     from jaxgpt.pretrained import save_pretrained
@@ -264,6 +264,23 @@ def test_zero_init_projections_export_like_any_gpt2(tmp_path):
     from jaxgpt.pretrained import save_pretrained
     cfg = GPTConfig(**BASE, zero_init_proj=True)
     assert (save_pretrained(init_params(cfg, jax.random.key(0)), cfg, tmp_path / "hf") / "config.json").exists()
+
+
+def test_relu2_exports_as_gpt2_with_its_activation_and_comes_back(tmp_path):
+    # transformers' GPT-2 MLP applies ACT2FN[activation_function], and ACT2FN["relu2"] is relu(x) ** 2
+    # (tests/test_pretrained_parity.py compares the logits in transformers)
+    import json
+
+    from jaxgpt.pretrained import from_pretrained, save_pretrained
+    cfg = GPTConfig(**BASE, mlp="relu2")
+    params = init_params(cfg, jax.random.key(0))
+    folder = save_pretrained(params, cfg, tmp_path / "hf")
+    assert json.loads((folder / "config.json").read_text())["activation_function"] == "relu2"
+    back, got = from_pretrained(folder)
+    assert back.mlp == "relu2" and back.replace(dropout=cfg.dropout) == cfg
+    jax.tree.map(np.testing.assert_array_equal, got, params)
+    with pytest.raises(ValueError, match="no Hugging Face architecture"):  # Llama's MLP is gated: not relu2's
+        save_pretrained(params, cfg.replace(position="rope", norm="rmsnorm"), tmp_path / "llama")
 
 
 def test_newton_schulz_in_bfloat16_stays_near_float32_and_float32_equals_optax_muon():
