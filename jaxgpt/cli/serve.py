@@ -1,0 +1,174 @@
+"""jaxgpt-serve: an OpenAI-compatible HTTP server (vLLM's API) over the engine, for a training run's
+checkpoint or a Hugging Face folder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+from jaxgpt.cli import cpu_unless_accelerated
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxgpt-serve", description=__doc__)
+    p.add_argument("--out_dir", default="out", help="training run folder holding checkpoints/ (default: out)")
+    p.add_argument("--init_from", default=None,
+                   help="instead of --out_dir: a GPT-2 name (gpt2, ...) or a Hugging Face folder (served with "
+                        "the tokenizer.json it holds)")
+    p.add_argument("--step", type=int, default=None, help="with --out_dir: checkpoint step (default: the latest)")
+    p.add_argument("--tokenizer", default=None,
+                   help="with --init_from, when the folder has no tokenizer.json: a tokenizer name (default gpt2)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed when ready)")
+    p.add_argument("--slots", type=int, default=8, help="requests decoded at once (the engine's slots)")
+    p.add_argument("--max_len", type=int, default=None,
+                   help="positions per slot: prompt + completion (default: the model's block_size)")
+    p.add_argument("--prefill_chunk", type=int, default=256, help="prompt tokens prefilled per engine step")
+    p.add_argument("--max_logprobs", type=int, default=20, help="most alternatives a request may ask logprobs for")
+    p.add_argument("--max_waiting", type=int, default=256,
+                   help="requests that may wait for a slot; past it the server answers 429 at once")
+    p.add_argument("--api_key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/ (default: none; also $JAXGPT_API_KEY)")
+    p.add_argument("--served_model_name", default=None,
+                   help="the model's name in the API (default: the run folder's or model's name)")
+    p.add_argument("--chat_template", default=None,
+                   help="a Jinja chat template file for /v1/chat/completions (default: the HF folder's "
+                        "tokenizer_config.json chat_template, if any)")
+    p.add_argument("--grace_period", type=float, default=30.0,
+                   help="seconds that requests in flight get to finish after SIGTERM (default 30)")
+    p.add_argument("--log_requests", action="store_true", help="log prompts and outputs (off: never logged)")
+    return p
+
+
+def _hf_tokenizer(folder: str, fallback: str):
+    """The tokenizer a Hugging Face folder carries (tokenizer.json), its end token from
+    tokenizer_config.json when that names one; else the tokenizer named `fallback`."""
+    from jaxgpt.data import get_tokenizer
+
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        return get_tokenizer(fallback)
+    with open(path, encoding="utf-8") as f:
+        tok = get_tokenizer("bpe", tokenizer_json=f.read())
+    eos = _tokenizer_config(folder).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if isinstance(eos, str):
+        from tokenizers import Tokenizer
+        tid = Tokenizer.from_str(tok.to_dict()["tokenizer_json"]).token_to_id(eos)
+        tok.eos_id = tid if tid is not None else tok.eos_id
+    return tok
+
+
+def _tokenizer_config(folder: str) -> dict:
+    path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _chat_template(args, folder) -> str | None:
+    if args.chat_template:
+        with open(os.path.expanduser(args.chat_template), encoding="utf-8") as f:
+            return f.read()
+    template = _tokenizer_config(folder).get("chat_template") if folder else None
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
+
+
+def _load(args):
+    """(config, params, tokenizer, model name, chat template)."""
+    if args.init_from:
+        from jaxgpt.data import get_tokenizer
+        from jaxgpt.pretrained import from_pretrained
+        config, params = from_pretrained(args.init_from)
+        folder = os.path.expanduser(args.init_from)
+        if os.path.isdir(folder):
+            tok = _hf_tokenizer(folder, args.tokenizer or "gpt2")
+        else:  # a GPT-2 name from the Hub
+            folder, tok = None, get_tokenizer(args.tokenizer or "gpt2")
+        name = os.path.basename(os.path.normpath(args.init_from))
+        return config, params, tok, name, _chat_template(args, folder)
+    from jaxgpt.checkpoint import load_model
+    config, params, tok, _ = load_model(args.out_dir, args.step)
+    name = os.path.basename(os.path.abspath(os.path.expanduser(args.out_dir)))
+    return config, params, tok, name, _chat_template(args, None)
+
+
+def _announce_when_ready(server, worker, args, name: str) -> None:
+    """Print the one ready line once the engine is warm and the socket is listening."""
+    worker.ready.wait()
+    while not server.started and not server.should_exit:
+        threading.Event().wait(0.05)
+    if not server.started:
+        return
+    port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
+    print(f"jaxgpt-serve: ready at http://{args.host}:{port}/v1 (model {name}; {worker.engine.slots} slots of "
+          f"{worker.engine.max_len} positions)", flush=True)
+
+
+def _watch_warmup(server, worker) -> None:
+    """Stop the server if the engine's warm-up fails (the error is logged)."""
+    while not worker.ready.wait(0.2):
+        if worker.failed is not None:
+            server.should_exit = True
+            return
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    cpu_unless_accelerated()
+    from jaxgpt.backends.cpu import inline_cpu_dispatch
+    from jaxgpt.report import one_line
+
+    inline_cpu_dispatch()  # the engine thread runs each computation itself (backends/cpu.py)
+
+    def fail(e) -> int:
+        print(f"jaxgpt-serve: {one_line(str(e))}", file=sys.stderr)
+        return 2
+
+    try:
+        import uvicorn
+
+        from jaxgpt.serve import create_app
+    except ImportError as e:
+        return fail(f"{e}: the server needs the serve extra: pip install 'jaxgpt[serve]'")
+    from jaxgpt.checkpoint import CheckpointError
+    from jaxgpt.engine import Engine
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config, params, tok, name, template = _load(args)
+        engine = Engine(params, config, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                        max_logprobs=min(args.max_logprobs, config.vocab_size))
+        if args.max_waiting < 0:
+            raise ValueError(f"--max_waiting must be >= 0, got {args.max_waiting}")
+    except (ValueError, CheckpointError, OSError, ImportError) as e:
+        return fail(e)
+    app = create_app(engine, tok, model_name=args.served_model_name or name, max_waiting=args.max_waiting,
+                     api_key=args.api_key or os.environ.get("JAXGPT_API_KEY"), log_requests=args.log_requests,
+                     chat_template=template)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=args.grace_period, lifespan="on"))
+    worker = app.state.service.worker
+    threading.Thread(target=_announce_when_ready, args=(server, worker, args, args.served_model_name or name),
+                     daemon=True).start()
+    threading.Thread(target=_watch_warmup, args=(server, worker), daemon=True).start()
+    # uvicorn re-raises the SIGTERM or SIGINT that stopped it once it has shut down gracefully: with these
+    # handlers in place that ends in a normal exit (status 0), not in death by the signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    if worker.failed is not None:
+        return fail(f"the engine's warm-up failed: {worker.failed}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""The server's Prometheus metrics, in a registry of its own (so that several apps in one process, as in
+the tests, do not share counters)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+
+
+class Metrics:
+    """Requests by outcome, prompt and generated tokens, running and waiting requests, time to first token
+    and inter-token latency."""
+
+    def __init__(self, worker):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("jaxgpt_requests", "Requests answered, by outcome (stop, length, cancelled, "
+                                "rejected: queue full, error: a bad request)", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("jaxgpt_prompt_tokens", "Prompt tokens submitted to the engine", registry=r)
+        self.generation_tokens = Counter("jaxgpt_generation_tokens", "Tokens generated", registry=r)
+        running = Gauge("jaxgpt_requests_running", "Requests in an engine slot", registry=r)
+        running.set_function(lambda: worker.num_running)
+        waiting = Gauge("jaxgpt_requests_waiting", "Requests waiting for a slot", registry=r)
+        waiting.set_function(lambda: worker.num_waiting)
+        self.ttft = Histogram("jaxgpt_time_to_first_token_seconds", "From the request's arrival to its first "
+                              "generated token", buckets=_LATENCY, registry=r)
+        self.itl = Histogram("jaxgpt_inter_token_latency_seconds", "Between a request's consecutive tokens",
+                             buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("jaxgpt_request_latency_seconds", "From the request's arrival to its end",
+                             buckets=_LATENCY, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

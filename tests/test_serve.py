@@ -1,0 +1,462 @@
+"""jaxgpt-serve: the OpenAI API (vLLM's form) over the engine. In process through the app (Starlette's test
+client, the engine thread running): greedy text equals `generate`, streams equal their whole answers,
+seeded sampling holds among concurrent requests, echo logprobs equal the full forward's log-softmax,
+every bad input is a 4xx in OpenAI's error form, a dropped stream frees its slot, a full queue answers
+429 at once. One slow test runs `jaxgpt-serve` in a subprocess against the `openai` client and SIGTERM."""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi", reason="the server needs the serve extra")
+from starlette.testclient import TestClient  # noqa: E402
+
+import jaxgpt  # noqa: E402
+from jaxgpt.data import CharTokenizer  # noqa: E402
+from jaxgpt.engine import Engine  # noqa: E402
+from jaxgpt.serve import create_app  # noqa: E402
+
+CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+TOK = CharTokenizer(CHARS)
+CFG = jaxgpt.GPTConfig(vocab_size=TOK.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _params():
+    from tests.helpers import varied_params
+    return varied_params(CFG)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return _params()
+
+
+@pytest.fixture(scope="module")
+def client(params):
+    app = create_app(Engine(params, CFG, slots=4, prefill_chunk=16), TOK, model_name="tiny", warmup=False)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        _wait_healthy(c)
+        yield c
+
+
+def _wait_healthy(c):
+    for _ in range(600):
+        if c.get("/health").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the server never became healthy")
+
+
+def _greedy(params, text, n):
+    ids = TOK.encode(text)
+    out = jaxgpt.generate(params, CFG, np.array([ids]), n, jax.random.key(0), temperature=0.0)
+    return TOK.decode(np.asarray(out.tokens[0, len(ids):]))
+
+
+def _log_softmax(params, ids):
+    return np.asarray(jax.nn.log_softmax(jaxgpt.GPT(CFG).apply({"params": params}, jnp.array([ids]))[0], -1))
+
+
+def _stream_text(c, body):
+    """(text per choice index, finish reasons, the raw event lines) of a streamed completion."""
+    with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    texts, reasons = {}, {}
+    for ln in lines[:-1]:
+        for ch in json.loads(ln[len("data: "):])["choices"]:
+            texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+            if ch["finish_reason"]:
+                reasons[ch["index"]] = ch["finish_reason"]
+    return texts, reasons, lines
+
+
+# -- the API ------------------------------------------------------------------------------------------
+
+def test_health_models_and_not_ready_before_start(client, params):
+    assert client.get("/health").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+    cold = create_app(Engine(params, CFG, slots=1, prefill_chunk=16), TOK, warmup=False)
+    c = TestClient(cold, raise_server_exceptions=False)  # (no lifespan: the engine thread never starts)
+    assert c.get("/health").status_code == 503
+    r = c.post("/v1/completions", json={"prompt": "ab"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+def test_greedy_completion_equals_generate_for_every_prompt_form(client, params):
+    prompts = ["To be or", "KING:\n"]
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 12,
+                                             "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert [ch["index"] for ch in body["choices"]] == [0, 1]
+    for ch, p in zip(body["choices"], prompts):
+        assert ch["text"] == _greedy(params, p, 12) and ch["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 14, "completion_tokens": 24, "total_tokens": 38}
+    # token ids, and lists of token ids, give the same text
+    ids = [TOK.encode(p) for p in prompts]
+    for prompt in (ids[0], ids):
+        again = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0}).json()
+        assert [ch["text"] for ch in again["choices"]] == [ch["text"] for ch in body["choices"]][:len(again["choices"])]
+
+
+def test_stream_concatenates_to_the_whole_answer(client):
+    body = {"prompt": "To be", "max_tokens": 20, "temperature": 0.9, "top_k": 20, "seed": 7, "n": 2}
+    whole = client.post("/v1/completions", json=body).json()
+    texts, reasons, lines = _stream_text(client, {**body, "stream_options": {"include_usage": True}})
+    assert texts == {ch["index"]: ch["text"] for ch in whole["choices"]}
+    assert reasons == {0: "length", 1: "length"}
+    assert texts[0] != texts[1]  # the n choices draw differently
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 40
+
+
+def test_seeded_sampling_is_reproducible_among_concurrent_requests(client):
+    bodies = [{"prompt": p, "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": s}
+              for p, s in (("To be", 1), ("To be", 2), ("KING", 1), ("my lord", 5))]
+    alone = [client.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+    results = [None] * (2 * len(bodies))
+
+    def ask(i):
+        results[i] = client.post("/v1/completions", json=bodies[i % len(bodies)]).json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == alone + alone
+    assert alone[0] != alone[1]
+
+
+def test_echo_logprobs_equal_the_full_forward(client, params):
+    prompt = "To be or not"
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": True,
+                                             "logprobs": 3})
+    ch = r.json()["choices"][0]
+    lp = ch["logprobs"]
+    ids = TOK.encode(ch["text"])
+    assert ch["text"].startswith(prompt) and len(lp["tokens"]) == len(ids) == len(prompt) + 5
+    assert lp["tokens"] == [TOK.decode([i]) for i in ids] and lp["text_offset"] == list(range(len(ids)))
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    rows = _log_softmax(params, ids)
+    np.testing.assert_allclose(lp["token_logprobs"][1:], rows[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+    for pos in range(1, len(ids)):
+        top = lp["top_logprobs"][pos]
+        best = int(np.argmax(rows[pos - 1]))
+        assert TOK.decode([best]) in top and top[TOK.decode([best])] == pytest.approx(rows[pos - 1, best], abs=1e-4)
+    # lm-evaluation-harness's log-likelihood request: token ids, echo, logprobs 1, no new tokens
+    r = client.post("/v1/completions", json={"prompt": ids[:8], "max_tokens": 0, "echo": True, "logprobs": 1,
+                                             "temperature": 0})
+    ch = r.json()["choices"][0]
+    assert ch["text"] == TOK.decode(ids[:8]) and len(ch["logprobs"]["token_logprobs"]) == 8
+    np.testing.assert_allclose(ch["logprobs"]["token_logprobs"][1:], rows[np.arange(7), ids[1:8]], atol=1e-4)
+
+
+def test_stop_strings_cut_the_text_whole_and_streamed(client, params):
+    full = _greedy(params, "To be", 20)
+    stop = full[5:7]
+    want = full[:full.find(stop)]
+    body = {"prompt": "To be", "max_tokens": 20, "temperature": 0, "stop": [stop, "QQQ"]}
+    ch = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert ch["text"] == want and ch["finish_reason"] == "stop"
+    texts, reasons, _ = _stream_text(client, body)
+    assert texts == {0: want} and reasons == {0: "stop"}
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "ab", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "ab", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "ab", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "ab", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "ab", "n": 0}, 400, "n"),
+    ({"prompt": "ab", "logprobs": 999}, 400, "logprobs"),
+    ({"prompt": "ab", "stop": 3}, 400, "stop"),
+    ({"prompt": "a" * 65}, 400, "prompt"),            # longer than the context
+    ({"prompt": "a" * 60, "max_tokens": 10}, 400, "max_tokens"),
+    ({"prompt": "caf\u00e9"}, 400, "prompt"),          # a character the char tokenizer lacks
+    ({"prompt": [1, 2, 999]}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": {"x": 1}}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": "ab", "model": "gpt-4"}, 404, "model"),
+])
+def test_bad_inputs_are_openai_errors(client, body, status, param):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == status and err["message"] and err["type"]
+
+
+def test_malformed_requests_and_keys(client, params):
+    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json()
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+    keyed = TestClient(create_app(Engine(params, CFG, slots=1, prefill_chunk=16), TOK, api_key="sesame",
+                                  warmup=False), raise_server_exceptions=False)
+    assert keyed.post("/v1/completions", json={"prompt": "ab"}).status_code == 401
+    wrong = keyed.get("/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "AuthenticationError"
+    assert keyed.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+
+
+def test_tokenize_detokenize_and_tokenizer_info(client):
+    r = client.post("/tokenize", json={"prompt": "To be", "add_special_tokens": False}).json()
+    assert r == {"count": 5, "max_model_len": 64, "tokens": TOK.encode("To be"), "token_strs": None}
+    assert client.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "To be"}
+    assert client.post("/detokenize", json={"tokens": [999]}).status_code == 400
+    assert client.post("/tokenize", json={"prompt": "\u00e9"}).status_code == 400
+    info = client.get("/tokenizer_info").json()
+    assert "eos_token" in info and info["model_max_length"] == 64
+
+
+def test_metrics_count_requests_tokens_and_latencies(client):
+    client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "temperature": 0})
+    text = client.get("/metrics").text
+    for name in ("jaxgpt_requests_total{outcome=\"length\"}", "jaxgpt_prompt_tokens_total",
+                 "jaxgpt_generation_tokens_total", "jaxgpt_requests_running", "jaxgpt_requests_waiting",
+                 "jaxgpt_time_to_first_token_seconds_count", "jaxgpt_inter_token_latency_seconds_count"):
+        assert name in text, name
+    value = float(re.search(r"^jaxgpt_generation_tokens_total (\S+)$", text, re.M).group(1))
+    assert value >= 3
+    assert re.search(r"^jaxgpt_requests_running 0\.0$", text, re.M)
+
+
+# -- chat, end tokens ---------------------------------------------------------------------------------
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}ASSISTANT: {% endif %}")
+
+
+def test_chat_with_a_template_and_the_end_token(params):
+    tok = CharTokenizer(CHARS)
+    rendered = "USER: hi\nASSISTANT: "
+    greedy = _greedy(params, rendered, 12)
+    tok.eos_id = TOK.encode(greedy[4])[0]  # the end token: the greedy text's fifth character
+    app = create_app(Engine(params, CFG, slots=2, prefill_chunk=16), tok, model_name="tiny", warmup=False,
+                     chat_template=TEMPLATE)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        _wait_healthy(c)
+        msgs = [{"role": "user", "content": "hi"}]
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 12, "temperature": 0}).json()
+        ch = r["choices"][0]
+        assert r["object"] == "chat.completion" and ch["message"]["role"] == "assistant"
+        assert ch["message"]["content"] == greedy[:greedy.find(greedy[4])] and ch["finish_reason"] == "stop"
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 12, "temperature": 0,
+                                                 "ignore_eos": True, "logprobs": True, "top_logprobs": 2}).json()
+        ch = r["choices"][0]
+        assert ch["message"]["content"] == greedy and ch["finish_reason"] == "length"
+        assert len(ch["logprobs"]["content"]) == 12 and len(ch["logprobs"]["content"][0]["top_logprobs"]) == 2
+        with c.stream("POST", "/v1/chat/completions", json={"messages": msgs, "max_tokens": 12, "temperature": 0,
+                                                            "ignore_eos": True, "stream": True}) as s:
+            chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln and ln != "data: [DONE]"]
+        assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == greedy
+        assert c.post("/tokenize", json={"messages": msgs}).json()["count"] == len(rendered)
+
+
+# -- load and faults ----------------------------------------------------------------------------------
+
+def test_a_full_queue_answers_429_at_once(params):
+    """Capacity 1 (one slot, none waiting) taken by a request the engine thread has not picked up."""
+    import httpx
+
+    app = create_app(Engine(params, CFG, slots=1, prefill_chunk=16), TOK, max_waiting=0, warmup=False)
+    worker = app.state.service.worker
+    worker.ready.set()  # (its thread starts below: until then nothing completes)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            first = asyncio.create_task(c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3}))
+            while worker.num_waiting == 0:
+                await asyncio.sleep(0.01)
+            t0 = time.perf_counter()
+            second = await c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3})
+            waited = time.perf_counter() - t0
+            worker.start()
+            return (await first), second, waited
+
+    try:
+        first, second, waited = asyncio.run(scenario())
+    finally:
+        worker.stop()
+    assert second.status_code == 429 and second.json()["error"]["code"] == 429 and waited < 2
+    assert first.status_code == 200 and first.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_dropped_stream_cancels_its_request(client):
+    """The ASGI app called directly: the client disconnects after the first event."""
+    app, worker = client.app, client.app.state.service.worker
+    body = json.dumps({"prompt": "To be", "max_tokens": 50, "temperature": 0, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"host", b"t")], "server": ("t", 80),
+             "client": ("c", 1)}
+
+    def cancelled():
+        m = re.search(r'^jaxgpt_requests_total\{outcome="cancelled"\} (\S+)$', client.get("/metrics").text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = cancelled()
+
+    async def scenario():
+        gone, chunks, sent_body = asyncio.Event(), [], []
+
+        async def receive():
+            if not sent_body:
+                sent_body.append(True)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                chunks.append(message["body"])
+                gone.set()
+
+        await asyncio.wait_for(app(scope, receive, send), 30)
+        return chunks
+
+    chunks = asyncio.run(scenario())
+    assert chunks[0].startswith(b"data: {") and len(chunks) < 50 and b"[DONE]" not in b"".join(chunks)
+    for _ in range(200):  # the engine thread takes the cancel at its next step
+        if cancelled() == before + 1 and worker.num_running == 0:
+            break
+        time.sleep(0.02)
+    assert cancelled() == before + 1 and worker.num_running == 0
+
+
+# -- the real thing -----------------------------------------------------------------------------------
+
+def _write_run(folder, params):
+    from jaxgpt.checkpoint import Checkpointer
+    ck = Checkpointer(str(folder))
+    ck.save(1, {"params": params}, {"step": 1, "model": CFG.to_dict(), "tokenizer": TOK.to_dict()})
+    ck.wait()
+    ck.close()
+
+
+def _start_server(run, *flags):
+    proc = subprocess.Popen([sys.executable, "-m", "jaxgpt.cli.serve", f"--out_dir={run}", "--port=0", *flags],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = []
+    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()  # (never blocks on a pipe)
+    line = proc.stdout.readline()
+    m = re.search(r"ready at (http://127\.0\.0\.1:\d+)/v1", line)
+    if not m:
+        proc.kill()
+        raise AssertionError(f"no ready line: {line!r}\n{''.join(err)[-3000:]}")
+    return proc, m.group(1), err
+
+
+@pytest.mark.slow
+def test_jaxgpt_serve_with_the_openai_client(tmp_path, params):
+    import httpx
+    import openai
+
+    _write_run(tmp_path / "run", params)
+    proc, url, err = _start_server(tmp_path / "run", "--slots=2", "--max_waiting=1", "--prefill_chunk=16",
+                                   "--api_key=sesame", "--served_model_name=tiny", "--grace_period=30")
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
+        assert httpx.get(url + "/health").status_code == 200
+        r = c.completions.create(model="tiny", prompt="To be or", max_tokens=12, temperature=0)
+        assert r.choices[0].text == _greedy(params, "To be or", 12)
+        args = dict(model="tiny", prompt="KING", max_tokens=16, temperature=0.9, seed=4)
+        whole = c.completions.create(**args).choices[0].text
+        assert "".join(ch.choices[0].text for ch in c.completions.create(**args, stream=True)) == whole
+
+        outs = [None] * 4  # seeded sampling among concurrent requests: 2 slots, 1 waiting, 1 retried on 429
+
+        def ask(i):
+            for _ in range(50):
+                try:
+                    outs[i] = c.completions.create(**args).choices[0].text
+                    return
+                except openai.RateLimitError:
+                    time.sleep(0.05)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert outs == [whole] * 4
+
+        lp = c.completions.create(model="tiny", prompt="To be", max_tokens=4, temperature=0, echo=True,
+                                  logprobs=2).choices[0].logprobs
+        ids = TOK.encode("".join(lp.tokens))
+        rows = _log_softmax(params, ids)
+        assert lp.token_logprobs[0] is None
+        np.testing.assert_allclose(lp.token_logprobs[1:], rows[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+
+        for kw, error in ((dict(max_tokens=-1), openai.BadRequestError), (dict(temperature=-1), openai.BadRequestError),
+                          (dict(top_p=2.0), openai.BadRequestError), (dict(n=0), openai.BadRequestError),
+                          (dict(prompt="a" * 70), openai.BadRequestError), (dict(prompt="\u00e9"), openai.BadRequestError),
+                          (dict(model="nope"), openai.NotFoundError)):
+            with pytest.raises(error):
+                c.completions.create(**{"model": "tiny", "prompt": "ab", **kw})
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        with pytest.raises(openai.BadRequestError, match="chat template"):
+            c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+        _dropped_streams_and_a_full_queue(c, url)
+        _sigterm_finishes_the_request_in_flight(c, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.wait(60) == 0, "".join(err)[-3000:]
+
+
+def _dropped_streams_and_a_full_queue(c, url):
+    import httpx
+    import openai
+
+    streams = [c.completions.create(model="tiny", prompt="To be", max_tokens=55, temperature=0, stream=True)
+               for _ in range(3)]  # 2 running, 1 waiting: the queue is full
+    for s in streams[:2]:
+        next(iter(s))
+    t0 = time.perf_counter()
+    with pytest.raises(openai.RateLimitError):
+        c.completions.create(model="tiny", prompt="ab", max_tokens=2)
+    assert time.perf_counter() - t0 < 5
+    for s in streams:  # dropped: their slots free within a step
+        s.close()
+    for _ in range(300):
+        text = httpx.get(url + "/metrics").text
+        if re.search(r"^jaxgpt_requests_running 0\.0$", text, re.M) and \
+                re.search(r"^jaxgpt_requests_waiting 0\.0$", text, re.M):
+            break
+        time.sleep(0.05)
+    assert re.search(r"^jaxgpt_requests_running 0\.0$", text, re.M), text
+    assert re.search(r'^jaxgpt_requests_total\{outcome="cancelled"\} 3\.0$', text, re.M), text
+    assert c.completions.create(model="tiny", prompt="ab", max_tokens=2, temperature=0).choices[0].text
+
+
+def _sigterm_finishes_the_request_in_flight(c, proc):
+    stream = c.completions.create(model="tiny", prompt="To be", max_tokens=50, temperature=0, stream=True)
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    proc.send_signal(signal.SIGTERM)
+    last = None
+    for ch in chunks:
+        text += ch.choices[0].text
+        last = ch.choices[0].finish_reason or last
+    assert last == "length" and len(text) == 50
