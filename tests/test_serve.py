@@ -419,10 +419,10 @@ def test_jaxgpt_serve_with_the_openai_client(tmp_path, params):
 
         _dropped_streams_and_a_full_queue(c, url)
         _sigterm_finishes_the_request_in_flight(c, proc)
+        assert proc.wait(60) == 0, "".join(err)[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.wait(60) == 0, "".join(err)[-3000:]
 
 
 def _dropped_streams_and_a_full_queue(c, url):
