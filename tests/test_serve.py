@@ -460,3 +460,18 @@ def _sigterm_finishes_the_request_in_flight(c, proc):
         text += ch.choices[0].text
         last = ch.choices[0].finish_reason or last
     assert last == "length" and len(text) == 50
+
+
+def test_a_hugging_face_folder_is_served_with_its_tokenizer_and_template(tmp_path):
+    from jaxgpt.cli import serve
+    from jaxgpt.data import BPETokenizer
+
+    tok = BPETokenizer.train(["the king is dead long live the queen"] * 20, 300)
+    cfg = jaxgpt.GPTConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=16)
+    jaxgpt.save_pretrained(jaxgpt.init_params(cfg, jax.random.key(0)), cfg, tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(tok.to_dict()["tokenizer_json"])
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                                       "chat_template": TEMPLATE}))
+    config, _, served, name, template = serve._load(serve.build_parser().parse_args([f"--init_from={tmp_path / 'hf'}"]))
+    assert config.vocab_size == served.vocab_size and name == "hf" and template == TEMPLATE
+    assert served.eos_id == tok.eos_id and served.encode("the king") == tok.encode("the king")
