@@ -15,7 +15,7 @@ class Metrics:
     def __init__(self, worker):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("jaxgpt_requests", "Requests answered, by outcome (stop, length, cancelled, "
-                                "rejected: queue full, error: a bad request)", ["outcome"], registry=r)
+                                "rejected: the queue was full)", ["outcome"], registry=r)
         self.prompt_tokens = Counter("jaxgpt_prompt_tokens", "Prompt tokens submitted to the engine", registry=r)
         self.generation_tokens = Counter("jaxgpt_generation_tokens", "Tokens generated", registry=r)
         running = Gauge("jaxgpt_requests_running", "Requests in an engine slot", registry=r)
