@@ -93,7 +93,7 @@ class EngineWorker:
 
     @property
     def num_running(self) -> int:
-        return self._running
+        return min(self._running, self._outstanding)  # (a request that just ended counts at once)
 
     @property
     def num_waiting(self) -> int:
