@@ -38,8 +38,28 @@ def enable(setting: str = "auto") -> Optional[str]:
     folder = cache_folder(setting)
     if folder is None:
         return None
+    why = _unwritable(folder)
+    if why:  # (JAX would warn at every read and write of the cache instead, twice a program)
+        from jaxgpt.report import warn
+        warn(f"the compile cache is off: cannot write to {folder!r} ({why}); set compile_cache to a folder "
+             "that can be written, or 'off'")
+        return None
     jax.config.update("jax_compilation_cache_dir", folder)
     if jax.config.jax_persistent_cache_min_compile_time_secs == 1.0:  # JAX's default: not set by the user
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     # (no size bound: JAX's eviction fails on entries written without it, "...-atime" FileNotFoundError)
     return folder
+
+
+def _unwritable(folder: str) -> Optional[str]:
+    """Why a file cannot be written in `folder` (made if missing), or None if one can."""
+    import tempfile
+
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-test-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None

@@ -18,6 +18,7 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu", "relu2")
 _INT_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "mlp_hidden")
 _BOOL_FIELDS = ("bias", "tie_embeddings", "scan_layers", "qk_norm", "zero_init_proj", "embed_skip")
+_REAL_FIELDS = ("dropout", "layer_norm_epsilon", "rope_theta", "logit_softcap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,14 @@ class GPTConfig:
     def __post_init__(self):
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
+        # NumPy (or 0-d array) numbers are taken, and kept as Python ones: a config is hashed, compared and
+        # written to JSON
+        for name in _INT_FIELDS + ("value_embeds",):
+            if is_int(getattr(self, name)):
+                object.__setattr__(self, name, int(getattr(self, name)))
+        for name in _REAL_FIELDS:
+            if is_real(getattr(self, name)):
+                object.__setattr__(self, name, float(getattr(self, name)))
         if self.mlp_hidden is None and self.mlp in MLPS and isinstance(self.n_embd, int):
             width = 4 * self.n_embd if self.mlp != "swiglu" else -(-8 * self.n_embd // 3 // 64) * 64
             object.__setattr__(self, "mlp_hidden", width)
@@ -81,15 +90,14 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            if not (is_int(value) and isinstance(value, int)) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if not (is_real(self.logit_softcap) and 0 <= self.logit_softcap < math.inf):
             raise ValueError(f"GPTConfig.logit_softcap must be a finite number >= 0 (0: off), got {self.logit_softcap!r}")
-        if not (is_int(self.value_embeds) and isinstance(self.value_embeds, int)
-                and 0 <= self.value_embeds <= self.n_layer):
+        if not (is_int(self.value_embeds) and 0 <= self.value_embeds <= self.n_layer):
             raise ValueError(f"GPTConfig.value_embeds must be an integer in [0, n_layer={self.n_layer}], got "
                              f"{self.value_embeds!r}")
         if self.n_embd % self.n_head:

@@ -41,6 +41,9 @@ def test_auto_picks_the_cpu_backend_on_a_cpu_and_the_environment_can_override(mo
     monkeypatch.delenv("JAXGPT_KERNELS")
     with pytest.raises(ValueError, match="kernels must be one of"):
         backends.resolve_name("mps")
+    for bad in (123, None, {"kernels": "cpu"}):  # (123 raised AttributeError: 'int' object has no attribute)
+        with pytest.raises(TypeError, match="resolve takes a GPTConfig or a backend name"):
+            backends.resolve(bad)
     # the accelerator backends, picked by the platform the programs run on (interpreted off it)
     assert backends.resolve_name("auto", platform="tpu") == "tpu" == backends.resolve("auto", "tpu").name
     assert backends.resolve_name("auto", platform="gpu") == "gpu" == backends.resolve("auto", "cuda").name

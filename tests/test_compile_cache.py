@@ -32,6 +32,21 @@ def _enable_and_compile(tmp_path, setting, **env):
     return folder, int(max_size)
 
 
+def test_a_folder_that_cannot_be_written_turns_the_cache_off_in_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    code = ("import jax, jax.numpy as jnp; from jaxgpt import compile_cache; "
+            f"print(compile_cache.enable({str(tmp_path / 'a_file' / 'xla')!r})); "
+            "jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    clean.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["None"]
+    # (JAX warned at each read and write of every program: "Error reading persistent compilation cache")
+    assert out.stderr.count("\n") == 1 and "UserWarning" not in out.stderr, out.stderr
+    assert out.stderr.startswith("jaxgpt: warning: the compile cache is off: cannot write to ") and \
+        "Not a directory" in out.stderr, out.stderr
+
+
 def test_compiled_programs_land_in_the_folder_and_a_folder_given_to_jax_wins(tmp_path):
     folder = tmp_path / "xla"
     assert _enable_and_compile(tmp_path, str(folder))[0] == str(folder)

@@ -123,6 +123,20 @@ def test_config_validation(kw, match):
         tiny(**kw)
 
 
+def test_numpy_numbers_in_a_config_are_taken_as_python_ones():
+    import json
+
+    cfg = GPTConfig(vocab_size=np.int64(65), block_size=np.int32(32), n_layer=np.array(2), n_head=jnp.int32(4),
+                    n_embd=np.int64(32), dropout=np.float32(0.5), value_embeds=np.int64(1))
+    assert cfg == tiny(dropout=float(np.float32(0.5)), value_embeds=1) and hash(cfg) == hash(tiny(
+        dropout=float(np.float32(0.5)), value_embeds=1))
+    assert all(type(getattr(cfg, k)) is int for k in ("vocab_size", "n_embd", "n_kv_head", "mlp_hidden", "value_embeds"))
+    assert json.loads(json.dumps(cfg.to_dict()))["n_embd"] == 32  # (a NumPy integer is no JSON)
+    for bad in (np.bool_(True), True, np.float64(32.0), np.array([32])):
+        with pytest.raises(ValueError, match="n_embd must be a positive integer"):
+            tiny(n_embd=bad)
+
+
 def test_sequence_longer_than_block_size(model_and_vars):
     cfg, variables, _ = model_and_vars
     with pytest.raises(ValueError, match="block_size"):

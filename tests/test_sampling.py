@@ -188,6 +188,21 @@ def test_bad_input(tiny, kw, match):
         generate(params, cfg, args.pop("prompts"), args.pop("max_new_tokens"), args.pop("rng"), **args)
 
 
+def test_settings_given_as_numpy_or_jax_scalars_are_the_plain_numbers(tiny):
+    # jnp.float32(0.5) is a 0-d jax.Array, not a numbers.Real: it was refused while np.float32 was taken
+    cfg, params = tiny
+    prompts = np.array([[1, 2, 3]])
+    want = generate(params, cfg, prompts, 5, jax.random.key(3), temperature=0.5, top_k=7, top_p=0.9).tokens
+    for kw in [dict(temperature=np.float32(0.5), top_k=np.int64(7), top_p=np.float64(0.9)),
+               dict(temperature=jnp.float32(0.5), top_k=jnp.int32(7), top_p=jnp.float32(0.9)),
+               dict(temperature=np.array(0.5), top_k=np.array(7), top_p=np.array(0.9))]:
+        got = generate(params, cfg, prompts, 5, jax.random.key(3), **kw).tokens
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for bad in (jnp.float32(-0.5), jnp.float32(jnp.nan), jnp.array([0.5]), jnp.bool_(True)):
+        with pytest.raises(ValueError, match="temperature"):
+            generate(params, cfg, prompts, 5, jax.random.key(3), temperature=bad)
+
+
 def test_a_legacy_uint32_key_works_too(tiny):
     cfg, params = tiny
     a = generate(params, cfg, np.array([[1, 2]]), 3, jax.random.PRNGKey(0), temperature=0.0)

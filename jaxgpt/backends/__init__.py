@@ -53,6 +53,8 @@ def cpu_backend(flags: Optional[frozenset] = None) -> Backend:
 def resolve(config, platform: Optional[str] = None) -> Backend:
     """The Backend for a GPTConfig (its `kernels` field) or a backend name, for programs that run on
     `platform` (default: JAX's default backend; `jaxgpt-aot` passes its target's)."""
+    if not isinstance(config, str) and not isinstance(getattr(config, "kernels", None), str):
+        raise TypeError(f"resolve takes a GPTConfig or a backend name (one of {BACKEND_NAMES}), got {config!r}")
     name = resolve_name(config if isinstance(config, str) else config.kernels, platform)
     if name == "cpu":
         return cpu_backend()
