@@ -600,7 +600,49 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     return _report("generate program", compiled, seconds, devs, None, extra)
 
 
-PROGRAMS = ("train", "generate")
+def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_len: Optional[int] = None,
+                   chunk: int = 256, progress: bool = True) -> dict:
+    """Compile the engine's decode step (every slot) and a prefill chunk for the target, weights and cache
+    replicated on each device (one engine per device); a dict of figures, with how many slots of `max_len`
+    positions fit beside the weights: the decode step's peak less its cache, over one slot's cache bytes."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxgpt import engine
+    from jaxgpt.cache import cache_bytes
+
+    gcfg, backend = model_config(config, vocab_size, devs.target.platform)
+    max_len = gcfg.block_size if max_len is None else max_len
+    chunk = min(chunk, max_len)
+    if slots < 1 or not 2 <= max_len <= gcfg.block_size or chunk < 1:
+        raise AotError(f"the engine needs slots >= 1, 2 <= max_len <= block_size ({gcfg.block_size}) and a chunk "
+                       f">= 1; got {slots}, {max_len}, {chunk}")
+    replicated = NamedSharding(Mesh(np.array(devs.devices), ("data",)), P())
+    lowered = {}
+
+    def lower(name):
+        def fn():
+            if not lowered:
+                lowered.update(engine.lower_engine(gcfg, slots, max_len, chunk, backend=backend, sharding=replicated))
+            return lowered[name]
+        return fn
+
+    decode, decode_s = _compile("engine decode step", lower("decode"), devs, progress)
+    prefill, prefill_s = _compile("engine prefill", lower("prefill"), devs, progress)
+    per_slot = cache_bytes(gcfg, 1, max_len)
+    extra = {"slots": slots, "max_len": max_len, "chunk": chunk, "dtype": gcfg.dtype, "kernels": backend.name,
+             "cache_bytes": per_slot * slots, "cache_bytes_per_slot": per_slot}
+    out = _report("engine decode step", decode, decode_s, devs, None, extra)
+    pre = _memory(prefill)
+    out["prefill"] = {"compile_s": round(prefill_s, 2), **pre}
+    # every other byte (weights, temporaries) stays as the slots grow; the larger of the two programs
+    fixed = max(out.get("peak_bytes", 0), pre.get("peak_bytes", 0)) - per_slot * slots
+    out["slots_that_fit"] = max(0, (devs.limit_bytes - fixed) // per_slot)
+    out["fits"] = out["fits"] and pre.get("peak_bytes", 0) <= devs.limit_bytes
+    return out
+
+
+PROGRAMS = ("train", "generate", "engine")
 
 
 def check_programs(programs) -> tuple[str, ...]:
@@ -610,14 +652,14 @@ def check_programs(programs) -> tuple[str, ...]:
     if unknown:
         raise AotError(f"unknown program {unknown[0]!r} in --programs; choose from {', '.join(PROGRAMS)}")
     if not names:
-        raise AotError(f"--programs names no program; choose one or both of {', '.join(PROGRAMS)} "
+        raise AotError(f"--programs names no program; choose one or more of {', '.join(PROGRAMS)} "
                        "(e.g. --programs=train)")
     return names
 
 
 def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
                        programs: tuple[str, ...] = ("train", "generate"), progress: bool = True,
-                       generate_args: Optional[dict] = None) -> dict:
+                       generate_args: Optional[dict] = None, engine_args: Optional[dict] = None) -> dict:
     """Compile the train step and/or the generate program of `config` for `target`: the figures as a dict
     (see README "On a TPU"). Raises DoesNotFit (with the figures so far) when a program does not fit."""
     programs = check_programs(programs)
@@ -636,6 +678,9 @@ def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
         try:
             if name == "train":
                 out = compile_train_step(config, devs, vocab, progress)
+            elif name == "engine":
+                out = compile_engine(config, devs, vocab, progress=progress,
+                                     **{k: v for k, v in (engine_args or {}).items() if v is not None})
             else:
                 out = compile_generate(config, devs, vocab, progress=progress, **(generate_args or {}))
         except DoesNotFit as e:
@@ -674,6 +719,11 @@ def format_result(result: dict) -> str:
                     f"rows per device), grad_accum {p['grad_accum']}, steps_per_call {p['steps_per_call']}, remat "
                     f"{p['remat']}, dtype {p['dtype']}, kernels {p['kernels']}"
                     + (f", loss in chunks of {p['loss_chunk']} positions" if p.get("loss_chunk") else ""))
+        elif p["program"] == "engine decode step":
+            head = (f"engine: {p['slots']} slots of {p['max_len']} positions (KV cache {_gib(p['cache_bytes'])}, "
+                    f"{p['cache_bytes_per_slot'] / 2 ** 20:.1f} MiB a slot), prefill chunks of {p['chunk']}, dtype "
+                    f"{p['dtype']}, kernels {p['kernels']}; slots of {p['max_len']} positions that fit beside the "
+                    f"weights: {p['slots_that_fit']}; prefill program peak {_gib(p['prefill'].get('peak_bytes'))}")
         else:
             head = (f"generate: batch {p['batch_size']}, prompt {p['prompt_len']}, {p['max_new_tokens']} new tokens, "
                     f"dtype {p['dtype']}, kernels {p['kernels']}")

@@ -239,3 +239,19 @@ def test_a_pmap_config_compiles_as_the_same_update():
     np.testing.assert_allclose(float(ma["loss"]), float(mb["loss"]), rtol=1e-6)
     for pa, pb in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
         np.testing.assert_allclose(np.asarray(pa), np.asarray(pb), atol=1e-6)
+
+
+@needs_aot
+@pytest.mark.parametrize("target", ["tpu:v5e:1x1", "gpu:h100:1"])
+def test_the_engine_compiles_for_the_target_and_says_how_many_slots_fit(target):
+    aot.prepare_environment()
+    r = aot.compile_for_target(_tiny(), aot.parse_target(target), programs=("engine",), progress=False,
+                               engine_args={"slots": 4, "max_len": 32, "chunk": 8})
+    e = r["programs"]["engine"]
+    assert r["fits"] and e["fits"] and e["slots"] == 4 and e["prefill"]["peak_bytes"] > 0
+    # a slot's keys and values: 2 x layers x kv heads x positions x head dim x 4 bytes
+    assert e["cache_bytes_per_slot"] == 2 * 2 * 4 * 32 * 16 * 4 and e["cache_bytes"] == 4 * e["cache_bytes_per_slot"]
+    # the decode step holds the cache; the slots that fit fill the device beside what does not grow with them
+    fixed = max(e["peak_bytes"], e["prefill"]["peak_bytes"]) - e["cache_bytes"]
+    assert e["slots_that_fit"] == (e["limit_bytes"] - fixed) // e["cache_bytes_per_slot"] > 4
+    assert f"that fit beside the weights: {e['slots_that_fit']}" in aot.format_result(r)

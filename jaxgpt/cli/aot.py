@@ -26,7 +26,10 @@ flags.DEFINE_integer("slices", 1, "TPU slices (multislice over DCN), or GPU host
 flags.DEFINE_string("json", None, "also write the figures to this JSON file")
 flags.DEFINE_integer("vocab_size", None, "the vocabulary size (needed for data.tokenizer=char, whose vocabulary "
                      "comes from the corpus; overrides the tokenizer's size otherwise)")
-flags.DEFINE_list("programs", ["train", "generate"], "which programs to compile: train, generate")
+flags.DEFINE_list("programs", ["train", "generate"], "which programs to compile: train, generate, engine")
+flags.DEFINE_integer("engine_slots", None, "engine: slots (default 8); the report says how many fit")
+flags.DEFINE_integer("engine_max_len", None, "engine: positions per slot (default the context)")
+flags.DEFINE_integer("engine_chunk", None, "engine: prefill chunk (default 256)")
 flags.DEFINE_integer("gen_batch", None, "generate: prompt rows (default one per device)")
 flags.DEFINE_integer("gen_prompt_len", None, "generate: prompt length (default half the context)")
 flags.DEFINE_integer("gen_new_tokens", None, "generate: new tokens (default the rest of the context)")
@@ -118,8 +121,9 @@ def _run(argv) -> None:
     result, error = None, None
     with _FilteredStderr():
         try:
+            engine = {"slots": FLAGS.engine_slots, "max_len": FLAGS.engine_max_len, "chunk": FLAGS.engine_chunk}
             result = aot.compile_for_target(config, target, FLAGS.vocab_size, tuple(FLAGS.programs),
-                                            progress=True, generate_args=gen)
+                                            progress=True, generate_args=gen, engine_args=engine)
         except aot.DoesNotFit as e:
             result, error = e.result, e
         except (aot.AotError, ValueError) as e:
