@@ -270,7 +270,9 @@ class Engine:
 
     def warmup(self, prompt_logprobs: bool = True) -> int:
         """Compile every program this engine can run (each chunk length, the decode step, the slot copy);
-        returns how many were compiled now."""
+        returns how many were compiled now. Before any request: it runs them on slot 0 and resets the cache."""
+        if self.has_work():
+            raise RuntimeError("warmup() runs the programs on the cache: call it before submitting requests")
         before = sum(TRACES.values())
         rows = self._rows([None])
         for c in chunk_lengths(self.prefill_chunk):
