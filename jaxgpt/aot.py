@@ -604,7 +604,9 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
                    chunk: int = 256, progress: bool = True) -> dict:
     """Compile the engine's decode step (every slot) and a prefill chunk for the target, weights and cache
     replicated on each device (one engine per device); a dict of figures, with how many slots of `max_len`
-    positions fit beside the weights: the decode step's peak less its cache, over one slot's cache bytes."""
+    positions fit beside the weights. A slot's bytes are measured, not assumed: the decode step compiled
+    again for twice the slots gives the peak's growth per slot (its cache, and any temporaries that grow
+    with it: a compiler may copy the cache into another layout)."""
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -618,26 +620,24 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
         raise AotError(f"the engine needs slots >= 1, 2 <= max_len <= block_size ({gcfg.block_size}) and a chunk "
                        f">= 1; got {slots}, {max_len}, {chunk}")
     replicated = NamedSharding(Mesh(np.array(devs.devices), ("data",)), P())
-    lowered = {}
 
-    def lower(name):
-        def fn():
-            if not lowered:
-                lowered.update(engine.lower_engine(gcfg, slots, max_len, chunk, backend=backend, sharding=replicated))
-            return lowered[name]
-        return fn
+    def lower(name, n=slots):
+        return lambda: engine.lower_engine(gcfg, n, max_len, chunk, backend=backend, sharding=replicated)[name]
 
     decode, decode_s = _compile("engine decode step", lower("decode"), devs, progress)
     prefill, prefill_s = _compile("engine prefill", lower("prefill"), devs, progress)
+    twice, _ = _compile(f"engine decode step for {2 * slots} slots", lower("decode", 2 * slots), devs, progress)
     per_slot = cache_bytes(gcfg, 1, max_len)
     extra = {"slots": slots, "max_len": max_len, "chunk": chunk, "dtype": gcfg.dtype, "kernels": backend.name,
              "cache_bytes": per_slot * slots, "cache_bytes_per_slot": per_slot}
     out = _report("engine decode step", decode, decode_s, devs, None, extra)
     pre = _memory(prefill)
     out["prefill"] = {"compile_s": round(prefill_s, 2), **pre}
-    # every other byte (weights, temporaries) stays as the slots grow; the larger of the two programs
-    fixed = max(out.get("peak_bytes", 0), pre.get("peak_bytes", 0)) - per_slot * slots
-    out["slots_that_fit"] = max(0, (devs.limit_bytes - fixed) // per_slot)
+    grown = _memory(twice).get("peak_bytes", 0) - out.get("peak_bytes", 0)
+    out["bytes_per_slot"] = max(per_slot, grown // slots)
+    # what does not grow with the slots (weights, the rest of the temporaries); the larger program's
+    fixed = max(out.get("peak_bytes", 0), pre.get("peak_bytes", 0)) - out["bytes_per_slot"] * slots
+    out["slots_that_fit"] = max(0, (devs.limit_bytes - fixed) // out["bytes_per_slot"])
     out["fits"] = out["fits"] and pre.get("peak_bytes", 0) <= devs.limit_bytes
     return out
 
@@ -722,8 +722,9 @@ def format_result(result: dict) -> str:
         elif p["program"] == "engine decode step":
             head = (f"engine: {p['slots']} slots of {p['max_len']} positions (KV cache {_gib(p['cache_bytes'])}, "
                     f"{p['cache_bytes_per_slot'] / 2 ** 20:.1f} MiB a slot), prefill chunks of {p['chunk']}, dtype "
-                    f"{p['dtype']}, kernels {p['kernels']}; slots of {p['max_len']} positions that fit beside the "
-                    f"weights: {p['slots_that_fit']}; prefill program peak {_gib(p['prefill'].get('peak_bytes'))}")
+                    f"{p['dtype']}, kernels {p['kernels']}; each slot takes {p['bytes_per_slot'] / 2 ** 20:.1f} MiB in "
+                    f"the compiled step; slots of {p['max_len']} positions that fit beside the weights: "
+                    f"{p['slots_that_fit']}; prefill program peak {_gib(p['prefill'].get('peak_bytes'))}")
         else:
             head = (f"generate: batch {p['batch_size']}, prompt {p['prompt_len']}, {p['max_new_tokens']} new tokens, "
                     f"dtype {p['dtype']}, kernels {p['kernels']}")
