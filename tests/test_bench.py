@@ -120,3 +120,22 @@ def test_engine_benchmark_smoke():
     assert run["requests"] == 4 and run["engine_programs"] >= 2
     assert run["engine_tokens_per_s"] > 0 and run["fixed_tokens_per_s"] > 0 and run["engine_ttft_p99_s"] > 0
     assert set(results) >= {"lone_request_slots_1", "lone_request_slots_2"}
+
+
+def test_serve_benchmark_smoke(monkeypatch):
+    """bench/serve.py exports random weights with a byte-level BPE of the model's vocabulary to one Hugging
+    Face folder, serves it with jaxgpt-serve (a subprocess) and loads it with its built-in client (no vLLM)."""
+    from bench import serve
+    from jaxgpt.data import get_tokenizer
+
+    tok = get_tokenizer("bpe", tokenizer_json=serve.byte_level_bpe_json(50257))
+    assert tok.vocab_size == 50257 and tok.eos_id == 50256
+    assert tok.decode(tok.encode("héllo, wörld")) == "héllo, wörld"
+    monkeypatch.setattr(serve, "write_results", lambda name, results: pytest.fail("the smoke run writes nothing"))
+    results = serve.main(["--smoke"])
+    assert results["client"] == "built-in" and results["vllm"] is None and results["errors"] == {}
+    assert [(r["server"], r["concurrency"]) for r in results["runs"]] == [("jaxgpt-serve", 1), ("jaxgpt-serve", 2)]
+    for r in results["runs"]:
+        assert r["completed"] == r["num_prompts"] and r["failed"] == 0
+        assert r["total_output_tokens"] == 8 * r["num_prompts"]  # ignore_eos: every request runs to max_tokens
+        assert r["output_throughput"] > 0 and 0 < r["median_ttft_ms"] <= r["p99_ttft_ms"]

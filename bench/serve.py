@@ -1,0 +1,451 @@
+"""Serving benchmark: the same load, one client, against jaxgpt-serve and vLLM's CPU build on the same weights.
+
+python bench/serve.py [--vllm /tmp/vllm-cpu] [--concurrency 1 8 32] [--num-prompts 32 256 256]
+                      [--vllm-bindings default both] [--jaxgpt-args "--slots 32"] [--smoke]
+
+GPT-2 124M shape (vocab 50257, 1024 positions, 12 layers, 12 heads, 768 wide), float32, random weights made
+with jaxgpt.init_params and exported with jaxgpt.save_pretrained to one Hugging Face folder (with n_ctx in
+config.json and a byte-level BPE tokenizer.json of 50257 tokens built here: 256 bytes, 50,000 two-byte
+merges, <|endoftext|>; a GPT-2 tokenizer cannot be downloaded on these machines and any byte-level BPE of
+the right size gives the same work). Both servers serve that folder on 127.0.0.1, one after the other
+(never at once): `jaxgpt-serve --init_from=FOLDER`, then `vllm serve FOLDER --dtype float32
+--max-model-len 1024` in each binding asked for: `default` (vLLM's own: one core for its engine, one for
+its HTTP server on 2 cores) and `both` (VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND=0-N: its
+engine gets every core). The load, from vLLM's own client `vllm bench serve` (nobody's home game): random
+prompts of 64-192 tokens, 128 output tokens each with ignore_eos, streamed, at each concurrency; each
+server first gets an unrecorded warm-up at the largest concurrency. Reports output tokens/s, time to first
+token p50/p99 and inter-token latency p50/p99 per server and concurrency; bench/results/serve.json.
+
+Without --vllm the vLLM side is skipped and jaxgpt-serve is measured with a small built-in client (threads,
+streaming, the same metrics); --smoke runs a tiny model with a few requests that way (the test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import write_results  # noqa: E402
+
+MODEL_NAME = "gpt2"  # both servers' --served-model-name
+ENDOFTEXT = "<|endoftext|>"
+
+
+# -- the model folder ------------------------------------------------------------------------------------
+
+def gpt2_config(smoke: bool):
+    import jaxgpt
+
+    if smoke:
+        return jaxgpt.GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    return jaxgpt.GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+
+
+def _byte_alphabet() -> list:
+    """GPT-2's byte-level alphabet: the character each byte 0..255 is written as, in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+def byte_level_bpe_json(vocab_size: int) -> str:
+    """A GPT-2-style byte-level BPE of `vocab_size` tokens: the 256 bytes, vocab_size - 257 merges of two
+    bytes (printable ASCII pairs first), and <|endoftext|> last (GPT-2's id 50256 at full size)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    if vocab_size < 257:
+        raise ValueError(f"a byte-level BPE needs vocab_size >= 257, got {vocab_size}")
+    alphabet = _byte_alphabet()
+    order = sorted(range(256), key=lambda b: (not 32 <= b < 127, b))  # printable ASCII first
+    vocab = {alphabet[b]: b for b in range(256)}
+    merges = []
+    for a in order:
+        for b in order:
+            if len(merges) == vocab_size - 257:
+                break
+            merges.append((alphabet[a], alphabet[b]))
+            vocab[alphabet[a] + alphabet[b]] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    tk.post_processor = processors.ByteLevel(trim_offsets=False)
+    tk.add_special_tokens([ENDOFTEXT])
+    assert tk.get_vocab_size() == vocab_size and tk.token_to_id(ENDOFTEXT) == vocab_size - 1
+    return tk.to_str()
+
+
+def make_model_folder(folder: str, smoke: bool, seed: int = 0) -> str:
+    """Random float32 weights of the benchmark's shape as a Hugging Face folder both servers load."""
+    import jax
+
+    import jaxgpt
+
+    cfg = gpt2_config(smoke)
+    params = jaxgpt.init_params(cfg, jax.random.PRNGKey(seed))
+    jaxgpt.save_pretrained(params, cfg, folder)
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        hf = json.load(f)
+    hf["n_ctx"] = cfg.block_size  # llama.cpp's converter and older readers want it
+    with open(path, "w") as f:
+        json.dump(hf, f, indent=2)
+    with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(byte_level_bpe_json(cfg.vocab_size))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "GPT2TokenizerFast", "bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT,
+                   "unk_token": ENDOFTEXT, "model_max_length": cfg.block_size, "add_prefix_space": False}, f,
+                  indent=2)
+    return folder
+
+
+# -- servers ---------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(port: int, path: str, timeout: float = 5.0) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    finally:
+        conn.close()
+
+
+class Server:
+    """A server subprocess (its own process group), ready once GET /health and /v1/models answer 200."""
+
+    def __init__(self, name: str, cmd: list, env: dict, port: int, log_path: str, start_timeout: float):
+        self.name, self.cmd, self.env, self.port, self.log_path = name, cmd, env, port, log_path
+        self.start_timeout, self.proc, self.start_s = start_timeout, None, None
+
+    def __enter__(self) -> "Server":
+        t0 = time.perf_counter()
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = t0 + self.start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                self._close()
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was ready:\n"
+                                   + self.tail())
+            try:
+                if _get(self.port, "/health") == 200 and _get(self.port, "/v1/models") == 200:
+                    break
+            except OSError:
+                pass
+            if time.perf_counter() > deadline:
+                self._close()
+                raise RuntimeError(f"{self.name} not ready after {self.start_timeout:.0f} s:\n" + self.tail())
+            time.sleep(1.0)
+        self.start_s = time.perf_counter() - t0
+        return self
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def _close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)  # the group this Popen started (vLLM forks its engine)
+                self.proc.wait(timeout=60)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait()
+        self._log.close()
+
+    def __exit__(self, *exc) -> None:
+        self._close()
+
+
+def jaxgpt_server(folder: str, port: int, extra: list, log_path: str) -> Server:
+    cmd = [sys.executable, "-m", "jaxgpt.cli.serve", f"--init_from={folder}", "--host=127.0.0.1",
+           f"--port={port}", f"--served_model_name={MODEL_NAME}", *extra]
+    return Server("jaxgpt-serve", cmd, dict(os.environ), port, log_path, start_timeout=900)
+
+
+VLLM_BINDINGS = {
+    # vLLM's own choice: on 2 cores one for the engine (one OpenMP thread), one for its HTTP server
+    "default": {},
+    # its engine on every core
+    "both": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 2) - 1}"},
+}
+
+
+def vllm_env(binding: str, kv_cache_gib: int) -> dict:
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
+    for k in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"):
+        env.pop(k, None)
+    env.update(VLLM_BINDINGS[binding])
+    return env
+
+
+def vllm_server(vllm_dir: str, folder: str, port: int, binding: str, max_len: int, kv_cache_gib: int,
+                log_path: str) -> Server:
+    cmd = [os.path.join(vllm_dir, "bin", "vllm"), "serve", folder, "--dtype", "float32", "--max-model-len",
+           str(max_len), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
+    return Server(f"vllm ({binding})", cmd, vllm_env(binding, kv_cache_gib), port, log_path, start_timeout=1200)
+
+
+# -- clients ---------------------------------------------------------------------------------------------
+
+KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "output_throughput",
+        "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms")
+
+
+def vllm_client(vllm_dir: str, port: int, folder: str, concurrency: int, num_prompts: int, input_len: int,
+                output_len: int, range_ratio: float, output_range_ratio: float, seed: int, result_dir: str,
+                tag: str) -> dict:
+    """One `vllm bench serve` run; its result JSON (the KEYS and the rest)."""
+    name = f"{tag}-c{concurrency}.json"
+    cmd = [os.path.join(vllm_dir, "bin", "vllm"), "bench", "serve", "--backend", "openai",
+           "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", MODEL_NAME,
+           "--tokenizer", folder, "--dataset-name", "random", "--random-input-len", str(input_len),
+           "--random-output-len", str(output_len),
+           "--random-range-ratio", json.dumps({"input": range_ratio, "output": output_range_ratio}),
+           "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--ignore-eos",
+           "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+           "--save-result", "--result-dir", result_dir, "--result-filename", name]
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({p.returncode}):\n{p.stdout[-3000:]}")
+    with open(os.path.join(result_dir, name)) as f:
+        return json.load(f)
+
+
+def _percentile(xs: list, q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _one_request(port: int, prompt: list, output_len: int) -> dict:
+    """A streamed /v1/completions request as vLLM's client sends it (but with token ids for the prompt): the
+    arrival time of each chunk with a choice, and the completion tokens the usage chunk counts."""
+    body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "repetition_penalty": 1.0, "max_tokens": output_len,
+                       "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+                       "ignore_eos": True})  # its payload; no temperature: the server's default (1)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    times, tokens, error = [], 0, None
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return {"ok": False, "error": f"{resp.status}: {resp.read()[:300]!r}"}
+        for raw in resp:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("choices"):  # as vLLM's client times them: every chunk with a choice, text or not
+                times.append(time.perf_counter())
+            elif chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    except (OSError, ValueError, KeyError) as e:
+        error = repr(e)
+    finally:
+        conn.close()
+    if error or not times:
+        return {"ok": False, "error": error or "no choice in the stream"}
+    return {"ok": True, "ttft": times[0] - t0, "itl": [b - a for a, b in zip(times, times[1:])],
+            "tokens": tokens or len(times)}
+
+
+def builtin_client(port: int, vocab_size: int, concurrency: int, num_prompts: int, input_len: int,
+                   output_len: int, range_ratio: float, output_range_ratio: float, seed: int) -> dict:
+    """The same load as `vllm bench serve --dataset-name random` (prompts of random token ids, their lengths
+    uniform in input_len * [1 - r, 1 + r], output lengths likewise), `concurrency` at a time; its keys."""
+    import random
+
+    rng = random.Random(seed)
+    lo, hi = max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
+    olo, ohi = max(1, int(output_len * (1 - output_range_ratio))), int(output_len * (1 + output_range_ratio))
+    loads = [([rng.randrange(vocab_size - 1) for _ in range(rng.randint(lo, hi))], rng.randint(olo, ohi))
+             for _ in range(num_prompts)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        outs = list(pool.map(lambda load: _one_request(port, *load), loads))
+    duration = time.perf_counter() - t0
+    ok = [o for o in outs if o["ok"]]
+    ttft = [o["ttft"] * 1e3 for o in ok]
+    itl = [x * 1e3 for o in ok for x in o["itl"]]
+    tokens = sum(o["tokens"] for o in ok)
+    return {"completed": len(ok), "failed": len(outs) - len(ok), "duration": duration,
+            "total_input_tokens": sum(len(p) for (p, _), o in zip(loads, outs) if o["ok"]),
+            "total_output_tokens": tokens, "output_throughput": tokens / duration,
+            "median_ttft_ms": statistics.median(ttft) if ttft else 0.0, "p99_ttft_ms": _percentile(ttft, 99),
+            "median_itl_ms": statistics.median(itl) if itl else 0.0, "p99_itl_ms": _percentile(itl, 99),
+            "errors": sorted({o["error"] for o in outs if not o["ok"]})[:3]}
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+
+def table(rows: list) -> str:
+    lines = ["| server | concurrency | prompts | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['server']} | {r['concurrency']} | {r['completed']}/{r['num_prompts']} | "
+                     f"{r['output_throughput']:.1f} | {r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
+                     f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vllm", default=None, help="vLLM's CPU build's virtual environment "
+                    "(../shared/peers/install_vllm_cpu.sh DIR); default: skip vLLM, built-in client")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--num-prompts", type=int, nargs="+", default=[32, 256, 256],
+                    help="requests per concurrency (one number for all, or one each)")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--range-ratio", type=float, default=0.5, help="prompt lengths input_len * [1 - r, 1 + r]")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output-range-ratio", type=float, default=0.0,
+                    help="output lengths output_len * [1 - r, 1 + r] (default 0: all output_len)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm-bindings", nargs="+", default=["default", "both"], choices=sorted(VLLM_BINDINGS))
+    ap.add_argument("--vllm-kv-cache-gib", type=int, default=4)
+    ap.add_argument("--jaxgpt-args", default=None,
+                    help="extra jaxgpt-serve flags (default: --slots=<largest concurrency>)")
+    ap.add_argument("--no-jaxgpt", action="store_true", help="measure vLLM only")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--model-dir", default=None, help="the HF folder to make and serve (default: a temp dir)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny model, a few short requests at 1 and 2 concurrent, jaxgpt-serve only")
+    ap.add_argument("--out", default=None, help="results name (default serve; --smoke: not written)")
+    args = ap.parse_args(argv)
+
+    if args.smoke:
+        args.vllm, args.concurrency, args.num_prompts = None, [1, 2], [3, 4]
+        args.input_len, args.output_len = 8, 8
+        jaxgpt_extra = ["--slots=2", "--max_len=64", "--prefill_chunk=16"]
+    else:
+        jaxgpt_extra = [f"--slots={max(args.concurrency)}"]
+    if args.jaxgpt_args is not None:
+        jaxgpt_extra = args.jaxgpt_args.split()
+    if len(args.num_prompts) == 1:
+        args.num_prompts = args.num_prompts * len(args.concurrency)
+    if len(args.num_prompts) != len(args.concurrency):
+        ap.error("--num-prompts takes one number or one per --concurrency")
+    if args.vllm is not None and not os.path.isfile(os.path.join(args.vllm, "bin", "vllm")):
+        ap.error(f"--vllm {args.vllm}: no bin/vllm there (install with ../shared/peers/install_vllm_cpu.sh DIR)")
+    client = "vllm bench serve" if args.vllm else "built-in"
+    cfg = gpt2_config(args.smoke)
+
+    work = tempfile.mkdtemp(prefix="jaxgpt-bench-serve-")
+    folder = make_model_folder(args.model_dir or os.path.join(work, "model"), args.smoke, args.seed)
+    print(f"model folder: {folder} ({'tiny' if args.smoke else 'GPT-2 124M shape'}, float32, random); "
+          f"client: {client}; logs in {work}", flush=True)
+
+    def load(server: Server, tag: str) -> list:
+        if args.vllm:
+            def run(c, n, seed, out_len=args.output_len, rec=tag):
+                return vllm_client(args.vllm, server.port, folder, c, n, args.input_len, out_len,
+                                   args.range_ratio, args.output_range_ratio, seed, work, rec)
+        else:
+            def run(c, n, seed, out_len=args.output_len, rec=tag):
+                return builtin_client(server.port, cfg.vocab_size, c, n, args.input_len, out_len,
+                                      args.range_ratio, args.output_range_ratio, seed)
+        if not args.no_warmup:  # every batch size's programs and the allocator's pools, unrecorded
+            c = max(args.concurrency)
+            run(c, c, args.seed + 1000, min(16, args.output_len), f"{tag}-warmup")
+        rows = []
+        # each concurrency its own prompts (vLLM's prefix cache never sees a prompt twice), every server the
+        # same ones
+        for i, (c, n) in enumerate(zip(args.concurrency, args.num_prompts)):
+            res = run(c, n, args.seed + i)
+            row = {"server": server.name, "concurrency": c, "num_prompts": n,
+                   "seed": args.seed + i, **{k: res.get(k) for k in KEYS}, "server_start_s": server.start_s}
+            if res.get("errors"):
+                row["errors"] = res["errors"]
+            rows.append(row)
+            print(table([row]).splitlines()[-1], flush=True)
+        return rows
+
+    rows, errors, vllm_version = [], {}, None
+
+    def side(name: str, make_server, tag: str) -> None:
+        """One server: started, loaded at each concurrency, stopped; a failure is recorded, the run goes on."""
+        try:
+            with make_server() as server:
+                print(f"{server.name} ready in {server.start_s:.1f} s", flush=True)
+                rows.extend(load(server, tag))
+        except RuntimeError as e:
+            print(f"{name}: FAILED: {e}", flush=True)
+            errors[name] = str(e)[-2000:]
+
+    if not args.no_jaxgpt:
+        print(f"jaxgpt-serve {' '.join(jaxgpt_extra)}", flush=True)
+        side("jaxgpt-serve", lambda: jaxgpt_server(folder, free_port(), jaxgpt_extra,
+                                                   os.path.join(work, "jaxgpt-serve.log")), "jaxgpt")
+    if args.vllm:
+        vllm_version = subprocess.run([os.path.join(args.vllm, "bin", "python"), "-c",
+                                       "import importlib.metadata as m; print(m.version('vllm'))"],
+                                      stdout=subprocess.PIPE, text=True).stdout.strip()
+        for binding in args.vllm_bindings:
+            side(f"vllm ({binding})", lambda b=binding: vllm_server(
+                args.vllm, folder, free_port(), b, cfg.block_size, args.vllm_kv_cache_gib,
+                os.path.join(work, f"vllm-{b}.log")), f"vllm-{binding}")
+    else:
+        print("vLLM: skipped (no --vllm DIR)", flush=True)
+
+    results = {"smoke": args.smoke, "config": "tiny" if args.smoke else "gpt2-124m", "dtype": "float32",
+               "client": client, "cpus": os.cpu_count(), "input_len": args.input_len,
+               "range_ratio": args.range_ratio, "output_len": args.output_len,
+               "output_range_ratio": args.output_range_ratio, "seed": args.seed,
+               "jaxgpt_args": jaxgpt_extra, "vllm": vllm_version, "vllm_bindings":
+               {b: VLLM_BINDINGS[b] for b in args.vllm_bindings} if args.vllm else None, "runs": rows,
+               "errors": errors, "logs": work}
+    if not args.model_dir:
+        shutil.rmtree(folder, ignore_errors=True)  # the weights (0.5 GB); the logs stay
+    print(table(rows))
+    if args.out or not args.smoke:
+        print("wrote", write_results(args.out or "serve", results))
+    return results
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run stops its server too
+    main()
