@@ -48,6 +48,7 @@ class KVCache:
     v: Any
     lengths: jax.Array
     layout: CacheLayout = struct.field(pytree_node=False, default=CacheLayout())
+    capacity: int = struct.field(pytree_node=False, default=0)  # rows the buffers hold; 0: batch_size (`first`)
 
     @classmethod
     def create(cls, config: GPTConfig, batch_size: int, max_len: int, dtype=None,
@@ -81,7 +82,20 @@ class KVCache:
 
     def layer(self, i) -> tuple[jax.Array, jax.Array]:
         """Layer i's keys and values, each [B, K, S, H]."""
-        return self.layout.read(self.k[i], self.batch_size), self.layout.read(self.v[i], self.batch_size)
+        if not self.capacity:
+            return self.layout.read(self.k[i], self.batch_size), self.layout.read(self.v[i], self.batch_size)
+        b = self.batch_size
+        return self.layout.read(self.k[i], self.capacity)[:b], self.layout.read(self.v[i], self.capacity)[:b]
+
+    def first(self, n: int) -> "KVCache":
+        """A view of the first n rows that reads and writes this cache's buffers in place (no copy of the
+        other rows); `merge_first` puts it back."""
+        return self.replace(lengths=self.lengths[:n], capacity=self.capacity or self.batch_size)
+
+    def merge_first(self, view: "KVCache") -> "KVCache":
+        """This cache with a `first` view's buffers and lengths."""
+        lengths = self.lengths.at[:view.batch_size].set(view.lengths)
+        return view.replace(lengths=lengths, capacity=self.capacity)
 
     def write(self, i, k_BxKxTxH: jax.Array, v_BxKxTxH: jax.Array) -> "KVCache":
         """Layer i's new keys and values written at each row's `lengths`; `i` is a Python int, or a

@@ -160,8 +160,8 @@ def _decode(weights: DecodeWeights, cache: KVCache, tokens_S, active_S, rows: Ro
     if s == cache.batch_size:
         cache, out = _decode_rows(weights, cache, tokens_S, active_S, rows, config, backend, n_logprobs)
         return cache, out
-    first, out = _decode_rows(weights, cache.slot(0, s), tokens_S, active_S, rows, config, backend, n_logprobs)
-    return cache.put_slot(0, first), out
+    first, out = _decode_rows(weights, cache.first(s), tokens_S, active_S, rows, config, backend, n_logprobs)
+    return cache.merge_first(first), out
 
 
 def _decode_rows(weights, cache, tokens_S, active_S, rows, config, backend, n_logprobs):
