@@ -1,17 +1,17 @@
-"""Engine benchmark: requests arriving over time, served by jaxgpt.Engine or by Decoder.generate in fixed batches.
+"""Engine benchmark: c concurrent requests served by jaxgpt.Engine or by Decoder.generate in fixed batches.
 
 python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-prompt 16] [--max-prompt 256] [--tiny]
 
 GPT-2 124M shape, random float32 weights. Each request: a prompt of 16 to 256 random tokens (uniform), 128
-new tokens (no stop), top-k 50 sampling with its own seed. At concurrency c, 2c requests (at least 4)
-arrive one every `gap` seconds, gap = one decode step at c rows x new tokens / c / 0.8: 80% of the rate
-c slots sustain (prefill takes the rest; at 100% a queue would grow without end). The engine (c slots) takes each request as it arrives and steps until all are done; the fixed
-batches group the same requests c at a time in arrival order, each batch starting when its last request
-has arrived and the batch before it is done, prompts padded to the batch's longest (compile excluded:
-every batch shape is run once first). Reports output tokens/s over the whole replay, time to first token
-(TTFT, from arrival; a fixed batch's tokens all come when its call returns), how far each engine TTFT is
-past its own prefill in decode steps, the engine's program count and warm-up time; and a lone request's
-decode rate on the engine against Decoder.generate at batch 1.
+new tokens (no stop), top-k 50 sampling with its own seed. At concurrency c a client keeps c requests in
+flight (as `vllm bench serve --max-concurrency` does), 4c requests in all (at least 8): the first c arrive
+one decode step apart, and each later one when an earlier one is done. The engine (c slots) takes each as
+it arrives; the fixed batches take them c at a time (a batch's requests are in flight together, so the
+next c arrive when it returns), prompts padded to the batch's longest (compile excluded: every batch
+shape is run once first). Reports output tokens/s, time to first token (TTFT, from arrival; a fixed
+batch's tokens all come when its call returns), how far each engine TTFT is past its own prefill in
+decode steps, the engine's program count and warm-up time; and a lone request's decode rate on the engine
+against Decoder.generate at batch 1.
 """
 
 from __future__ import annotations
@@ -62,20 +62,30 @@ def step_time(engine: Engine, new_tokens: int, k: int = 8) -> float:
     return float(np.median(times))
 
 
-def replay_engine(engine: Engine, prompts, arrivals, new_tokens: int) -> dict:
-    start, pending, outs = time.perf_counter(), list(range(len(prompts))), {}
-    while pending or engine.has_work():
-        now = time.perf_counter() - start
-        while pending and arrivals[pending[0]] <= now:
-            i = pending.pop(0)
-            rid = engine.submit(prompts[i], max_tokens=new_tokens, temperature=1.0, top_k=50, seed=i)
-            outs[i] = engine._waiting[-1].out
-            outs[i].submitted = start + arrivals[i]  # its arrival, not when this loop got to it
-            assert outs[i].request_id == rid
+def replay_engine(engine: Engine, prompts, new_tokens: int, stagger: float) -> dict:
+    """A closed loop of engine.slots requests in flight over `prompts`."""
+    start, outs, nxt = time.perf_counter(), {}, 0
+
+    def submit(i, at):
+        engine.submit(prompts[i], max_tokens=new_tokens, temperature=1.0, top_k=50, seed=i)
+        outs[i] = engine._waiting[-1].out
+        outs[i].submitted = at  # its arrival, not when this loop got to it
+
+    while nxt < len(prompts) or engine.has_work():
+        now = time.perf_counter()
+        while nxt < min(engine.slots, len(prompts)) and start + nxt * stagger <= now:  # the first ones
+            submit(nxt, start + nxt * stagger)
+            nxt += 1
+        if nxt >= engine.slots:  # each request done since the last step is replaced at once
+            for i in [i for i, o in outs.items() if o.finished is not None and not getattr(o, "_replaced", False)]:
+                outs[i]._replaced = True
+                if nxt < len(prompts):
+                    submit(nxt, outs[i].finished)
+                    nxt += 1
         if engine.has_work():
             engine.step()
-        elif pending:
-            time.sleep(max(0.0, arrivals[pending[0]] - (time.perf_counter() - start)))
+        elif nxt < min(engine.slots, len(prompts)):
+            time.sleep(max(0.0, start + nxt * stagger - time.perf_counter()))
     total = time.perf_counter() - start
     done = [outs[i] for i in range(len(prompts))]
     return {"seconds": total, "tokens_per_s": sum(len(o.tokens) for o in done) / total,
@@ -83,7 +93,7 @@ def replay_engine(engine: Engine, prompts, arrivals, new_tokens: int) -> dict:
             "ttft_past_prefill_s": [o.first_token - o.submitted - o.prefill_s for o in done]}
 
 
-def replay_fixed(decoder, prompts, arrivals, c: int, new_tokens: int) -> dict:
+def replay_fixed(decoder, prompts, c: int, new_tokens: int, stagger: float) -> dict:
     batches = [list(range(i, min(i + c, len(prompts)))) for i in range(0, len(prompts), c)]
 
     def call(batch):
@@ -97,15 +107,15 @@ def replay_fixed(decoder, prompts, arrivals, c: int, new_tokens: int) -> dict:
 
     for batch in batches:  # compile every shape first
         call(batch)
-    start, now, ttft, tokens = time.perf_counter(), 0.0, [], 0
+    start, ttft, tokens = time.perf_counter(), [], 0
+    time.sleep(stagger * (len(batches[0]) - 1))  # the first batch starts when its last request arrives
+    arrivals = [stagger * r for r in range(len(batches[0]))]
     for batch in batches:
-        wait = max(arrivals[i] for i in batch) - now
-        if wait > 0:
-            time.sleep(wait)
         call(batch)
         now = time.perf_counter() - start
-        ttft += [now - arrivals[i] for i in batch]
+        ttft += [now - a for a in arrivals]
         tokens += len(batch) * new_tokens
+        arrivals = [now] * c  # the client sends the next c as these return
     total = time.perf_counter() - start
     return {"seconds": total, "tokens_per_s": tokens / total, "ttft_s": ttft}
 
@@ -158,13 +168,11 @@ def main(argv=None) -> dict:
         programs = engine.warmup(prompt_logprobs=False)
         warm = time.perf_counter() - t0
         step = step_time(engine, args.new_tokens)
-        n = max(4, 2 * c)
+        n = max(8, 4 * c)
         prompts = workload(cfg, n, args.min_prompt, args.max_prompt, seed=c)
-        gap = step * args.new_tokens / c / 0.8
-        arrivals = [i * gap for i in range(n)]
-        eng = replay_engine(engine, prompts, arrivals, args.new_tokens)
-        fixed = replay_fixed(decoder, prompts, arrivals, c, args.new_tokens)
-        run = {"concurrency": c, "requests": n, "arrival_gap_s": gap, "decode_step_s": step,
+        eng = replay_engine(engine, prompts, args.new_tokens, stagger=step)
+        fixed = replay_fixed(decoder, prompts, c, args.new_tokens, stagger=step)
+        run = {"concurrency": c, "requests": n, "decode_step_s": step,
                "engine_programs": programs, "engine_warmup_s": warm, "kv_cache_bytes": engine.cache_bytes,
                "engine_tokens_per_s": eng["tokens_per_s"], "fixed_tokens_per_s": fixed["tokens_per_s"],
                "engine_over_fixed": eng["tokens_per_s"] / fixed["tokens_per_s"],

@@ -113,7 +113,7 @@ class _Live:
     out: Completion
     callback: Optional[Callable]
     cursor: int = 0                   # prompt tokens whose keys and values are in the cache
-    wait_for: Optional[tuple] = None  # (slot, n): copy that slot's first n positions before prefilling
+    wait_for: Optional[tuple] = None  # (slot, request id, n): copy n positions from that request's slot
     last: int = 0                     # the latest generated token (fed at the next decode step)
 
 
@@ -243,8 +243,7 @@ class Engine:
         # the params in the compute dtype (leaves already in it are kept, not copied) and the backend's
         # decode forms, made once per engine, not per step
         self.params = cast_floats(params, self.config.compute_dtype)
-        self.weights = DecodeWeights(self.params, _prepare(self.params, config=self.config, backend=self.backend,
-                                                           batch_size=self.slots))
+        self.weights = self._decode_weights()  # rows of a decode step -> DecodeWeights
         self.cache = KVCache.create(self.config, self.slots, self.max_len, layout=self.backend.cache_layout)
         self._static = dict(config=self.config, backend=self.backend)
         self._live: list[Optional[_Live]] = [None] * self.slots
@@ -254,6 +253,21 @@ class Engine:
         self._steps = 0
         self._traces_at_start = sum(TRACES.values())
         self.stats = collections.Counter()  # prefill_tokens, reused_tokens, decode_steps, copies
+
+    def _decode_weights(self) -> dict:
+        """The backend's decode forms for each decode step's row count, made once; counts whose forms are
+        alike share one copy (the CPU backend: packed kernels for up to 16 rows, its matmul's above)."""
+        by_rows, made = {}, {}
+        for n in decode_sizes(self.slots):
+            def prepare(p, n=n):
+                return _prepare.__wrapped__(p, config=self.config, backend=self.backend, batch_size=n)
+            shape = jax.eval_shape(prepare, self.params)
+            key = (jax.tree.structure(shape), tuple((x.shape, x.dtype) for x in jax.tree.leaves(shape)))
+            if key not in made:
+                made[key] = DecodeWeights(self.params, _prepare(self.params, config=self.config, backend=self.backend,
+                                                                batch_size=n))
+            by_rows[n] = made[key]
+        return by_rows
 
     # -- sizes and programs -------------------------------------------------------------------------
 
@@ -281,7 +295,7 @@ class Engine:
                                          np.int32(1), np.zeros((c,), np.int32), rows, prompt_logprobs=lp,
                                          n_logprobs=self.max_logprobs, **self._static)
         for n in decode_sizes(self.slots):
-            self.cache, _ = _decode(self.weights, self.cache, np.zeros(n, np.int32), np.zeros(n, bool),
+            self.cache, _ = _decode(self.weights[n], self.cache, np.zeros(n, np.int32), np.zeros(n, bool),
                                     self._rows([None] * n), n_logprobs=self.max_logprobs, **self._static)
         self.cache = _copy(self.cache, np.int32(0), np.int32(0))
         self._cached = [[] for _ in range(self.slots)]
@@ -400,7 +414,7 @@ class Engine:
             live.cursor = own
             self._cached[s] = self._cached[s][:own]
             if src is not None:
-                live.wait_for = (src, best)
+                live.wait_for = (src, self._live[src].rid, best)
             self.stats["reused_tokens"] += own
 
     def _reusable(self, req: Request) -> int:
@@ -412,11 +426,12 @@ class Engine:
         return min(cap, self.max_len - 1)
 
     def _copy_prefix(self, s: int, live: _Live) -> bool:
-        """Copy the first n positions of the source slot once they are there; False while they are not."""
-        src, n = live.wait_for
+        """Copy the first n positions of the source slot once they are there; False while they are not. A
+        request waits only on one admitted before it, still in its slot: the waits cannot form a cycle."""
+        src, rid, n = live.wait_for
         if _common_prefix(self._cached[src], live.req.prompt) < n:
             other = self._live[src]
-            if other is not None and other.cursor < len(other.req.prompt):
+            if other is not None and other.rid == rid and other.cursor < len(other.req.prompt):
                 return False  # still on its way in
             live.wait_for = None  # the source went away: compute them
             return True
@@ -481,7 +496,7 @@ class Engine:
         gen = gen[:n]
         tokens = np.array([live.last if g else 0 for live, g in zip(self._live, gen)], np.int32)
         rows = self._rows([live if g else None for live, g in zip(self._live, gen)])
-        self.cache, out = _decode(self.weights, self.cache, tokens, np.asarray(gen), rows,
+        self.cache, out = _decode(self.weights[n], self.cache, tokens, np.asarray(gen), rows,
                                   n_logprobs=self.max_logprobs, **self._static)
         out = jax.device_get(out)
         self.stats["decode_steps"] += 1

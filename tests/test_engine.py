@@ -111,6 +111,20 @@ def test_scoring_equals_the_full_forward_and_reuses_a_shared_context(params):
     np.testing.assert_allclose([f[0] for f in fresh], [g[0] for g in got[:2]], atol=1e-5)
 
 
+def test_many_pairs_sharing_contexts_through_few_slots(params):
+    # more requests than slots, each context shared by several: a request waiting to copy a context from
+    # a slot that another request has since taken must not wait for ever
+    common = _prompts(19, (6,))[0]  # as an evaluation's prompt template: every context begins alike
+    ctxs = [common + c for c in _prompts(20, (12, 17, 9, 14, 6, 11, 20, 8))]
+    pairs = [(ctx, _prompts(30 + 4 * i + j, (1 + j,))[0]) for i, ctx in enumerate(ctxs) for j in range(4)]
+    eng = Engine(params, CFG, slots=4, max_len=64, prefill_chunk=16)
+    got = eng.score([c for c, _ in pairs], [e for _, e in pairs])
+    assert eng.stats["copies"] > 0 and not eng.has_work()
+    for (ctx, end), (lp, _) in zip(pairs, got):
+        rows = _log_softmax(params, CFG, ctx + end)[len(ctx) - 1:-1]
+        np.testing.assert_allclose(lp, rows[np.arange(len(end)), end].sum(), atol=1e-4)
+
+
 def test_no_program_is_compiled_for_new_settings_lengths_or_counts(params):
     eng = Engine(params, CFG, slots=3, max_len=44, prefill_chunk=8)  # a shape no other test uses
     # prefill with and without logprobs per chunk length, decode per count of leading slots, the copy
