@@ -367,8 +367,11 @@ class _Run:
             finished = time.time() if _is_ready(metrics) else None
             first, self.step = self.step + 1, self.step + count
             if pending is not None:
-                if pending[3] is None and finished is not None:  # it finished no later than this one
-                    pending = pending[:3] + (finished,)
+                if pending[3] is None and finished is not None:
+                    # both calls ended by `finished`, the earlier one at an unknown time before: each takes
+                    # a share of the time since the last read by its steps (not all of it, leaving none)
+                    share = pending[1] / (pending[1] + count)
+                    pending = pending[:3] + (self.last_finished + (finished - self.last_finished) * share,)
                 self._read(pending)
             pending = (first, count, metrics, finished)
             if self.bar is not None:
@@ -385,6 +388,9 @@ class _Run:
             reached = do_eval and self._reached_target(last_val)
             if do_save or reached:
                 self._save(last_val if do_eval else None)
+            if do_eval or do_save:  # the next call's time, and rate, start now: not with the eval's or save's
+                self.last_finished = time.time()
+                self.last_log = (self.last_finished, self.step)
             if reached:
                 break
             if stop:
