@@ -64,6 +64,7 @@ def test_topologies_beyond_the_generations_slices_are_refused_before_libtpu_sees
         assert aot.tpu_host_bounds(aot.parse_target(good)) == host
 
 
+@needs_aot  # (the target's devices are looked up first: without the extra that is the error)
 def test_the_gpu_memory_fraction_is_a_number_in_0_1(monkeypatch):
     assert aot.gpu_mem_fraction() == aot.GPU_MEM_FRACTION or "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
@@ -179,6 +180,7 @@ def test_usage_errors_are_one_line():
         assert err.startswith("jaxgpt-aot: error: "), err
 
 
+@needs_aot  # (the target's devices are looked up first: without the extra that is the error)
 def test_inputs_a_user_types_end_in_one_line_before_any_compile(tmp_path):
     base = [sys.executable, "-m", "jaxgpt.cli.aot", "--config=configs/shakespeare_char_cpu.py", "--vocab_size=65"]
     cases = [(["--target=tpu:v5e:64x64", "--programs=generate"], {}, "largest v5e slice is 16x16"),
