@@ -250,7 +250,6 @@ class Engine:
         self._cached: list[list] = [[] for _ in range(self.slots)]  # token ids whose k, v each slot holds
         self._waiting: collections.deque = collections.deque()
         self._ids = itertools.count()
-        self._steps = 0
         self._traces_at_start = sum(TRACES.values())
         self.stats = collections.Counter()  # prefill_tokens, reused_tokens, decode_steps, copies
 
@@ -381,7 +380,6 @@ class Engine:
 
     def step(self) -> list[Event]:
         """Admit, prefill up to `prefill_chunk` prompt tokens, decode one token per generating slot."""
-        self._steps += 1
         events: list[Event] = []
         self._admit()
         budget = self.prefill_chunk
