@@ -23,9 +23,10 @@ MASK_VALUE = -1e30
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, Optional[jax.Array], Optional[jax.Array]], jax.Array]
 
 
-def register_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
-    """Decorator: make `fn` available as `GPTConfig(attention=name)`."""
-    return ATTENTION.register(name)
+def register_attention(name: str, *, replace: bool = False) -> Callable[[AttentionFn], AttentionFn]:
+    """Decorator: make `fn` available as `GPTConfig(attention=name)`; a name already registered (a built-in
+    such as "dot_product" included) needs `replace=True`, and every backend then runs the replacement."""
+    return ATTENTION.register(name, replace=replace)
 
 
 def attention_names() -> tuple[str, ...]:
@@ -92,7 +93,7 @@ def check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: Optional
                          f"got {q.shape[1]} and {k.shape[2]}")
 
 
-@register_attention("einsum")
+@ATTENTION.register("einsum", builtin=True)
 def einsum_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None) -> jax.Array:
     """The reference: two einsums and a masked softmax, scores and softmax in float32."""
     check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT)
@@ -107,7 +108,7 @@ def einsum_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_l
     return out.reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
 
 
-@register_attention("dot_product")
+@ATTENTION.register("dot_product", builtin=True)
 def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None) -> jax.Array:
     """`jax.nn.dot_product_attention`: `is_causal=True` for self-attention, a position mask otherwise."""
     check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT)
@@ -120,7 +121,7 @@ def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None,
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask)
 
 
-@register_attention("cudnn")
+@ATTENTION.register("cudnn", builtin=True)
 def cudnn_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None) -> jax.Array:
     """cuDNN's fused causal attention on NVIDIA GPUs (bf16/fp16) for self-attention; queries at other
     positions (prefill at an offset, decode) take the masked XLA path."""

@@ -16,21 +16,22 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt import lora
-from jaxgpt.attention import rotary_embedding, split_heads
+from jaxgpt.attention import get_attention, rotary_embedding, split_heads
 from jaxgpt.backends import PORTABLE, Backend, resolve
 from jaxgpt.cache import KVCache
 from jaxgpt.config import GPTConfig
 from jaxgpt.layers import convert_layers, stack_layers, unstack_layers  # noqa: F401  (re-exported)
-from jaxgpt.registry import BLOCKS
+from jaxgpt.registry import ATTENTION, BLOCKS
 
 _init = nn.initializers.normal(stddev=0.02)
 
 
-def register_block(name: str):
+def register_block(name: str, *, replace: bool = False):
     """Decorator: make a block class available as `GPTConfig(block=name)`. A block is a Linen module with
     fields (config, backend, deterministic) and `__call__(x_BxTxD, positions_BxT, cache, layer) -> (x, cache)`;
-    with GPTConfig.value_embeds it is also given `value_embed=` [B, T, K*H] for its attention."""
-    return BLOCKS.register(name)
+    with GPTConfig.value_embeds it is also given `value_embed=` [B, T, K*H] for its attention. A name already
+    registered ("gpt2", "parallel" included) needs `replace=True`."""
+    return BLOCKS.register(name, replace=replace)
 
 
 class Dense(nn.Module):
@@ -123,7 +124,9 @@ class CausalSelfAttention(nn.Module):
     def attend(self, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, positions_BxT, cache: Optional[KVCache], layer):
         """Attention's one call site for training, prefill and decode: the registered function (as the
         backend computes it) over these keys, or over the cache once they are written into it."""
-        attend = self.backend.attention(self.config.attention)
+        name = self.config.attention
+        # a backend's own kernel for a built-in name computes the built-in: a replacement runs as written
+        attend = get_attention(name) if ATTENTION.replaced(name) else self.backend.attention(name)
         if cache is None:  # queries and keys at 0..T-1
             return attend(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, None, None), None
         kv_lengths_B = cache.lengths + q_BxTxNxH.shape[1]
@@ -168,7 +171,7 @@ class ReluSquaredMLP(GeluMLP):
 MLPS = {"gelu": GeluMLP, "swiglu": SwiGLUMLP, "relu2": ReluSquaredMLP}  # GPTConfig.mlp -> the MLP module
 
 
-@register_block("gpt2")
+@BLOCKS.register("gpt2", builtin=True)
 class Block(nn.Module):
     """Pre-norm: x + attn(ln_1(x)), then x + mlp(ln_2(x)); GPT-2's block, and Llama's with its parts."""
 
@@ -186,7 +189,7 @@ class Block(nn.Module):
         return x_BxTxD, cache
 
 
-@register_block("parallel")
+@BLOCKS.register("parallel", builtin=True)
 class ParallelBlock(nn.Module):
     """GPT-J / PaLM's parallel block: x + attn(ln_1(x)) + mlp(ln_1(x)), one norm for both branches."""
 
