@@ -1,15 +1,23 @@
 """Decode benchmark: jaxgpt.Decoder.generate (what generate runs) on the GPT-2 124M shape with random weights.
 
 python bench/decode.py [--batch 1 8] [--dtypes float32 bfloat16] [--kernels auto portable] [--reps 3]
+                       [--quantize none int8] [--llama VENV] [--no-peer]
 
 16-token prompt, 128 new tokens, top-k 50 sampling. Reports tokens/s (median of reps, compile excluded),
 compile time (first call minus a warm call), and the achieved bytes/s of weights plus KV cache read per
-decode step over the machine's measured read bandwidth.
+decode step over the machine's measured read bandwidth (with --quantize int8 the kernels count one byte
+per weight plus their scales).
+
+Peers, same run: transformers' generate (skipped with --no-peer or without torch), and with `--llama VENV`
+(made by ../shared/peers/install_llama_cpp.sh; skipped when absent) llama.cpp through llama-cpp-python at
+batch 1, 2 threads, on GGUF files converted by llama.cpp's own converter from the same random weights
+(exported with jaxgpt.save_pretrained) in f32 and q8_0.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -29,14 +37,15 @@ def gpt2_config(dtype: str, kernels: str = "auto") -> jaxgpt.GPTConfig:
 
 
 def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, bandwidth: float,
-        kernels: str = "auto") -> dict:
+        kernels: str = "auto", quantize: str = "none") -> dict:
     cfg = gpt2_config(dtype, kernels)
     params = jaxgpt.init_params(cfg, jax.random.key(0))
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len))
 
     # one Decoder for every call, as a program that decodes repeatedly holds one: the backend's prepared
     # decode weights (the CPU backend's packed kernels) are made once, timed apart as prepare_s
-    decoder = jaxgpt.Decoder(params, cfg)
+    q = None if quantize == "none" else quantize
+    decoder = jaxgpt.Decoder(params, cfg, quantize=q)
     t0 = time.perf_counter()
     jax.block_until_ready(decoder.weights(batch))
     prepare = time.perf_counter() - t0
@@ -54,8 +63,12 @@ def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, ban
     # per decode step: every weight once (wpe: one row, ignored) plus the whole allocated cache
     cache = jaxgpt.cache_bytes(cfg, batch, prompt_len + new_tokens)
     bytes_per_step = (n_params - cfg.block_size * cfg.n_embd) * itemsize + cache
+    if q == "int8":  # the int8 kernels (and their scales) are read instead of their float values
+        from jaxgpt.quantize import int8_bytes
+        nb = int8_bytes(params, cfg)
+        bytes_per_step += nb["int8"] - nb["float"]
     steps_per_s = new_tokens / t
-    return {"batch": batch, "dtype": dtype, "kernels": kernels, "tokens_per_s": batch * new_tokens / t, "seconds": t,
+    return {"batch": batch, "dtype": dtype, "kernels": kernels, "quantize": quantize, "tokens_per_s": batch * new_tokens / t, "seconds": t,
             "all_seconds": times, "compile_s": first - t, "prepare_s": prepare, "kv_cache_bytes": cache,
             "bytes_per_step": bytes_per_step, "achieved_read_bytes_per_s": bytes_per_step * steps_per_s,
             "fraction_of_read_bandwidth": bytes_per_step * steps_per_s / bandwidth}
@@ -80,6 +93,55 @@ def run_peer(batch: int, prompt_len: int, new_tokens: int, reps: int) -> dict:
     return {"batch": batch, "tokens_per_s": batch * new_tokens / t, "seconds": t, "torch": torch.__version__}
 
 
+_LLAMA_SCRIPT = r"""
+import json, statistics, sys, time
+import numpy as np
+from llama_cpp import Llama
+path, prompt_len, new_tokens, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = Llama(model_path=path, n_ctx=prompt_len + new_tokens + 8, n_threads=2, n_threads_batch=2, n_batch=64,
+            seed=1, verbose=False)
+prompt = [int(t) for t in np.random.default_rng(0).integers(0, llm.n_vocab(), prompt_len)]
+def call():
+    n = 0
+    for _ in llm.generate(prompt, top_k=50, top_p=1.0, min_p=0.0, temp=1.0, repeat_penalty=1.0, reset=True):
+        n += 1
+        if n == new_tokens:
+            break
+call()
+times = []
+for _ in range(reps):
+    t0 = time.perf_counter()
+    call()
+    times.append(time.perf_counter() - t0)
+print(json.dumps({"seconds": statistics.median(times), "all_seconds": times}))
+"""
+
+
+def run_llama(venv: str, prompt_len: int, new_tokens: int, reps: int, work: str) -> list:
+    """llama.cpp at batch 1 on f32 and q8_0 GGUFs of the benchmark's random weights (bench/serve.py's
+    Hugging Face folder, converted by the venv's convert.sh); [] when the venv is absent."""
+    import subprocess
+
+    from bench.serve import make_model_folder
+
+    python, convert = os.path.join(venv, "bin", "python"), os.path.join(venv, "src", "convert.sh")
+    if not (os.path.exists(python) and os.path.exists(convert)):
+        print(f"llama.cpp: no venv at {venv} (../shared/peers/install_llama_cpp.sh makes one); skipped")
+        return []
+    folder = make_model_folder(os.path.join(work, "hf"), smoke=False)
+    rows = []
+    for kind in ("f32", "q8_0"):
+        gguf = os.path.join(work, f"model-{kind}.gguf")
+        if not os.path.exists(gguf):
+            subprocess.run([convert, folder, gguf, kind], check=True, capture_output=True,
+                           env={**os.environ, "PYTHON": sys.executable})
+        out = subprocess.run([python, "-c", _LLAMA_SCRIPT, gguf, str(prompt_len), str(new_tokens), str(reps)],
+                             check=True, capture_output=True, text=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append({"peer": f"llama.cpp {kind}", "batch": 1, "tokens_per_s": new_tokens / r["seconds"], **r})
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -88,26 +150,36 @@ def main():
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8"],
+                   help="decode weights: as stored (none) and/or int8 with a scale per output channel")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
+    p.add_argument("--llama", default=None, metavar="VENV",
+                   help="llama.cpp's venv (../shared/peers/install_llama_cpp.sh VENV): its f32 and q8_0 at batch 1")
+    p.add_argument("--work", default=os.path.join("bench", "results", "decode-work"),
+                   help="where the Hugging Face folder and the GGUF files for llama.cpp are written (reused)")
     args = p.parse_args()
     ceil = ceilings()
-    rows = [run(b, d, args.prompt_len, args.new_tokens, args.reps, ceil["read_bytes_per_s"], k)
-            for k in args.kernels for d in args.dtypes for b in args.batch]
+    rows = [run(b, d, args.prompt_len, args.new_tokens, args.reps, ceil["read_bytes_per_s"], k, q)
+            for k in args.kernels for d in args.dtypes for q in args.quantize for b in args.batch]
     peers = {} if args.no_peer else {b: run_peer(b, args.prompt_len, args.new_tokens, args.reps) for b in args.batch}
+    llama = run_llama(args.llama, args.prompt_len, args.new_tokens, args.reps, args.work) if args.llama else []
     for r in rows:
         if r["batch"] in peers:
             r["peer_tokens_per_s"] = peers[r["batch"]]["tokens_per_s"]
             r["speedup_vs_peer"] = r["tokens_per_s"] / r["peer_tokens_per_s"]
     path = write_results("decode", {"machine": machine(), "ceilings": ceil, "settings": vars(args), "runs": rows,
-                                    "peer": list(peers.values())})
+                                    "peer": list(peers.values()), "llama_cpp": llama})
     print(f"read bandwidth {ceil['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul "
           f"{ceil['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {ceil['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s")
-    print(f"{'kernels':>8} {'dtype':>9} {'batch':>5} {'tok/s':>8} {'compile s':>9} {'prepare s':>9} {'cache MB':>8} "
-          f"{'% read bw':>9} {'peer tok/s':>10}")
+    print(f"{'kernels':>8} {'dtype':>9} {'quantize':>8} {'batch':>5} {'tok/s':>8} {'compile s':>9} {'prepare s':>9} "
+          f"{'cache MB':>8} {'% read bw':>9} {'peer tok/s':>10}")
     for r in rows:
         peer = f"{r['peer_tokens_per_s']:10.1f} ({r['speedup_vs_peer']:.2f}x)" if "peer_tokens_per_s" in r else ""
-        print(f"{r['kernels']:>8} {r['dtype']:>9} {r['batch']:>5} {r['tokens_per_s']:8.1f} {r['compile_s']:9.2f} "
-              f"{r['prepare_s']:9.2f} {r['kv_cache_bytes'] / 2**20:8.1f} {100 * r['fraction_of_read_bandwidth']:8.1f}% {peer}")
+        print(f"{r['kernels']:>8} {r['dtype']:>9} {r['quantize']:>8} {r['batch']:>5} {r['tokens_per_s']:8.1f} "
+              f"{r['compile_s']:9.2f} {r['prepare_s']:9.2f} {r['kv_cache_bytes'] / 2**20:8.1f} "
+              f"{100 * r['fraction_of_read_bandwidth']:8.1f}% {peer}")
+    for r in llama:
+        print(f"{r['peer']:>18} batch 1 {r['tokens_per_s']:8.1f} tok/s")
     print(f"results: {path}")
 
 

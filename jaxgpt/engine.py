@@ -32,7 +32,8 @@ from jaxgpt.cache import KVCache
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
-from jaxgpt.sampling import RowSettings, _check_rng, sample_rows, token_logprobs, validate_sampler
+from jaxgpt.quantize import check_quantize
+from jaxgpt.sampling import RowSettings, _check_rng, _dequantized_jit, sample_rows, token_logprobs, validate_sampler
 
 # Traces of the engine's programs, by kind; `Engine.programs_compiled` reads it.
 TRACES: collections.Counter = collections.Counter()
@@ -184,9 +185,9 @@ def _copy(cache: KVCache, src, dst) -> KVCache:
     return cache.copy_slot(src, dst)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "batch_size"))
-def _prepare(params, *, config: GPTConfig, backend: Backend, batch_size: int):
-    return backend.prepare_decode(params, batch_size, config.compute_dtype, config.tie_embeddings)
+@functools.partial(jax.jit, static_argnames=("config", "backend", "batch_size", "quantize"))
+def _prepare(params, *, config: GPTConfig, backend: Backend, batch_size: int, quantize=None):
+    return backend.prepare_decode(params, batch_size, config.compute_dtype, config.tie_embeddings, quantize)
 
 
 def chunk_lengths(prefill_chunk: int) -> tuple:
@@ -222,10 +223,15 @@ class Engine:
     steps until every request is done; `stream` yields one request's tokens; `score` returns
     log-likelihoods. A prompt that begins with tokens already in some slot's cache (a free slot's, or a
     running request's) starts from a copy of them instead of computing them again.
+
+    `quantize="int8"` decodes with int8 weights, as `sampling.Decoder` does: the engine's model is then
+    `quantize.dequantized(params)` (prefill, scoring and prompt logprobs run it in float).
     """
 
     def __init__(self, params, config: GPTConfig, *, slots: int = 8, max_len: Optional[int] = None,
-                 prefill_chunk: int = 256, max_logprobs: int = 20, backend: Optional[Backend] = None):
+                 prefill_chunk: int = 256, max_logprobs: int = 20, backend: Optional[Backend] = None,
+                 quantize: Optional[str] = None):
+        self.quantize = check_quantize(quantize)
         max_len = config.block_size if max_len is None else max_len
         for name, value, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("prefill_chunk", prefill_chunk, 1),
                                 ("max_logprobs", max_logprobs, 1)):
@@ -242,6 +248,8 @@ class Engine:
         self.prefill_chunk, self.max_logprobs = min(int(prefill_chunk), self.max_len), int(max_logprobs)
         # the params in the compute dtype (leaves already in it are kept, not copied) and the backend's
         # decode forms, made once per engine, not per step
+        if self.quantize is not None:  # the float model the int8 weights stand for (prefill runs it)
+            params = _dequantized_jit(params, config=self.config)
         self.params = cast_floats(params, self.config.compute_dtype)
         self.weights = self._decode_weights()  # rows of a decode step -> DecodeWeights
         self.cache = KVCache.create(self.config, self.slots, self.max_len, layout=self.backend.cache_layout)
@@ -259,12 +267,13 @@ class Engine:
         by_rows, made = {}, {}
         for n in decode_sizes(self.slots):
             def prepare(p, n=n):
-                return _prepare.__wrapped__(p, config=self.config, backend=self.backend, batch_size=n)
+                return _prepare.__wrapped__(p, config=self.config, backend=self.backend, batch_size=n,
+                                            quantize=self.quantize)
             shape = jax.eval_shape(prepare, self.params)
             key = (jax.tree.structure(shape), tuple((x.shape, x.dtype) for x in jax.tree.leaves(shape)))
             if key not in made:
                 made[key] = DecodeWeights(self.params, _prepare(self.params, config=self.config, backend=self.backend,
-                                                                batch_size=n))
+                                                                batch_size=n, quantize=self.quantize))
             by_rows[n] = made[key]
         return by_rows
 

@@ -17,6 +17,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.quantize import Int8Kernel
+
 
 def _contract(a: jax.Array, b: jax.Array, a_axes: tuple, b_axes: tuple) -> jax.Array:
     return jax.lax.dot_general(a, b, ((a_axes, b_axes), ((), ())), preferred_element_type=jnp.float32)
@@ -62,4 +64,18 @@ def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, b: Optional
     backward receives its cotangent in `out_dtype`, so with bf16 outputs no float32 round trip happens.
     """
     compute_dtype = jnp.dtype(compute_dtype)
+    if isinstance(w, Int8Kernel):
+        return int8_linear(x, w, compute_dtype, b=b, w_out_in=w_out_in, out_dtype=out_dtype)
     return _dense(x, w, b, compute_dtype, jnp.dtype(out_dtype or compute_dtype), w_out_in)
+
+
+def int8_linear(x: jax.Array, w: Int8Kernel, compute_dtype=jnp.float32, *, b: Optional[jax.Array] = None,
+                w_out_in: bool = False, out_dtype=None) -> jax.Array:
+    """`linear` with an int8 kernel (decoding only, no gradient): the int8 values converted to the compute
+    dtype inside the matmul (XLA reads the int8 bytes), float32 products scaled per output."""
+    compute_dtype = jnp.dtype(compute_dtype)
+    y = _contract(x.astype(compute_dtype), w.q.astype(compute_dtype), (x.ndim - 1,), (1 if w_out_in else 0,))
+    y = y * w.scale.astype(jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(out_dtype or compute_dtype)

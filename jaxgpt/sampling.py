@@ -15,6 +15,7 @@ from jaxgpt.cache import KVCache
 from jaxgpt.checks import is_int, is_real
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT, abstract_params
+from jaxgpt.quantize import check_quantize, dequantized
 
 NEG_INF = -jnp.inf
 
@@ -320,10 +321,15 @@ def _decode_jit(weights: DecodeWeights, state, rng, *, config, backend, n, sampl
     return _decode(GPT(config, backend), _cast(weights, config).variables(), state, rng, n, sampler, last)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "batch_size"))
-def _prepare_jit(params, *, config: GPTConfig, backend: Backend, batch_size: int):
+@functools.partial(jax.jit, static_argnames=("config", "backend", "batch_size", "quantize"))
+def _prepare_jit(params, *, config: GPTConfig, backend: Backend, batch_size: int, quantize=None):
     return backend.prepare_decode(cast_floats(params, config.compute_dtype), batch_size, config.compute_dtype,
-                                  config.tie_embeddings)
+                                  config.tie_embeddings, quantize)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _dequantized_jit(params, *, config: GPTConfig):
+    return dequantized(params, config)
 
 
 class Decoder:
@@ -332,11 +338,16 @@ class Decoder:
 
     `Decoder(params, config).generate(...)` equals `generate(params, config, ...)`; hold a Decoder to
     decode repeatedly without preparing the weights again.
+
+    `quantize="int8"` decodes with int8 weights (jaxgpt/quantize.py): every dense kernel and the output
+    head as int8 with a float scale per output, made once here. Its model is `quantize.dequantized(params)`
+    (kept as `self.params`, and what the prompts are prefilled with): the tokens equal that float model's.
     """
 
-    def __init__(self, params, config: GPTConfig, backend: Optional[Backend] = None):
-        self.params = params
+    def __init__(self, params, config: GPTConfig, backend: Optional[Backend] = None, quantize: Optional[str] = None):
+        self.quantize = check_quantize(quantize)
         self.config = config.replace(remat="none")
+        self.params = params if self.quantize is None else _dequantized_jit(params, config=self.config)
         self.backend = backend or resolve(config)
         self.backend.setup()
         self._weights: dict = {}  # batch size -> DecodeWeights (the latest one only)
@@ -344,7 +355,8 @@ class Decoder:
     def weights(self, batch_size: int) -> DecodeWeights:
         """The decode steps' weights for `batch_size` rows (the backend's prepared forms, made once)."""
         if batch_size not in self._weights:
-            prepared = _prepare_jit(self.params, config=self.config, backend=self.backend, batch_size=batch_size)
+            prepared = _prepare_jit(self.params, config=self.config, backend=self.backend, batch_size=batch_size,
+                                    quantize=self.quantize)
             self._weights = {batch_size: DecodeWeights(self.params, prepared)}
         return self._weights[batch_size]
 

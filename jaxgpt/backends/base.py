@@ -12,16 +12,32 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import struct, traverse_util
 from jax.sharding import PartitionSpec as P
 
 from jaxgpt.attention import AttentionFn, check_shapes, dot_product_attention, get_attention
 from jaxgpt.cache import CacheLayout
 from jaxgpt.ops import linear as portable_linear
+from jaxgpt.quantize import quantize_int8
 
 
-def _no_prepared(params, batch_size: int, compute_dtype, tie_embeddings: bool) -> dict:
-    return {}
+def _no_prepared(params, batch_size: int, compute_dtype, tie_embeddings: bool, quantize=None) -> dict:
+    """No decode forms of its own: {} for float kernels; with quantize="int8", `Int8Kernel`s that
+    `ops.linear` multiplies with XLA (int8 operands, float32 products scaled per output)."""
+    return int8_prepared(params, tie_embeddings) if quantize == "int8" else {}
+
+
+def int8_prepared(params, tie_embeddings: bool, kernel_form=None) -> dict:
+    """A "prepared" collection of every dense kernel (and a tied head as `head`) quantized to int8,
+    each passed through `kernel_form(int8_kernel, w_out_in)` (default: kept as the `Int8Kernel`)."""
+    form = kernel_form or (lambda k, w_out_in: k)
+    prepared = {}
+    for path, leaf in traverse_util.flatten_dict(params).items():
+        if path[-1] == "kernel" and leaf.ndim == 2 + (path[0] == "h"):
+            prepared[path] = form(quantize_int8(leaf), False)
+    if tie_embeddings and "wte" in params:
+        prepared[("head",)] = form(quantize_int8(params["wte"]["embedding"], w_out_in=True), True)
+    return traverse_util.unflatten_dict(prepared)
 
 
 def _nothing() -> None:
@@ -37,8 +53,9 @@ class Backend:
     - `attention_kernels`: (registered name, function) pairs this backend computes its own way, with the
       registry's signature; every other registered attention runs as written in attention.py.
     - `cache_layout`: how the KV cache stores and writes each layer (cache.CacheLayout).
-    - `prepare_decode(params, batch_size, compute_dtype, tie_embeddings) -> dict`: kernels in a form for
-      the decode steps, as a "prepared" variable collection laid out like the params ({}: none).
+    - `prepare_decode(params, batch_size, compute_dtype, tie_embeddings, quantize=None) -> dict`: kernels
+      in a form for the decode steps, as a "prepared" variable collection laid out like the params ({}:
+      none); with quantize="int8" every dense kernel and the tied head as int8 (jaxgpt/quantize.py).
     - `float32_activations`: keep activations float32 between matmuls whatever the compute dtype.
     - `fast_bf16`: whether bfloat16 matmuls are faster than float32 here (a bf16 run says so if not).
     - `run_once_options`: XLA options for programs run once (parameter init), as (key, value) pairs.

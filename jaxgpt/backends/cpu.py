@@ -19,9 +19,10 @@ from flax import struct, traverse_util
 
 from jaxgpt.attention import MASK_VALUE, causal_mask, check_shapes, grouped_queries
 from jaxgpt.backends import native
-from jaxgpt.backends.base import Backend
+from jaxgpt.backends.base import Backend, int8_prepared
 from jaxgpt.cache import CacheLayout
-from jaxgpt.ops import linear_bwd, linear_fwd
+from jaxgpt.ops import int8_linear, linear_bwd, linear_fwd
+from jaxgpt.quantize import Int8Kernel
 
 SMALL_ROWS = 16  # up to this many rows, [out, in] kernels are multiplied by `_few_rows`
 
@@ -97,11 +98,13 @@ def cpu_dispatch() -> str:
 
 @struct.dataclass
 class PreparedKernel:
-    """A dense kernel in a decode form: "panels" (native.pack's [ceil(out/16), in, 16]) or "out_in"."""
+    """A dense kernel in a decode form: "panels" (native.pack's [ceil(out/16), in, 16], float32; or int8
+    with `scale` per output, native.pack_int8's) or "out_in"."""
 
     w: jax.Array
     features: int = struct.field(pytree_node=False)
     form: str = struct.field(pytree_node=False)
+    scale: Optional[jax.Array] = None
 
 
 def _few_rows(x2: jax.Array, w_out_in: jax.Array, compute_dtype) -> jax.Array:
@@ -144,9 +147,16 @@ def linear(x: jax.Array, w, compute_dtype=jnp.float32, *, b=None, w_out_in: bool
     compute_dtype = jnp.dtype(compute_dtype)
     out_dtype = jnp.dtype(out_dtype or compute_dtype)
     x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(w, Int8Kernel):
+        return int8_linear(x, w, compute_dtype, b=b, w_out_in=w_out_in, out_dtype=out_dtype)
     if isinstance(w, PreparedKernel):
         features = w.features
-        if w.form == "panels":
+        if w.form == "panels" and w.scale is not None:
+            xf = x2.astype(compute_dtype).astype(jnp.float32)
+            m = native.MAX_ROWS
+            parts = [native.rows_matmul_int8(xf[i:i + m], w.w, w.scale, features) for i in range(0, xf.shape[0], m)]
+            y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+        elif w.form == "panels":
             y = native.rows_matmul(x2.astype(compute_dtype).astype(jnp.float32), w.w, features)
         else:
             y = _few_rows(x2, w.w, compute_dtype)
@@ -179,10 +189,19 @@ def _prepare(w: jax.Array, form: str, w_out_in: bool = False) -> PreparedKernel:
     return PreparedKernel(w if w_out_in else w.swapaxes(-1, -2), features, form)
 
 
-def prepare_decode(params: dict, batch_size: int, compute_dtype, tie_embeddings: bool, *,
+def _prepare_int8(k: Int8Kernel, w_out_in: bool) -> PreparedKernel:
+    panels, scale = native.pack_int8(k.q, k.scale, w_out_in=w_out_in)
+    return PreparedKernel(panels, k.q.shape[-2] if w_out_in else k.q.shape[-1], "panels", scale)
+
+
+def prepare_decode(params: dict, batch_size: int, compute_dtype, tie_embeddings: bool, quantize=None, *,
                    native_decode: bool) -> dict:
     """The "prepared" collection for decode steps of `batch_size` rows: every dense kernel ([in, out], or
-    stacked [L, in, out] under `h`) in `decode_form`, and a tied head's table as `head`."""
+    stacked [L, in, out] under `h`) in `decode_form`, and a tied head's table as `head`. With
+    quantize="int8", int8 panels for the native kernel in the "panels" form, else `Int8Kernel`s for XLA."""
+    if quantize == "int8":  # the native int8 multiply at any row count (16 rows per call) and dtype
+        native_int8 = native_decode and batch_size >= 1 and native.available()
+        return int8_prepared(params, tie_embeddings, _prepare_int8 if native_int8 else None)
     form = decode_form(batch_size, compute_dtype, native_decode)
     if form is None:
         return {}

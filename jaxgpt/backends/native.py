@@ -1,5 +1,5 @@
 """Native CPU kernels, XLA FFI calls compiled from C++ on first use: the decode step's matmul at 1..16 rows
-(rows.cc, over weights packed in panels of 16 outputs by `pack`) and causal self-attention for training,
+(rows.cc, over weights packed in panels of 16 outputs by `pack`, float32 or int8 with scales) and causal self-attention for training,
 forward and backward (attention.cc).
 
 The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`, `-march=native`) against the
@@ -35,6 +35,7 @@ from jaxgpt.report import warn
 log = logging.getLogger(__name__)
 
 TARGET = "jaxgpt_rows_matmul"
+INT8_TARGET = "jaxgpt_rows_matmul_int8"
 PACK_TARGET = "jaxgpt_pack"
 MAX_ROWS = 16
 ATTENTION_TARGET = "jaxgpt_causal_attention"
@@ -150,6 +151,7 @@ def available() -> bool:
             try:
                 lib = ctypes.cdll.LoadLibrary(_build())
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxgptRowsMatmul), platform="cpu")
+                jax.ffi.register_ffi_target(INT8_TARGET, jax.ffi.pycapsule(lib.JaxgptRowsMatmulInt8), platform="cpu")
                 jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.JaxgptPack), platform="cpu")
                 jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxgptCausalAttention),
                                             platform="cpu")
@@ -205,6 +207,33 @@ def rows_matmul(x: jax.Array, panels: jax.Array, out: int) -> jax.Array:
     # (vmap: one call per element, e.g. when flax checks a stacked layer's shapes through a vmapped init)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32), vmap_method="sequential")
     return call(x.astype(jnp.float32), panels.astype(jnp.float32))
+
+
+def pack_int8(q: jax.Array, scale: jax.Array, w_out_in: bool = False) -> tuple[jax.Array, jax.Array]:
+    """An int8 kernel q [..., in, out] (or [..., out, in] with `w_out_in`) and its scale [..., out] ->
+    (int8 panels [..., ceil(out/16), in, 16] as `pack` lays them out, float32 scale [..., 16 ceil(out/16)]),
+    zero past `out`. In jax.numpy (made once per decoder; int8 moves a quarter of float32's bytes)."""
+    if not w_out_in:
+        q = jnp.swapaxes(q, -1, -2)  # [..., out, in]
+    *lead, out, n_in = q.shape
+    pad = -out % 16
+    q = jnp.pad(q.astype(jnp.int8), [(0, 0)] * len(lead) + [(0, pad), (0, 0)])
+    panels = jnp.swapaxes(q.reshape(*lead, (out + pad) // 16, 16, n_in), -1, -2)
+    scale = jnp.pad(scale.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, pad)])
+    return panels, scale
+
+
+def rows_matmul_int8(x: jax.Array, panels: jax.Array, scale: jax.Array, out: int) -> jax.Array:
+    """x float32 [R, in] (1 <= R <= 16) times the int8 kernel in `panels` with its per-output `scale`
+    (`pack_int8`'s) -> float32 [R, out]: (x @ q) * scale, the weights widened to float32 in registers."""
+    shape = panels_shape(x.shape[-1], out)
+    if (x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS or panels.shape != shape or panels.dtype != jnp.int8
+            or scale.shape != (shape[0] * 16,)):
+        raise ValueError(f"rows_matmul_int8: x [R <= {MAX_ROWS}, in], int8 panels {shape} and scale "
+                         f"({shape[0] * 16},), got x{x.shape}, panels{panels.shape} {panels.dtype}, scale{scale.shape}")
+    call = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), panels, scale.astype(jnp.float32))
 
 
 def attention_supported(q_shape, k_shape) -> bool:

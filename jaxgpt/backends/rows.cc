@@ -7,25 +7,55 @@
 // The panels are split between the calling thread and one task on XLA's intra-op pool (in_two_halves).
 // `JaxgptPack` makes the panels from a stored kernel once per generate call (XLA's transposes took ~0.3 s
 // for GPT-2 124M's kernels on that machine).
+//
+// `JaxgptRowsMatmulInt8` is the same multiply over int8 panels with a float scale per output
+// (jaxgpt/quantize.py): each 16 weights are widened to float in registers, so the weights stream at a
+// quarter of float32's bytes and x stays float32 (only the weights are rounded); the accumulators are
+// scaled once at the end.
 
 #include <cstdint>
 #include <cstring>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include "common.h"
 
-// Panels [lo, hi), P at a time: P x R accumulators stay in registers for the whole `in` loop.
-template <int R, int P>
-static void panels(const float* x, int64_t in, const float* wp, int64_t out, float* y, int64_t lo, int64_t hi) {
+// 16 consecutive weights of a panel as floats. For int8, GCC 12 widens a generic vector element by element
+// (__builtin_convertvector), so the AVX-512 and AVX2 widening instructions are named.
+static inline v16 weights16(const float* p) { return load16(p); }
+static inline v16 weights16(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  v16 v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+#else
+  v16 v;
+  for (int j = 0; j < 16; ++j) v[j] = static_cast<float>(p[j]);
+  return v;
+#endif
+}
+
+// Panels [lo, hi), P at a time: P x R accumulators stay in registers for the whole `in` loop. With
+// `scale` (int8 panels), output o of every row is multiplied by scale[o] at the end.
+template <int R, int P, typename W>
+static void panels(const float* x, int64_t in, const W* wp, const float* scale, int64_t out, float* y, int64_t lo,
+                   int64_t hi) {
   for (int64_t p = lo; p < hi; p += P) {
     const int64_t np = hi - p < P ? hi - p : P;
     v16 acc[P][R];
     for (int k = 0; k < P; ++k)
       for (int r = 0; r < R; ++r) acc[k][r] = v16{};
-    const float* w0 = wp + p * in * 16;
+    const W* w0 = wp + p * in * 16;
     for (int64_t i = 0; i < in; ++i) {
       v16 w[P];
       for (int k = 0; k < P; ++k)
-        if (k < np) std::memcpy(&w[k], w0 + (k * in + i) * 16, sizeof(v16));
+        if (k < np) w[k] = weights16(w0 + (k * in + i) * 16);
       for (int r = 0; r < R; ++r) {
         const float xi = x[r * in + i];
         for (int k = 0; k < P; ++k)
@@ -34,23 +64,29 @@ static void panels(const float* x, int64_t in, const float* wp, int64_t out, flo
     }
     for (int64_t k = 0; k < np; ++k) {
       const int64_t o = (p + k) * 16, n = out - o < 16 ? out - o : 16;
+      if (scale != nullptr) {
+        const v16 s = load16(scale + o);  // scale is padded to whole panels
+        for (int r = 0; r < R; ++r) acc[k][r] *= s;
+      }
       for (int r = 0; r < R; ++r) std::memcpy(y + r * out + o, &acc[k][r], n * sizeof(float));
     }
   }
 }
 
-template <int R>
-static void rows(const float* x, int64_t in, const float* wp, int64_t out, float* y, int64_t lo, int64_t hi) {
+template <int R, typename W>
+static void rows(const float* x, int64_t in, const W* wp, const float* scale, int64_t out, float* y, int64_t lo,
+                 int64_t hi) {
   constexpr int P = R <= 2 ? 4 : (R <= 4 ? 3 : (R <= 8 ? 2 : 1));  // P * R + P registers of 32
-  panels<R, P>(x, in, wp, out, y, lo, hi);
+  panels<R, P, W>(x, in, wp, scale, out, y, lo, hi);
 }
 
-static void run(int64_t r, const float* x, int64_t in, const float* wp, int64_t out, float* y, int64_t lo,
-                int64_t hi) {
+template <typename W>
+static void run(int64_t r, const float* x, int64_t in, const W* wp, const float* scale, int64_t out, float* y,
+                int64_t lo, int64_t hi) {
   switch (r) {
 #define JAXGPT_ROWS(n) \
   case n:              \
-    return rows<n>(x, in, wp, out, y, lo, hi);
+    return rows<n, W>(x, in, wp, scale, out, y, lo, hi);
     JAXGPT_ROWS(1) JAXGPT_ROWS(2) JAXGPT_ROWS(3) JAXGPT_ROWS(4) JAXGPT_ROWS(5) JAXGPT_ROWS(6) JAXGPT_ROWS(7)
     JAXGPT_ROWS(8) JAXGPT_ROWS(9) JAXGPT_ROWS(10) JAXGPT_ROWS(11) JAXGPT_ROWS(12) JAXGPT_ROWS(13)
     JAXGPT_ROWS(14) JAXGPT_ROWS(15) JAXGPT_ROWS(16)
@@ -68,7 +104,24 @@ static ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   const float* xp = x.typed_data();
   const float* w = wp.typed_data();
   float* yp = y->typed_data();
-  in_two_halves(pool, wd[0], [=](int64_t lo, int64_t hi) { run(r, xp, in, w, out, yp, lo, hi); });
+  in_two_halves(pool, wd[0], [=](int64_t lo, int64_t hi) { run<float>(r, xp, in, w, nullptr, out, yp, lo, hi); });
+  return ffi::Error::Success();
+}
+
+static ffi::Error RowsMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> wp,
+                                 ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = wp.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 1 || yd.size() != 2 || wd[2] != 16 || wd[1] != xd[1] ||
+      yd[0] != xd[0] || (yd[1] + 15) / 16 != wd[0] || sd[0] != wd[0] * 16 || xd[0] < 1 || xd[0] > 16)
+    return ffi::Error::InvalidArgument(
+        "jaxgpt_rows_matmul_int8: x [R <= 16, in], int8 panels [ceil(out/16), in, 16], scale [16 ceil(out/16)], "
+        "y [R, out]");
+  const int64_t r = xd[0], in = xd[1], out = yd[1];
+  const float* xp = x.typed_data();
+  const int8_t* w = wp.typed_data();
+  const float* s = scale.typed_data();
+  float* yp = y->typed_data();
+  in_two_halves(pool, wd[0], [=](int64_t lo, int64_t hi) { run<int8_t>(r, xp, in, w, s, out, yp, lo, hi); });
   return ffi::Error::Success();
 }
 
@@ -120,3 +173,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptPack, Pack,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("out_in"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptRowsMatmulInt8, RowsMatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

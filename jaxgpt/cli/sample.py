@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cut a sample at this string (repeatable; e.g. --stop=$'\\n\\n' for a blank line)")
     p.add_argument("--tokenizer", default=None, help="with --init_from: tokenizer name (default gpt2)")
     p.add_argument("--save_settings", default=None, help="write the settings and samples to this JSON file")
+    p.add_argument("--quantize", default="none", choices=["none", "int8"],
+                   help="decode with int8 weights (a scale per output channel, made at load; default none)")
     return p
 
 
@@ -59,7 +61,8 @@ def _stream(params, config, tok, ids, args, top_k):
     seqs, new, done = [list(ids) for _ in range(n)], [[] for _ in range(n)], [False] * n
     rng, remaining = jax.random.key(args.seed), args.max_new_tokens
     keep = max(1, config.block_size // 2)
-    decoder = Decoder(params, config)  # its decode weights are made once, for every window
+    # its decode weights are made once, for every window
+    decoder = Decoder(params, config, quantize=None if args.quantize == "none" else args.quantize)
     while remaining > 0 and not all(done):
         ctx = [s if len(s) < config.block_size else s[-keep:] for s in seqs]
         plen = np.array([len(c) for c in ctx], np.int32)
@@ -156,7 +159,8 @@ def main(argv=None) -> int:
         top_k = args.top_k if args.top_k else None
         settings = {**source, "prompt": prompt, "tokenizer": tok.to_dict().get("type", type(tok).__name__),
                     "temperature": args.temperature, "top_k": top_k, "top_p": args.top_p, "seed": args.seed,
-                    "max_new_tokens": args.max_new_tokens, "num_samples": args.num_samples, "stop": args.stop}
+                    "max_new_tokens": args.max_new_tokens, "num_samples": args.num_samples, "stop": args.stop,
+                    "quantize": args.quantize}
         print("# settings: " + json.dumps(settings), flush=True)
         t0 = time.time()
         new = [[] for _ in range(args.num_samples)]

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace_period", type=float, default=30.0,
                    help="seconds that requests in flight get to finish after SIGTERM (default 30)")
     p.add_argument("--log_requests", action="store_true", help="log prompts and outputs (off: never logged)")
+    p.add_argument("--quantize", default="none", choices=["none", "int8"],
+                   help="decode with int8 weights (a scale per output channel, made at load; default none)")
     return p
 
 
@@ -146,7 +148,8 @@ def main(argv=None) -> int:
     try:
         config, params, tok, name, template = _load(args)
         engine = Engine(params, config, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                        max_logprobs=min(args.max_logprobs, config.vocab_size))
+                        max_logprobs=min(args.max_logprobs, config.vocab_size),
+                        quantize=None if args.quantize == "none" else args.quantize)
         if args.max_waiting < 0:
             raise ValueError(f"--max_waiting must be >= 0, got {args.max_waiting}")
     except (ValueError, CheckpointError, OSError, ImportError) as e:

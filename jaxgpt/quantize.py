@@ -1,0 +1,94 @@
+"""int8 weights for decoding: a decode-time transform of float params (no retraining, any checkpoint).
+
+Every dense kernel and the output head become int8 with one float32 scale per output channel (symmetric:
+scale = max |w| over the channel's inputs / 127, q = round(w / scale)). `dequantized(params, config)` is
+the float model those int8 weights stand for (q * scale in the params' dtype): it is what prefill runs,
+and what the int8 decode steps equal to float rounding. The backends multiply the int8 kernels their own
+way (`Backend.prepare_decode(..., quantize="int8")`): the CPU backend's native kernel widens them to
+float32 in registers (jaxgpt/backends/rows.cc); elsewhere `linear` multiplies `Int8Kernel`s with XLA,
+which reads the int8 bytes and scales the float32 products.
+
+Per channel rather than per block of 32 inputs (llama.cpp's q8_0): one scale per output is applied once
+to the accumulated sum, and the accuracy measured on trained models (bench/README.md, "int8 weights")
+is inside the 0.5% validation-loss budget.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct, traverse_util
+
+from jaxgpt.config import GPTConfig
+
+QUANTIZE_CHOICES = (None, "int8")
+
+
+def check_quantize(quantize) -> Optional[str]:
+    """`quantize` as given if it is one of QUANTIZE_CHOICES ("none" and "" read as None), else ValueError."""
+    if quantize in ("none", ""):
+        return None
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
+    return quantize
+
+
+@struct.dataclass
+class Int8Kernel:
+    """A dense kernel as int8 `q` ([..., in, out], or [..., out, in] for a head's table) and a float32
+    `scale` per output ([..., out]): w = q * scale."""
+
+    q: jax.Array
+    scale: jax.Array
+
+    def dequantize(self, w_out_in: bool = False, dtype=jnp.float32) -> jax.Array:
+        s = self.scale[..., :, None] if w_out_in else self.scale[..., None, :]
+        return (self.q.astype(jnp.float32) * s).astype(dtype)
+
+
+def quantize_int8(w: jax.Array, w_out_in: bool = False) -> Int8Kernel:
+    """w [..., in, out] (or [..., out, in] with `w_out_in`) -> its `Int8Kernel`, one scale per output."""
+    axis = -1 if w_out_in else -2  # the inputs: each output's scale is the max over them
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=axis)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    s = jnp.expand_dims(scale, axis)
+    q = jnp.clip(jnp.round(w32 / s), -127, 127).astype(jnp.int8)
+    return Int8Kernel(q, scale)
+
+
+def quantized_paths(params: dict, config: GPTConfig) -> dict:
+    """{path: w_out_in} of the leaves int8 decoding replaces: every dense kernel ([in, out], or stacked
+    [L, in, out] under `h`) and the tied head's table (wte, [vocab, embd])."""
+    out = {}
+    for path, leaf in traverse_util.flatten_dict(params).items():
+        if path[-1] == "kernel" and leaf.ndim == 2 + (path[0] == "h"):
+            out[path] = False
+    if config.tie_embeddings and "wte" in params:
+        out[("wte", "embedding")] = True
+    return out
+
+
+def dequantized(params: dict, config: GPTConfig) -> dict:
+    """The float model int8 decoding computes: each leaf of `quantized_paths` replaced by its int8
+    rounding (q * scale, in the leaf's dtype); every other leaf as it was. Quantizing the result again
+    gives the same int8 values (scales to within an ulp)."""
+    paths = quantized_paths(params, config)
+    flat = traverse_util.flatten_dict(params)
+    for path, w_out_in in paths.items():
+        leaf = flat[path]
+        flat[path] = quantize_int8(leaf, w_out_in).dequantize(w_out_in, leaf.dtype)
+    return traverse_util.unflatten_dict(flat)
+
+
+def int8_bytes(params: dict, config: GPTConfig) -> dict:
+    """{"int8": bytes of the int8 kernels and scales, "float": bytes of those leaves as stored}."""
+    flat = traverse_util.flatten_dict(params)
+    n_int8 = n_float = 0
+    for path, w_out_in in quantized_paths(params, config).items():
+        leaf = flat[path]
+        n_float += leaf.size * leaf.dtype.itemsize
+        n_int8 += leaf.size + 4 * (leaf.size // leaf.shape[-1 if w_out_in else -2])
+    return {"int8": n_int8, "float": n_float}

@@ -1,0 +1,120 @@
+"""int8 weights for decoding: the quantized matmul's error bound, the native int8 kernel against the
+float one, and decoding (Decoder, Engine) equal to the full forward of the dequantized model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxgpt
+from jaxgpt import quantize as Q
+from jaxgpt.backends import native
+from jaxgpt.engine import Engine
+from jaxgpt.ops import linear
+
+CFG = jaxgpt.GPTConfig(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=32)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jaxgpt.init_params(CFG, jax.random.key(0))
+
+
+def test_quantize_int8_rounds_each_weight_within_half_a_step_and_the_matmul_within_its_bound():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 40)).astype(np.float32) * rng.uniform(0.01, 3, (1, 40)).astype(np.float32)
+    w[:, 7] = 0.0  # an all-zero output channel
+    k = Q.quantize_int8(jnp.asarray(w))
+    assert k.q.dtype == jnp.int8 and k.q.shape == w.shape and k.scale.shape == (40,)
+    assert int(jnp.max(jnp.abs(k.q.astype(jnp.int32)))) == 127
+    dq = np.asarray(k.dequantize())
+    step = np.asarray(k.scale)[None, :]
+    assert np.all(np.abs(dq - w) <= step / 2 * (1 + 1e-6))
+    assert np.all(dq[:, 7] == 0)
+    # each output of x @ w moves by at most sum_i |x_i| * step / 2
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    y, yq = x @ w, np.asarray(linear(jnp.asarray(x), k))
+    bound = np.abs(x).sum(1, keepdims=True) * step / 2
+    assert np.all(np.abs(yq - y) <= bound * (1 + 1e-5) + 1e-5)
+    # the head's form: [out, in] with a scale per row
+    kt = Q.quantize_int8(jnp.asarray(w.T), w_out_in=True)
+    np.testing.assert_array_equal(np.asarray(kt.q), np.asarray(k.q).T)
+    np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), kt, w_out_in=True)), yq, rtol=1e-5, atol=1e-5)
+
+
+def test_dequantized_params_quantize_again_to_the_same_int8_values(params):
+    dq = Q.dequantized(params, CFG)
+    flat, flat_dq = (jax.tree_util.tree_flatten_with_path(p)[0] for p in (params, dq))
+    paths = Q.quantized_paths(params, CFG)
+    assert ("wte", "embedding") in paths and any(p[0] == "h_0" for p in paths)
+    for path, w_out_in in paths.items():
+        leaf = params
+        leaf_dq = dq
+        for key in path:
+            leaf, leaf_dq = leaf[key], leaf_dq[key]
+        a, b = Q.quantize_int8(leaf, w_out_in), Q.quantize_int8(leaf_dq, w_out_in)
+        np.testing.assert_array_equal(np.asarray(a.q), np.asarray(b.q))
+        np.testing.assert_allclose(np.asarray(a.scale), np.asarray(b.scale), rtol=1e-6)
+    # layer norms, biases and positions are kept as they were
+    np.testing.assert_array_equal(np.asarray(dq["wpe"]["embedding"]), np.asarray(params["wpe"]["embedding"]))
+    bytes_ = Q.int8_bytes(params, CFG)
+    assert bytes_["int8"] < 0.3 * bytes_["float"]
+    assert len(flat) == len(flat_dq)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native CPU kernels are not built here")
+@pytest.mark.parametrize("rows,n_in,out", [(1, 64, 40), (3, 48, 16), (8, 96, 130), (16, 32, 7)])
+def test_native_int8_kernel_equals_the_float_product_of_its_dequantized_weights(rows, n_in, out):
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((n_in, out)).astype(np.float32)
+    x = rng.standard_normal((rows, n_in)).astype(np.float32)
+    k = Q.quantize_int8(jnp.asarray(w))
+    panels, scale = native.pack_int8(k.q, k.scale)
+    assert panels.dtype == jnp.int8 and panels.shape == native.panels_shape(n_in, out)
+    y = np.asarray(jax.jit(lambda a, p, s: native.rows_matmul_int8(a, p, s, out))(jnp.asarray(x), panels, scale))
+    ref = x.astype(np.float64) @ np.asarray(k.dequantize()).astype(np.float64)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # the same kernel in the [out, in] form a tied head uses
+    kt = Q.quantize_int8(jnp.asarray(w.T), w_out_in=True)
+    pt, st = native.pack_int8(kt.q, kt.scale, w_out_in=True)
+    np.testing.assert_array_equal(np.asarray(pt), np.asarray(panels))
+    np.testing.assert_array_equal(np.asarray(st), np.asarray(scale))
+    with pytest.raises(ValueError, match="int8 panels"):
+        native.rows_matmul_int8(jnp.asarray(x), panels.astype(jnp.float32), scale, out)
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "portable"])
+@pytest.mark.parametrize("tie", [True, False])
+def test_int8_decoding_equals_generate_on_the_dequantized_model(kernels, tie):
+    cfg = CFG.replace(kernels=kernels, tie_embeddings=tie)
+    p = jaxgpt.init_params(cfg, jax.random.key(1))
+    dq = Q.dequantized(p, cfg)
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 7))
+    dec = jaxgpt.Decoder(p, cfg, quantize="int8")
+    for b, s in ((1, dict(temperature=0.0)), (3, dict(temperature=0.9, top_k=20))):
+        got = dec.generate(prompts[:b], 16, jax.random.key(2), **s)
+        want = jaxgpt.generate(dq, cfg, prompts[:b], 16, jax.random.key(2), **s)
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    # the decode steps multiply int8 kernels (not float copies of them)
+    leaves = jax.tree.leaves(dec.weights(3).prepared)
+    assert any(leaf.dtype == jnp.int8 for leaf in leaves)
+
+
+def test_int8_engine_logprobs_equal_the_dequantized_full_forward(params):
+    dq = Q.dequantized(params, CFG)
+    eng = Engine(params, CFG, slots=4, max_len=64, prefill_chunk=16, quantize="int8")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (5, 21, 9)]
+    outs = eng.run([dict(prompt=pr, max_tokens=12, temperature=0.8, seed=i, logprobs=2)
+                    for i, pr in enumerate(prompts)])
+    for pr, o in zip(prompts, outs):
+        logits = jaxgpt.GPT(CFG).apply({"params": dq}, jnp.array([pr + o.token_ids]))[0]
+        rows = np.asarray(jax.nn.log_softmax(logits, -1))[len(pr) - 1:len(pr) - 1 + 12]
+        np.testing.assert_allclose([t.logprob for t in o.tokens], rows[np.arange(12), o.token_ids], atol=1e-5)
+
+
+def test_quantize_refuses_an_unknown_format(params):
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        jaxgpt.Decoder(params, CFG, quantize="int4")
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        Engine(params, CFG, slots=2, max_len=16, quantize="fp8")
