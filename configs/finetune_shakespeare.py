@@ -1,7 +1,7 @@
 """Fine-tune GPT-2 on Shakespeare with GPT-2's BPE (nanoGPT's finetune_shakespeare recipe).
 
 init_from may be a GPT-2 name (downloads through huggingface_hub) or a local Hugging Face GPT-2 folder.
-The gpt2 tokenizer needs GPT-2's vocab.bpe and encoder.json offline (see README, Data).
+The gpt2 tokenizer needs GPT-2's vocab.bpe and encoder.json offline (see docs/data.md).
 """
 
 from jaxgpt.training.config import default_config

@@ -661,7 +661,7 @@ def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
                        programs: tuple[str, ...] = ("train", "generate"), progress: bool = True,
                        generate_args: Optional[dict] = None, engine_args: Optional[dict] = None) -> dict:
     """Compile the train step and/or the generate program of `config` for `target`: the figures as a dict
-    (see README "On a TPU"). Raises DoesNotFit (with the figures so far) when a program does not fit."""
+    (docs/accelerators.md, "On a TPU"). Raises DoesNotFit (with the figures so far) when a program does not fit."""
     programs = check_programs(programs)
     vocab = vocab_size_for(config, vocab_size)
     from jaxgpt.model import num_params

@@ -1,6 +1,10 @@
-"""Shared test fixtures: a small text corpus and a tiny training config."""
+"""Shared test fixtures: a small text corpus, a tiny training config, the docs' code examples."""
 
+import pathlib
 import random
+import re
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 from jaxgpt.training.config import default_config
 
@@ -101,3 +105,11 @@ def assert_same_training(got, want, atol: float, what: str = "", min_share: floa
                                    err_msg=f"{name}: parameters where the gradient is not tiny")
         compared, total = compared + int(steady.sum()), total + steady.size
     assert compared >= min_share * total, f"{what}: only {compared} of {total} parameters have gradients to compare"
+
+
+def doc_example(doc: str, paragraph: str) -> str:
+    """The first python code block after the paragraph starting `paragraph` in `doc` (a path from the repo
+    root: "README.md", "docs/extending.md"), so the examples people read are the ones the tests run."""
+    text = (REPO / doc).read_text()
+    start = text.index(paragraph)
+    return re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)

@@ -1,8 +1,5 @@
-"""Extension points: the README's new-attention and new-block examples run as written, and a change to
-the model's attention reaches training and decoding on every backend alike."""
-
-import pathlib
-import re
+"""Extension points: the new-attention (README.md) and new-block (docs/extending.md) examples run as
+written, and a change to the model's attention reaches training and decoding on every backend alike."""
 
 import jax
 import jax.numpy as jnp
@@ -14,16 +11,9 @@ from jaxgpt.backends import PORTABLE
 from jaxgpt.model import CausalSelfAttention
 from jaxgpt.registry import ATTENTION, BLOCKS
 from jaxgpt.training.step import cross_entropy
-from tests.helpers import varied_params
+from tests.helpers import doc_example, varied_params
 
-README = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
 BACKENDS = [PORTABLE, resolve("cpu")]
-
-
-def readme_example(paragraph: str) -> str:
-    """The first python code block after the README paragraph that starts with `paragraph`."""
-    start = README.index(paragraph)
-    return re.search(r"```python\n(.*?)```", README[start:], re.S).group(1)
 
 
 def _tiny():
@@ -58,7 +48,7 @@ def _decode_logits(cfg, backend, params, tokens, prompt=5):
 @pytest.fixture
 def sharper():
     ns = {}
-    exec(readme_example("**A new attention variant**"), ns)
+    exec(doc_example("README.md", "**A new attention variant**"), ns)
     yield ns
     ATTENTION.unregister("sharper")
 
@@ -66,7 +56,7 @@ def sharper():
 @pytest.fixture
 def post_norm():
     ns = {}
-    exec(readme_example("**A new block**"), ns)
+    exec(doc_example("docs/extending.md", "**A new block**"), ns)
     yield ns
     BLOCKS.unregister("post_norm")
 
@@ -103,7 +93,7 @@ def test_a_change_to_the_model_attention_reaches_the_cpu_training_path_and_decod
         np.testing.assert_allclose(decoded, GPT(cfg, b).apply({"params": params}, data)[:, 5:], atol=1e-4)
 
 
-def test_readme_block_registers_trains_and_decodes_like_its_full_forward(post_norm):
+def test_documented_block_registers_trains_and_decodes_like_its_full_forward(post_norm):
     cfg = post_norm["cfg"]
     params = init_params(cfg, jax.random.key(0))
     data = _tokens(cfg)

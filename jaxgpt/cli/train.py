@@ -1,6 +1,6 @@
 """jaxgpt-train: train a GPT from a config file, e.g. --config=configs/shakespeare_char_cpu.py --config.train.max_steps=100.
 
-On several processes (hosts) every process runs this same command; see the README's "Several hosts".
+On several processes (hosts) every process runs this same command; see docs/multihost.md.
 Libraries' INFO logs (orbax, JAX) are off unless --verbosity=0 (absl's flag) asks for them.
 Exit status: 0 done, 2 a usage or config error, 128 + the signal's number when stopped by one
 (143 for SIGTERM, 130 for SIGINT).

@@ -119,7 +119,7 @@ def _model_section():
     m.mlp = "gelu"          # or "swiglu" (gate/up/down)
     m.mlp_hidden = placeholder(int)  # None: 4 * n_embd (gelu) or ~8/3 * n_embd (swiglu)
     m.layer_norm_epsilon = 1e-5
-    # the modern (speedrun) recipe, each part off by default (GPTConfig's docstring; README "Options")
+    # the modern (speedrun) recipe, each part off by default (GPTConfig's docstring; docs/models.md)
     m.qk_norm = False         # RMS-normalise q and k per head
     m.zero_init_proj = False  # output projections start at zero
     m.logit_softcap = 0.0     # > 0: logits = cap * tanh(logits / cap)
