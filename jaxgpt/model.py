@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxgpt import lora
-from jaxgpt.attention import get_attention, rotary_embedding, split_heads
+from jaxgpt.attention import rotary_embedding, split_heads
 from jaxgpt.backends import PORTABLE, Backend, resolve
 from jaxgpt.cache import KVCache
 from jaxgpt.config import GPTConfig
 from jaxgpt.layers import convert_layers, stack_layers, unstack_layers  # noqa: F401  (re-exported)
-from jaxgpt.registry import ATTENTION, BLOCKS
+from jaxgpt.registry import BLOCKS
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -124,9 +124,7 @@ class CausalSelfAttention(nn.Module):
     def attend(self, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, positions_BxT, cache: Optional[KVCache], layer):
         """Attention's one call site for training, prefill and decode: the registered function (as the
         backend computes it) over these keys, or over the cache once they are written into it."""
-        name = self.config.attention
-        # a backend's own kernel for a built-in name computes the built-in: a replacement runs as written
-        attend = get_attention(name) if ATTENTION.replaced(name) else self.backend.attention(name)
+        attend = self.backend.attention(self.config.attention)
         if cache is None:  # queries and keys at 0..T-1
             return attend(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, None, None), None
         kv_lengths_B = cache.lengths + q_BxTxNxH.shape[1]

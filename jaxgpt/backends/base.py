@@ -19,6 +19,7 @@ from jaxgpt.attention import AttentionFn, check_shapes, dot_product_attention, g
 from jaxgpt.cache import CacheLayout
 from jaxgpt.ops import linear as portable_linear
 from jaxgpt.quantize import quantize_int8
+from jaxgpt.registry import ATTENTION
 
 
 def _no_prepared(params, batch_size: int, compute_dtype, tie_embeddings: bool, quantize=None) -> dict:
@@ -79,8 +80,10 @@ class Backend:
     batch_mesh: Optional[tuple] = None
 
     def attention(self, name: str) -> AttentionFn:
-        """The function that computes the registered attention `name` on this backend."""
-        kernel = dict(self.attention_kernels).get(name)
+        """The function that computes the registered attention `name` on this backend. A backend's own
+        kernel computes the built-in it is named after: once that name is replaced in the registry
+        (`register_attention(name, replace=True)`), the replacement runs as written here too."""
+        kernel = None if ATTENTION.replaced(name) else dict(self.attention_kernels).get(name)
         if kernel is None:
             return get_attention(name)
         if self.per_shard_attention and self.batch_mesh is not None:
