@@ -1,4 +1,5 @@
-"""Orbax checkpoints: the train state plus a JSON `meta` item (config, tokenizer, sampler state, ...)."""
+"""Orbax checkpoints: the train state plus a JSON `meta` item (config, tokenizer, sampler state, ...).
+Loading a model from them for sampling, serving or init_from is jaxgpt.loading's."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from orbax.checkpoint.checkpoint_managers import AnyPreservationPolicy, BestN, LatestN
 
-from jaxgpt.report import one_line, warn
+from jaxgpt.report import one_line
 
 CHECKPOINT_SUBDIR = "checkpoints"
 DAMAGED_SUBDIR = "damaged-checkpoints"
@@ -287,85 +288,15 @@ def is_run_folder(path) -> bool:
     return isinstance(path, str) and os.path.isdir(checkpoint_dir(os.path.expanduser(path)))
 
 
-def load_base(ref: dict, config=None):
-    """(GPTConfig, params) of the model a LoRA run adapts, from its reference in the checkpoint's meta:
-    {"init_from": a jaxgpt run folder and its "step"} or {"init_from": a Hugging Face folder or GPT-2 name},
-    and (since it was recorded) "sha256", the base weights' fingerprint: a base that is not the one the
-    adapters were trained on is refused. With `config`, the weights come cropped and laid out for it."""
-    from jaxgpt.lora import base_fingerprint
-    from jaxgpt.model import convert_layers
-
-    source, step = ref["init_from"], ref.get("step")
-    if step is not None:
-        where = f"{source} (step {step})"
-        steps = existing_steps(source)
-        if not steps:
-            raise CheckpointError(
-                f"the LoRA base {source} holds no checkpoint (moved or deleted?); a LoRA run's checkpoints hold "
-                f"only the adapters, trained on step {step} of that run: put the base run back at {source}")
-        if step not in steps:
-            raise CheckpointError(
-                f"the LoRA base {source} has no checkpoint {step} (its steps are {steps}); the adapters were "
-                f"trained on step {step} of it: put that checkpoint back, or start a new LoRA run")
-        base_config, params, _, _ = load_model(source, step)
-        if config is not None and "wpe" in params:  # cropped as init_from crops it
-            params = {**params, "wpe": {"embedding": params["wpe"]["embedding"][:config.block_size]}}
-    else:
-        where = source
-        from jaxgpt.pretrained import from_pretrained
-        try:
-            base_config, params = from_pretrained(source, block_size=None if config is None else config.block_size)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"the LoRA base {source} cannot be loaded: {one_line(e)}") from e
-    want = ref.get("sha256")
-    if want is not None:
-        got = base_fingerprint(params, config or base_config)
-        if got != want:
-            raise CheckpointError(
-                f"the LoRA base {where} is not the model these adapters were trained on: its weights' SHA-256 "
-                f"is {got[:16]}..., the LoRA checkpoint recorded {want[:16]}...; put the original base back "
-                f"there, or start a new LoRA run on this one")
-    if config is None:
-        return base_config, params
-    return config, convert_layers(params, config)
+_MOVED = ("load_model", "load_base")
 
 
-def load_model(out_dir: str, step: Optional[int] = None):
-    """(GPTConfig, params, tokenizer, meta) of a training run's checkpoint, on one device. For a LoRA run
-    the params are the base model's with the adapters merged in."""
-    from jaxgpt.config import GPTConfig
-    from jaxgpt.data import tokenizer_from_dict
-    from jaxgpt.model import init_params
+def __getattr__(name: str):
+    """Loading a model moved to jaxgpt.loading (this module saves and restores); code that imports it from
+    here keeps working, with a DeprecationWarning."""
+    if name not in _MOVED:
+        raise AttributeError(f"module 'jaxgpt.checkpoint' has no attribute {name!r}")
+    import importlib
 
-    out_dir = os.path.expanduser(out_dir)
-    steps = existing_steps(out_dir)
-    if not steps:
-        raise CheckpointError(f"no checkpoint in {checkpoint_dir(out_dir)}; train first (jaxgpt-train) or "
-                              "point --out_dir at a training run's folder")
-    if step is not None and step not in steps:
-        raise CheckpointError(f"there is no checkpoint {step} in {checkpoint_dir(out_dir)}; its steps are "
-                              f"{steps}: choose one of them (or leave the step out for the latest)")
-
-    def read(s):
-        meta = ckpt.restore_meta(s)
-        config = GPTConfig.from_dict(meta["model"])
-        if "lora" not in meta:
-            abstract = abstract_like(jax.eval_shape(lambda: init_params(config, jax.random.key(0))))
-            return config, ckpt.restore_params(abstract, s), meta
-        from jaxgpt.lora import LoraSpec, init_adapters, merge
-        _, base = load_base(meta["lora"]["base"], config)
-        spec = LoraSpec.from_config(meta["lora"])
-        abstract = abstract_like(jax.eval_shape(lambda: init_adapters(base, config, spec, jax.random.key(0))))
-        return config, merge(base, ckpt.restore_params(abstract, s)), meta
-
-    ckpt = Checkpointer(out_dir, read_only=True)
-    try:
-        if step is not None:
-            config, params, meta = read(step)
-        else:
-            step, (config, params, meta), skipped = ckpt.restore_newest(read)
-            for e in skipped:
-                warn(f"{e}; using checkpoint {step} instead")
-    finally:
-        ckpt.close()
-    return config, params, tokenizer_from_dict(meta["tokenizer"]), meta
+    warnings.warn(f"jaxgpt.checkpoint.{name} moved to jaxgpt.loading.{name}", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module("jaxgpt.loading"), name)

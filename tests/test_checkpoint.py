@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxgpt import GPTConfig, init_params
-from jaxgpt.checkpoint import CheckpointError, Checkpointer, abstract_like, existing_steps, load_model
+from jaxgpt.checkpoint import CheckpointError, Checkpointer, abstract_like, existing_steps
+from jaxgpt.loading import load_model
 from jaxgpt.training import MeshRunner, PmapRunner, create_train_state, make_optimizer, make_train_step, train
 from jaxgpt.training.config import default_config
 from tests.helpers import tiny_config

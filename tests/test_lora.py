@@ -154,7 +154,7 @@ def _lora_config(tmp_path, base, **train):
 
 
 def test_a_lora_run_fine_tunes_resumes_exactly_and_samples(tmp_path, base_run):
-    from jaxgpt.checkpoint import load_model
+    from jaxgpt.loading import load_model
     from jaxgpt.training import train
 
     full = _lora_config(tmp_path / "a", base_run, max_steps=30, checkpoint_interval=15, eval_interval=15)
@@ -213,7 +213,8 @@ def test_a_lora_run_refuses_a_base_that_is_not_its_own_and_says_when_the_base_is
     resume and in jaxgpt-sample); a base that is gone was reported as the LoRA run's own missing checkpoint."""
     import shutil
 
-    from jaxgpt.checkpoint import CheckpointError, load_model
+    from jaxgpt.checkpoint import CheckpointError
+    from jaxgpt.loading import load_model
     from jaxgpt.cli import sample
     from jaxgpt.training import train
 

@@ -233,7 +233,7 @@ def test_a_checkpoint_resumes_in_the_other_layout_and_back(tmp_path):
     import json
     import os
 
-    from jaxgpt.checkpoint import load_model
+    from jaxgpt.loading import load_model
     from jaxgpt.training import train
     from tests.helpers import tiny_config
 

@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from jaxgpt.checkpoint import CheckpointError, existing_steps, load_model
+from jaxgpt.checkpoint import CheckpointError, existing_steps
+from jaxgpt.loading import load_model
 from jaxgpt.data import CharTokenizer, tokenizer_difference, tokenizer_fingerprint
 from jaxgpt.training import train
 from jaxgpt.training.loop import _check_resume_meta

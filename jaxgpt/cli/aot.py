@@ -105,6 +105,7 @@ def _run(argv) -> None:
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     from jaxgpt import aot
+    from jaxgpt.training.config import import_user_modules
 
     if not FLAGS.target:
         _fail("--target is required, e.g. --target=tpu:v5e:2x4 or --target=gpu:h100:8")
@@ -116,6 +117,10 @@ def _run(argv) -> None:
     if FLAGS.json:
         _check_writable(FLAGS.json)  # before the compile, which may take minutes
     config = train_cli._load_config()
+    try:
+        import_user_modules(config)  # (the model is built before the config is validated for the target)
+    except ValueError as e:
+        _fail(e)
     aot.prepare_environment()
     gen = {"batch_size": FLAGS.gen_batch, "prompt_len": FLAGS.gen_prompt_len, "max_new_tokens": FLAGS.gen_new_tokens}
     result, error = None, None

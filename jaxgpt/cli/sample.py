@@ -29,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1, help="random seed: the same seed gives the same samples")
     p.add_argument("--stop", action="append", default=[],
                    help="cut a sample at this string (repeatable; e.g. --stop=$'\\n\\n' for a blank line)")
-    p.add_argument("--tokenizer", default=None, help="with --init_from: tokenizer name (default gpt2)")
+    p.add_argument("--tokenizer", default=None,
+                   help="with --init_from, when the folder has no tokenizer.json: a tokenizer name (default gpt2)")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import this module first: one that registers the run's block or attention (repeatable; "
+                        "the modules a run recorded are imported without it)")
     p.add_argument("--save_settings", default=None, help="write the settings and samples to this JSON file")
     p.add_argument("--quantize", default="none", choices=["none", "int8"],
                    help="decode with int8 weights (a scale per output channel, made at load; default none)")
@@ -37,13 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args):
+    from jaxgpt import loading
     if args.init_from:
-        from jaxgpt.data import get_tokenizer
-        from jaxgpt.pretrained import from_pretrained
-        config, params = from_pretrained(args.init_from)
-        return config, params, get_tokenizer(args.tokenizer or "gpt2"), {"source": args.init_from}
-    from jaxgpt.checkpoint import load_model
-    config, params, tok, meta = load_model(args.out_dir, args.step)
+        config, params, tok, _, _ = loading.load(args.init_from, step=args.step, tokenizer=args.tokenizer or "gpt2",
+                                                 imports=args.imports)
+        return config, params, tok, {"source": args.init_from}
+    config, params, tok, meta, _ = loading.load_run(args.out_dir, args.step, imports=args.imports)
     return config, params, tok, {"source": args.out_dir, "step": meta.get("step")}
 
 

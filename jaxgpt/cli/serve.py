@@ -4,7 +4,6 @@ checkpoint or a Hugging Face folder."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -23,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="with --out_dir: checkpoint step (default: the latest)")
     p.add_argument("--tokenizer", default=None,
                    help="with --init_from, when the folder has no tokenizer.json: a tokenizer name (default gpt2)")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import this module first: one that registers the run's block or attention (repeatable; "
+                        "the modules a run recorded are imported without it)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed when ready)")
     p.add_argument("--slots", type=int, default=8, help="requests decoded at once (the engine's slots)")
@@ -47,38 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _hf_tokenizer(folder: str, fallback: str):
-    """The tokenizer a Hugging Face folder carries (tokenizer.json), its end token from
-    tokenizer_config.json when that names one; else the tokenizer named `fallback`."""
-    from jaxgpt.data import get_tokenizer
-
-    path = os.path.join(folder, "tokenizer.json")
-    if not os.path.isfile(path):
-        return get_tokenizer(fallback)
-    with open(path, encoding="utf-8") as f:
-        tok = get_tokenizer("bpe", tokenizer_json=f.read())
-    eos = _tokenizer_config(folder).get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if isinstance(eos, str):
-        from tokenizers import Tokenizer
-        tid = Tokenizer.from_str(tok.to_dict()["tokenizer_json"]).token_to_id(eos)
-        tok.eos_id = tid if tid is not None else tok.eos_id
-    return tok
-
-
-def _tokenizer_config(folder: str) -> dict:
-    path = os.path.join(folder, "tokenizer_config.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def _chat_template(args, folder) -> str | None:
+    from jaxgpt.loading import tokenizer_config
+
     if args.chat_template:
         with open(os.path.expanduser(args.chat_template), encoding="utf-8") as f:
             return f.read()
-    template = _tokenizer_config(folder).get("chat_template") if folder else None
+    template = tokenizer_config(folder).get("chat_template") if folder else None
     if isinstance(template, list):  # named templates: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return template if isinstance(template, str) else None
@@ -86,19 +63,15 @@ def _chat_template(args, folder) -> str | None:
 
 def _load(args):
     """(config, params, tokenizer, model name, chat template)."""
+    from jaxgpt import loading
     if args.init_from:
-        from jaxgpt.data import get_tokenizer
-        from jaxgpt.pretrained import from_pretrained
-        config, params = from_pretrained(args.init_from)
+        config, params, tok, meta, _ = loading.load(args.init_from, step=args.step,
+                                                    tokenizer=args.tokenizer or "gpt2", imports=args.imports)
         folder = os.path.expanduser(args.init_from)
-        if os.path.isdir(folder):
-            tok = _hf_tokenizer(folder, args.tokenizer or "gpt2")
-        else:  # a GPT-2 name from the Hub
-            folder, tok = None, get_tokenizer(args.tokenizer or "gpt2")
         name = os.path.basename(os.path.normpath(args.init_from))
-        return config, params, tok, name, _chat_template(args, folder)
-    from jaxgpt.checkpoint import load_model
-    config, params, tok, _ = load_model(args.out_dir, args.step)
+        # a Hugging Face folder's template (a run's or a GPT-2 name's: none)
+        return config, params, tok, name, _chat_template(args, folder if os.path.isdir(folder) and not meta else None)
+    config, params, tok, _, _ = loading.load_run(args.out_dir, args.step, imports=args.imports)
     name = os.path.basename(os.path.abspath(os.path.expanduser(args.out_dir)))
     return config, params, tok, name, _chat_template(args, None)
 

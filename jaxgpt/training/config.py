@@ -18,6 +18,7 @@ from jaxgpt.compile_cache import cache_folder
 from jaxgpt.config import GPTConfig
 from jaxgpt.lora import LoraSpec
 from jaxgpt.training.mesh import mesh_sizes, parse_mesh
+from jaxgpt.user_modules import import_modules, require_parts
 
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "dropout", "bias", "tie_embeddings",
               "dtype", "attention", "block", "kernels", "scan_layers", "remat", "position", "rope_theta", "norm", "mlp",
@@ -38,6 +39,10 @@ def default_config():
     c.overwrite = False      # allow a fresh start in an out_dir that already holds checkpoints
     # compiled programs kept on disk for the next run: "auto" ($JAXGPT_CACHE/xla), "off", or a folder
     c.compile_cache = "auto"
+    # the user's modules that register parts the model names (a block, an attention), imported before the
+    # model is built: "mypkg.blocks" or "a,b" or a list; the run records them (and the modules that registered
+    # its parts), so jaxgpt-sample, jaxgpt-serve and init_from import them again
+    c.imports = config_dict.placeholder(object)
 
     c.model = _model_section()
     c.data = config_dict.ConfigDict()
@@ -140,6 +145,14 @@ def model_config_from(config, vocab_size: int) -> GPTConfig:
     return GPTConfig(vocab_size=vocab_size, **{k: m[k] for k in MODEL_KEYS})
 
 
+def import_user_modules(config) -> None:
+    """Import the modules config.imports names, then make sure the block and attention config.model names
+    are registered (ValueError naming the key and what to import otherwise): before the model is built."""
+    import_modules(config.get("imports"), "--config.imports")
+    require_parts({k: config.model[k] for k in ("block", "attention")}, flag="--config.imports",
+                  whose="config.model's")
+
+
 def _check_keys(config, schema, prefix=""):
     unknown = sorted(set(config.keys()) - set(schema.keys()))
     if unknown:
@@ -173,6 +186,7 @@ def validate_config(config, device_count: Optional[int] = None) -> None:
     _check_keys(config, default_config())
     if not isinstance(config.out_dir, str) or not config.out_dir.strip():
         raise ValueError(f"config.out_dir must name a folder, got {config.out_dir!r}; e.g. --config.out_dir=out")
+    import_user_modules(config)
     model_config_from(config, vocab_size=256)  # GPTConfig's own checks (vocab is known only later)
     t, d = config.train, config.data
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import signal
 import sys
 import threading
@@ -16,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxgpt import checkpoint as ckpt_lib
-from jaxgpt import compile_cache
+from jaxgpt import compile_cache, loading
 from jaxgpt.backends import resolve
 from jaxgpt.backends.cpu import cpu_dispatch
 from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset, tokenizer_difference, tokenizer_fingerprint
@@ -28,6 +27,7 @@ from jaxgpt.training.config import model_config_from, parallel_mode, validate_co
 from jaxgpt.training.metrics import MetricsLog, peak_flops
 from jaxgpt.training.parallel import make_runner
 from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
+from jaxgpt.user_modules import recorded_imports
 
 
 class TrainingDiverged(FloatingPointError):
@@ -194,7 +194,7 @@ class _Run:
             gcfg = model_config_from(config, self.tokenizer.vocab_size)
             if self.resume and self.lora_spec is not None:  # a LoRA run's base is not in its checkpoints
                 self.base_ref = _saved_lora_base(self.out_dir)
-                gcfg, params = ckpt_lib.load_base(self.base_ref, gcfg)
+                gcfg, params = loading.load_base(self.base_ref, gcfg, flag="--config.imports")
         self.backend = resolve(gcfg)
         if gcfg.dtype == "bfloat16" and not self.backend.fast_bf16:
             self.note("jaxgpt: model.dtype=bfloat16, but this CPU has neither AVX512_BF16 nor AMX: computing in "
@@ -313,7 +313,9 @@ class _Run:
         tok = self.tokenizer.to_dict()
         meta = {"step": step, "config": self.config.to_dict(), "model": self.gcfg.to_dict(), "tokenizer": tok,
                 "tokenizer_sha256": tokenizer_fingerprint(tok), "sampler": {**self.sampler.state_dict(), "step": step},
-                "best_val_loss": self.best_val, "dataset": {k: v for k, v in self.ds.meta.items() if k != "tokenizer"}}
+                "best_val_loss": self.best_val, "dataset": {k: v for k, v in self.ds.meta.items() if k != "tokenizer"},
+                # the user's modules that register its parts: imported again where the run is loaded
+                "imports": recorded_imports(self.config.get("imports"), self.gcfg)}
         if self.lora_spec is not None:  # the checkpoint holds the adapters; this says which base they adapt
             meta["lora"] = {**self.lora_spec.to_dict(), "base": self.base_ref}
         return meta
@@ -531,38 +533,23 @@ def _load_init(config, tokenizer):
     """(GPTConfig, params, reference) of the weights `init_from` names: a jaxgpt run folder (its latest
     checkpoint), a Hugging Face folder or a GPT-2 name. The architecture comes from the weights, how to
     compute it from config.model; a smaller model.block_size keeps the first position embeddings."""
-    m = config.model
+    m, source = config.model, config.init_from
     compute = dict(dtype=m.dtype, attention=m.attention, kernels=m.kernels, dropout=m.dropout,
                    scan_layers=m.scan_layers, remat=m.remat)
-    source = config.init_from
-    if ckpt_lib.is_run_folder(source):
-        folder = os.path.abspath(os.path.expanduser(source))
-        base_cfg, params, base_tokenizer, meta = ckpt_lib.load_model(folder)
-        _check_base_architecture(m, base_cfg, source)
+    # (crops the position table when block_size is smaller, as nanoGPT's fine-tuning does)
+    gcfg, params, base_tokenizer, _, ref = loading.load(source, block_size=m.block_size, tokenizer=None,
+                                                        flag="--config.imports", **compute)
+    _check_base_architecture(m, gcfg, source)
+    if base_tokenizer is not None:  # a jaxgpt run's
         saved, now = base_tokenizer.to_dict(), tokenizer.to_dict()
         if tokenizer_fingerprint(saved) != tokenizer_fingerprint(now):
             raise ckpt_lib.CheckpointError(
                 f"init_from={source}: that run's tokenizer is not the data's: "
                 f"{tokenizer_difference(saved, now) or 'they differ'}; use the data settings it was trained on")
-        if m.block_size > base_cfg.block_size:
-            raise ValueError(f"model.block_size={m.block_size} exceeds the block_size of {source} "
-                             f"({base_cfg.block_size})")
-        if "wpe" in params and m.block_size < base_cfg.block_size:  # keep the first position embeddings
-            params = {**params, "wpe": {"embedding": params["wpe"]["embedding"][:m.block_size]}}
-        gcfg = base_cfg.replace(block_size=m.block_size, **compute)
-        params = convert_layers(params, gcfg)
-        return gcfg, params, _base_ref(config, gcfg, params, {"init_from": folder, "step": int(meta["step"])})
-    from jaxgpt.pretrained import from_pretrained
-
-    # crops the position table when block_size is smaller, as nanoGPT's fine-tuning does
-    gcfg, params = from_pretrained(source, block_size=m.block_size, **compute)
-    _check_base_architecture(m, gcfg, source)
-    if tokenizer.vocab_size > gcfg.vocab_size:
+    elif tokenizer.vocab_size > gcfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but {source} has a "
                          f"vocabulary of {gcfg.vocab_size}; use data.tokenizer='gpt2' with GPT-2 weights")
-    folder = os.path.expanduser(source)
-    return gcfg, params, _base_ref(config, gcfg, params,
-                                   {"init_from": os.path.abspath(folder) if os.path.isdir(folder) else source})
+    return gcfg, params, _base_ref(config, gcfg, params, ref)
 
 
 # what config.model may set over an init_from base: how it computes, not what its weights are
