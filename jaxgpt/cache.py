@@ -1,4 +1,9 @@
-"""KVCache: an immutable pytree of preallocated keys and values with per-row fill lengths."""
+"""KVCache: an immutable pytree of preallocated keys and values with per-row fill lengths.
+
+A cache of dtype int8 stores each key and value vector (one row, kv head and position) as int8 with one
+float32 scale, max |x| / 127 over the head dimension, and reads it back as q * scale: about half of
+bfloat16's bytes and a quarter of float32's for head_dim 64, at the cost of rounding keys and values.
+"""
 
 from __future__ import annotations
 
@@ -29,42 +34,95 @@ class CacheLayout:
     def write(self, buf: jax.Array, new_BxKxTxH: jax.Array, lengths_B: jax.Array, layer=None) -> jax.Array:
         """buf (or layer `layer` of stacked [L, ...] buffers) with new written at positions
         lengths[b] .. lengths[b] + T - 1 of each row b."""
-        b, _, t, _ = new_BxKxTxH.shape
-        rows = jnp.arange(b)[:, None]
-        positions = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         new_BxTxKxH = new_BxKxTxH.swapaxes(1, 2).astype(buf.dtype)  # the scatter's update order
-        at = (rows, slice(None), positions) if layer is None else (layer, rows, slice(None), positions)
         # (KVCache.overflow keeps positions inside the buffer)
-        return buf.at[at].set(new_BxTxKxH, mode="promise_in_bounds")
+        return buf.at[_at_positions(new_BxKxTxH, lengths_B, layer)].set(new_BxTxKxH, mode="promise_in_bounds")
+
+    # An int8 cache's scales, one float32 per (row, kv head, position). A layout that stores values
+    # otherwise stores these its own way too.
+
+    def scale_shape(self, batch: int, kv_heads: int, max_len: int) -> tuple[int, ...]:
+        return (batch, kv_heads, max_len)
+
+    def read_scale(self, buf: jax.Array, batch: int) -> jax.Array:
+        """Stored scales as [B, K, S]."""
+        return buf
+
+    def write_scale(self, buf: jax.Array, new_BxKxT: jax.Array, lengths_B: jax.Array, layer=None) -> jax.Array:
+        """`write` for scales: new [B, K, T] at positions lengths[b] .. lengths[b] + T - 1 of each row b."""
+        new_BxTxK = new_BxKxT.swapaxes(1, 2).astype(buf.dtype)
+        return buf.at[_at_positions(new_BxKxT, lengths_B, layer)].set(new_BxTxK, mode="promise_in_bounds")
+
+
+def _at_positions(new: jax.Array, lengths_B: jax.Array, layer=None) -> tuple:
+    """The scatter index of positions lengths[b] .. lengths[b] + T - 1 of each row b (of layer `layer`)
+    in a [B, K, S, ...] buffer, for new values [B, K, T, ...] (updates [B, T, K, ...])."""
+    b, t = new.shape[0], new.shape[2]
+    rows = jnp.arange(b)[:, None]
+    positions = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return (rows, slice(None), positions) if layer is None else (layer, rows, slice(None), positions)
+
+
+def quantize_kv(x_BxKxTxH: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per vector: (q int8 [..., H], scale float32 [...]) with x ~= q * scale, scale =
+    max |x| / 127 over the last axis (0 for an all-zero vector, whose q is 0)."""
+    x = x_BxKxTxH.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+    q = jnp.clip(jnp.round(x * inv[..., None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def dequantize_kv(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """q [..., H] int8 times scale [...] (float32) in `dtype`."""
+    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+def _is_int8(dtype) -> bool:
+    return jnp.dtype(dtype) == jnp.int8
 
 
 @struct.dataclass
 class KVCache:
     """Keys and values of every layer for B rows of up to `max_len` positions; `lengths` int32 [B] counts
     each row's filled positions. `k`, `v`: one buffer per layer in `layout`'s form (a tuple, or one stacked
-    [L, ...] array with `scan_layers`); `layer(i)` shows layer i as [B, K, S, H]."""
+    [L, ...] array with `scan_layers`); `layer(i)` shows layer i as [B, K, S, H]. An int8 cache also holds
+    `k_scale`, `v_scale` (float32, one per row, kv head and position, in `layout.scale_shape`'s form, a
+    tuple or stacked like `k`); a float cache holds None there."""
 
     k: Any
     v: Any
     lengths: jax.Array
     layout: CacheLayout = struct.field(pytree_node=False, default=CacheLayout())
+    k_scale: Any = None
+    v_scale: Any = None
 
     @classmethod
     def create(cls, config: GPTConfig, batch_size: int, max_len: int, dtype=None,
                layout: Optional[CacheLayout] = None) -> "KVCache":
-        """An empty cache for `batch_size` rows of up to `max_len` positions, in the compute dtype."""
+        """An empty cache for `batch_size` rows of up to `max_len` positions, in `dtype` (default the
+        compute dtype); dtype "int8" (or jnp.int8) quantizes keys and values as they are written, with a
+        float32 scale per row, kv head and position, and reads them back in the compute dtype."""
         if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if not is_int(max_len) or not 1 <= max_len <= config.block_size:
             raise ValueError(f"max_len must be an integer in [1, block_size={config.block_size}], got {max_len!r}")
         layout = CacheLayout() if layout is None else layout
-        dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
-        shape = layout.shape(int(batch_size), config.n_kv_head, int(max_len), config.head_dim)
-        if config.scan_layers:
-            k, v = (jnp.zeros((config.n_layer,) + shape, dtype) for _ in range(2))
-        else:
-            k, v = (tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer)) for _ in range(2))
-        return cls(k=k, v=v, lengths=jnp.zeros((batch_size,), jnp.int32), layout=layout)
+        dtype = _cache_dtype(config, dtype)
+        b, s = int(batch_size), int(max_len)
+
+        def buffers(shape, dtype):
+            if config.scan_layers:
+                return jnp.zeros((config.n_layer,) + shape, dtype)
+            return tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))
+
+        shape = layout.shape(b, config.n_kv_head, s, config.head_dim)
+        k, v = buffers(shape, dtype), buffers(shape, dtype)
+        scales = {}
+        if _is_int8(dtype):
+            scale_shape = layout.scale_shape(b, config.n_kv_head, s)
+            scales = dict(k_scale=buffers(scale_shape, jnp.float32), v_scale=buffers(scale_shape, jnp.float32))
+        return cls(k=k, v=v, lengths=jnp.zeros((batch_size,), jnp.int32), layout=layout, **scales)
 
     @property
     def batch_size(self) -> int:
@@ -75,13 +133,25 @@ class KVCache:
         return self.k[0].shape[-2] if isinstance(self.k, tuple) else self.k.shape[-2]
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held by keys and values: 2 * L * B * K * max_len * H * itemsize."""
-        return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves((self.k, self.v)))
+    def quantized(self) -> bool:
+        """Whether keys and values are stored as int8 with scales."""
+        return self.k_scale is not None
 
-    def layer(self, i) -> tuple[jax.Array, jax.Array]:
-        """Layer i's keys and values, each [B, K, S, H]."""
-        return self.layout.read(self.k[i], self.batch_size), self.layout.read(self.v[i], self.batch_size)
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys and values (and an int8 cache's scales): 2 * L * B * K * max_len * H *
+        itemsize, plus 2 * L * B * K * max_len * 4 for the scales."""
+        leaves = jax.tree_util.tree_leaves((self.k, self.v, self.k_scale, self.v_scale))
+        return sum(a.size * jnp.dtype(a.dtype).itemsize for a in leaves)
+
+    def layer(self, i, dtype=None) -> tuple[jax.Array, jax.Array]:
+        """Layer i's keys and values, each [B, K, S, H]: as stored, or an int8 cache's dequantized, in
+        `dtype` (default float32)."""
+        b, read = self.batch_size, self.layout.read
+        if not self.quantized:
+            return read(self.k[i], b), read(self.v[i], b)
+        return tuple(dequantize_kv(read(q[i], b), self.layout.read_scale(s[i], b), dtype or jnp.float32)
+                     for q, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
     def first(self, n: int) -> "KVCache":
         """The first n rows as a cache of their own (a copy of those rows only); `merge_first` writes them
@@ -95,35 +165,53 @@ class KVCache:
         return self.put_slot(0, view)
 
     def write(self, i, k_BxKxTxH: jax.Array, v_BxKxTxH: jax.Array) -> "KVCache":
-        """Layer i's new keys and values written at each row's `lengths`; `i` is a Python int, or a
-        traced index into stacked buffers."""
-        def put(layers, new):
+        """Layer i's new keys and values written at each row's `lengths` (an int8 cache's quantized, with
+        their scales); `i` is a Python int, or a traced index into stacked buffers."""
+        def put(layers, new, write):
             if isinstance(layers, tuple):
-                return layers[:i] + (self.layout.write(layers[i], new, self.lengths),) + layers[i + 1:]
-            return self.layout.write(layers, new, self.lengths, i)
+                return layers[:i] + (write(layers[i], new, self.lengths),) + layers[i + 1:]
+            return write(layers, new, self.lengths, i)
 
-        return self.replace(k=put(self.k, k_BxKxTxH), v=put(self.v, v_BxKxTxH))
+        if not self.quantized:
+            return self.replace(k=put(self.k, k_BxKxTxH, self.layout.write),
+                                v=put(self.v, v_BxKxTxH, self.layout.write))
+        (kq, ks), (vq, vs) = quantize_kv(k_BxKxTxH), quantize_kv(v_BxKxTxH)
+        return self.replace(k=put(self.k, kq, self.layout.write), v=put(self.v, vq, self.layout.write),
+                            k_scale=put(self.k_scale, ks, self.layout.write_scale),
+                            v_scale=put(self.v_scale, vs, self.layout.write_scale))
 
-    def _map_rows(self, fn) -> "KVCache":
-        """Every layer's buffer through fn(buf, batch_axis, rows_per_slot): a layout stores the batch
-        first (or batch-major, joined with the kv heads), after the layer axis of stacked buffers."""
-        def one(buf, axis):
-            return fn(buf, axis, buf.shape[axis] // self.batch_size)
-        if isinstance(self.k, tuple):
-            return self.replace(k=tuple(one(b, 0) for b in self.k), v=tuple(one(b, 0) for b in self.v))
-        return self.replace(k=one(self.k, 1), v=one(self.v, 1))
+    def _buffers(self) -> tuple:
+        """The fields that hold per-row buffers: keys and values, and an int8 cache's scales."""
+        return ("k", "v", "k_scale", "v_scale") if self.quantized else ("k", "v")
+
+    def _map_rows(self, fn, other: Optional["KVCache"] = None) -> "KVCache":
+        """Every layer's buffer (and an int8 cache's scales) through fn(buf, batch_axis, rows_per_slot,
+        other_buf): a layout stores the batch first (or batch-major, joined with the kv heads), after the
+        layer axis of stacked buffers; `other_buf` is `other`'s matching buffer (None without `other`)."""
+        def one(buf, other_buf, axis):
+            return fn(buf, axis, buf.shape[axis] // self.batch_size, other_buf)
+
+        out = {}
+        for name in self._buffers():
+            mine, theirs = getattr(self, name), None if other is None else getattr(other, name)
+            if isinstance(mine, tuple):
+                out[name] = tuple(one(b, None if theirs is None else theirs[j], 0) for j, b in enumerate(mine))
+            else:
+                out[name] = one(mine, theirs, 1)
+        return self.replace(**out)
 
     def slot(self, i: jax.Array, count: int = 1) -> "KVCache":
         """Rows i .. i + count - 1 (i an int or traced int32) as a cache of batch `count`."""
         i = jnp.asarray(i, jnp.int32)
-        one = self._map_rows(lambda buf, axis, r: jax.lax.dynamic_slice_in_dim(buf, i * r, count * r, axis))
+        one = self._map_rows(lambda buf, axis, r, _: jax.lax.dynamic_slice_in_dim(buf, i * r, count * r, axis))
         return one.replace(lengths=jax.lax.dynamic_slice_in_dim(self.lengths, i, count))
 
     def put_slot(self, i: jax.Array, one: "KVCache") -> "KVCache":
         """This cache with rows i .. i + one.batch_size - 1 replaced by `one` (from `slot`)."""
         i = jnp.asarray(i, jnp.int32)
-        k_v = iter(jax.tree_util.tree_leaves((one.k, one.v)))
-        out = self._map_rows(lambda buf, axis, r: jax.lax.dynamic_update_slice_in_dim(buf, next(k_v), i * r, axis))
+        if one.quantized != self.quantized:
+            raise ValueError("put_slot: an int8 cache's rows and a float cache's do not mix")
+        out = self._map_rows(lambda buf, axis, r, new: jax.lax.dynamic_update_slice_in_dim(buf, new, i * r, axis), one)
         return out.replace(lengths=jax.lax.dynamic_update_slice_in_dim(self.lengths, one.lengths, i, 0))
 
     def copy_slot(self, src: jax.Array, dst: jax.Array) -> "KVCache":
@@ -148,7 +236,15 @@ class KVCache:
         return over
 
 
+def _cache_dtype(config: GPTConfig, dtype) -> jnp.dtype:
+    dtype = jnp.dtype(config.compute_dtype if dtype is None else dtype)
+    if not (jnp.issubdtype(dtype, jnp.floating) or _is_int8(dtype)):
+        raise ValueError(f"a KV cache's dtype must be a float dtype or int8, got {dtype}")
+    return dtype
+
+
 def cache_bytes(config: GPTConfig, batch_size: int, max_len: int, dtype=None) -> int:
-    """KV cache size in bytes without allocating it."""
-    itemsize = jnp.dtype(config.compute_dtype if dtype is None else dtype).itemsize
-    return 2 * config.n_layer * batch_size * config.n_kv_head * max_len * config.head_dim * itemsize
+    """KV cache size in bytes without allocating it (an int8 cache's float32 scales included)."""
+    dtype = _cache_dtype(config, dtype)
+    per_vector = config.head_dim * dtype.itemsize + (4 if _is_int8(dtype) else 0)
+    return 2 * config.n_layer * batch_size * config.n_kv_head * max_len * per_vector

@@ -308,6 +308,24 @@ class RowsCacheLayout(CacheLayout):
             buf = jax.lax.dynamic_update_slice(buf, rows, start)
         return buf
 
+    # an int8 cache's scales: [B*K, S], written as the values are (one dynamic_update_slice per row)
+
+    def scale_shape(self, batch, kv_heads, max_len):
+        return (batch * kv_heads, max_len)
+
+    def read_scale(self, buf, batch):
+        return buf.reshape(batch, -1, buf.shape[-1])
+
+    def write_scale(self, buf, new_BxKxT, lengths_B, layer=None):
+        b, kh, _ = new_BxKxT.shape
+        new = new_BxKxT.reshape(b * kh, -1).astype(buf.dtype)
+        for r in range(b):
+            rows, start = new[r * kh:(r + 1) * kh], (jnp.int32(r * kh), lengths_B[r])
+            if layer is not None:
+                rows, start = rows[None], (jnp.asarray(layer, jnp.int32),) + start
+            buf = jax.lax.dynamic_update_slice(buf, rows, start)
+        return buf
+
 
 @functools.lru_cache(maxsize=None)
 def make_backend(native_decode: bool, native_attention: bool, fast_bf16: bool = True) -> Backend:
