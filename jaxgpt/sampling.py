@@ -339,18 +339,28 @@ class Decoder:
     `Decoder(params, config).generate(...)` equals `generate(params, config, ...)`; hold a Decoder to
     decode repeatedly without preparing the weights again.
 
+    `speculative=jaxgpt.Speculative(k, draft)` makes `generate` decode speculatively (jaxgpt/speculative.py):
+    greedy output equals plain decoding's, sampled output follows the same distribution; the latest call's
+    acceptance is in `last_speculative_stats`.
+
     `quantize="int8"` decodes with int8 weights (jaxgpt/quantize.py): every dense kernel and the output
     head as int8 with a float scale per output, made once here. Its model is `quantize.dequantized(params)`
     (kept as `self.params`, and what the prompts are prefilled with): the tokens equal that float model's.
     """
 
-    def __init__(self, params, config: GPTConfig, backend: Optional[Backend] = None, quantize: Optional[str] = None):
+    def __init__(self, params, config: GPTConfig, backend: Optional[Backend] = None, quantize: Optional[str] = None,
+                 speculative=None):
         self.quantize = check_quantize(quantize)
         self.config = config.replace(remat="none")
         self.params = params if self.quantize is None else _dequantized_jit(params, config=self.config)
         self.backend = backend or resolve(config)
         self.backend.setup()
         self._weights: dict = {}  # batch size -> DecodeWeights (the latest one only)
+        if speculative is not None and not hasattr(speculative, "generate_with"):
+            raise ValueError(f"speculative must be a jaxgpt.Speculative, got {type(speculative).__name__}")
+        self.speculative = speculative
+        self.last_speculative_stats = None  # rounds, proposed, accepted, acceptance of the latest call
+        self.draft = None if speculative is None else speculative.draft_decoder(self)  # the draft model's
 
     def weights(self, batch_size: int) -> DecodeWeights:
         """The decode steps' weights for `batch_size` rows (the backend's prepared forms, made once)."""
@@ -366,14 +376,19 @@ class Decoder:
         """See `generate`."""
         prompts, prompt_lengths, n = _prepare(self.config, prompts, max_new_tokens, prompt_lengths, temperature,
                                               top_k, top_p, eos_id, pad_id, rng)
+        sampler = Sampler.of(temperature, top_k, top_p, eos_id, pad_id)
+        if self.speculative is not None:
+            return self.speculative.generate_with(self, prompts, prompt_lengths, n, rng, sampler)
         return _generate(self.weights(prompts.shape[0]), jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng,
-                         config=self.config, backend=self.backend, max_new_tokens=n,
-                         sampler=Sampler.of(temperature, top_k, top_p, eos_id, pad_id))
+                         config=self.config, backend=self.backend, max_new_tokens=n, sampler=sampler)
 
     def stream(self, prompts, max_new_tokens: int, rng: jax.Array, *, chunk_size: int = 32, prompt_lengths=None,
                temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
                eos_id: Optional[int] = None, pad_id: int = 0) -> Iterator[np.ndarray]:
         """See `generate_stream`."""
+        if self.speculative is not None:
+            raise ValueError("Decoder.stream does not decode speculatively; use generate, or a Decoder without "
+                             "speculative=")
         prompts, prompt_lengths, total = _prepare(self.config, prompts, max_new_tokens, prompt_lengths,
                                                   temperature, top_k, top_p, eos_id, pad_id, rng)
         if not is_int(chunk_size) or chunk_size < 1:

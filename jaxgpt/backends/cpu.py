@@ -151,13 +151,13 @@ def linear(x: jax.Array, w, compute_dtype=jnp.float32, *, b=None, w_out_in: bool
         return int8_linear(x, w, compute_dtype, b=b, w_out_in=w_out_in, out_dtype=out_dtype)
     if isinstance(w, PreparedKernel):
         features = w.features
-        if w.form == "panels" and w.scale is not None:
-            xf = x2.astype(compute_dtype).astype(jnp.float32)
-            m = native.MAX_ROWS
-            parts = [native.rows_matmul_int8(xf[i:i + m], w.w, w.scale, features) for i in range(0, xf.shape[0], m)]
+        if w.form == "panels":  # the native kernels take up to MAX_ROWS rows a call
+            xf, m = x2.astype(compute_dtype).astype(jnp.float32), native.MAX_ROWS
+            if w.scale is not None:
+                parts = [native.rows_matmul_int8(xf[i:i + m], w.w, w.scale, features) for i in range(0, len(xf), m)]
+            else:
+                parts = [native.rows_matmul(xf[i:i + m], w.w, features) for i in range(0, len(xf), m)]
             y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-        elif w.form == "panels":
-            y = native.rows_matmul(x2.astype(compute_dtype).astype(jnp.float32), w.w, features)
         else:
             y = _few_rows(x2, w.w, compute_dtype)
         y = (y if b is None else y + b.astype(jnp.float32)).astype(out_dtype)

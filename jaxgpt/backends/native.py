@@ -231,6 +231,7 @@ def rows_matmul_int8(x: jax.Array, panels: jax.Array, scale: jax.Array, out: int
             or scale.shape != (shape[0] * 16,)):
         raise ValueError(f"rows_matmul_int8: x [R <= {MAX_ROWS}, in], int8 panels {shape} and scale "
                          f"({shape[0] * 16},), got x{x.shape}, panels{panels.shape} {panels.dtype}, scale{scale.shape}")
+    _require()
     call = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32),
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), panels, scale.astype(jnp.float32))
