@@ -71,7 +71,7 @@ def _loss_and_top(logits, y) -> tuple[float, np.ndarray]:
 
 
 def measure(run_dir: str, windows: int, batch: int = 8, kv: bool = True, dtype=None) -> dict:
-    from jaxgpt.checkpoint import load_model
+    from jaxgpt.loading import load_model
     from jaxgpt.quantize import dequantized, int8_bytes
 
     config, params, _, meta = load_model(run_dir)

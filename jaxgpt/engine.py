@@ -32,7 +32,7 @@ from jaxgpt.cache import KVCache
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
-from jaxgpt.quantize import check_quantize
+from jaxgpt.quantize import check_kv_dtype, check_quantize
 from jaxgpt.sampling import RowSettings, _check_rng, _dequantized_jit, sample_rows, token_logprobs, validate_sampler
 
 # Traces of the engine's programs, by kind; `Engine.programs_compiled` reads it.
@@ -225,13 +225,15 @@ class Engine:
     running request's) starts from a copy of them instead of computing them again.
 
     `quantize="int8"` decodes with int8 weights, as `sampling.Decoder` does: the engine's model is then
-    `quantize.dequantized(params)` (prefill, scoring and prompt logprobs run it in float).
+    `quantize.dequantized(params)` (prefill, scoring and prompt logprobs run it in float). `kv_dtype="int8"`
+    keeps the slots' keys and values as int8 with scales (a quarter of float32's cache bytes).
     """
 
     def __init__(self, params, config: GPTConfig, *, slots: int = 8, max_len: Optional[int] = None,
                  prefill_chunk: int = 256, max_logprobs: int = 20, backend: Optional[Backend] = None,
-                 quantize: Optional[str] = None):
+                 quantize: Optional[str] = None, kv_dtype: Optional[str] = None):
         self.quantize = check_quantize(quantize)
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         max_len = config.block_size if max_len is None else max_len
         for name, value, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("prefill_chunk", prefill_chunk, 1),
                                 ("max_logprobs", max_logprobs, 1)):
@@ -252,7 +254,8 @@ class Engine:
             params = _dequantized_jit(params, config=self.config)
         self.params = cast_floats(params, self.config.compute_dtype)
         self.weights = self._decode_weights()  # rows of a decode step -> DecodeWeights
-        self.cache = KVCache.create(self.config, self.slots, self.max_len, layout=self.backend.cache_layout)
+        self.cache = KVCache.create(self.config, self.slots, self.max_len, dtype=self.kv_dtype,
+                                    layout=self.backend.cache_layout)
         self._static = dict(config=self.config, backend=self.backend)
         self._live: list[Optional[_Live]] = [None] * self.slots
         self._cached: list[list] = [[] for _ in range(self.slots)]  # token ids whose k, v each slot holds
@@ -602,7 +605,8 @@ class Engine:
 # Ahead of time (jaxgpt-aot): the engine's programs lowered for abstract inputs
 
 def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, backend: Optional[Backend] = None,
-                 sharding=None, max_logprobs: int = 20, params=None) -> dict:
+                 sharding=None, max_logprobs: int = 20, params=None, quantize: Optional[str] = None,
+                 kv_dtype: Optional[str] = None) -> dict:
     """The engine's decode step (every slot) and its prefill of a `chunk`-token piece, lowered for
     abstract inputs placed on `sharding` (nothing allocated): {"decode": lowered, "prefill": lowered}.
     `.compile()` them to check them for another platform's devices."""
@@ -612,9 +616,9 @@ def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, bac
     config = config.replace(remat="none")
     params = abstract_params(config) if params is None else params
     params = jax.eval_shape(lambda p: cast_floats(p, config.compute_dtype), params)
-    prepared = jax.eval_shape(lambda p: _prepare.__wrapped__(p, config=config, backend=backend, batch_size=slots),
-                              params)
-    cache = jax.eval_shape(lambda: KVCache.create(config, slots, max_len, layout=backend.cache_layout))
+    prepared = jax.eval_shape(lambda p: _prepare.__wrapped__(p, config=config, backend=backend, batch_size=slots,
+                                                             quantize=quantize), params)
+    cache = jax.eval_shape(lambda: KVCache.create(config, slots, max_len, dtype=kv_dtype, layout=backend.cache_layout))
 
     def place(tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)

@@ -35,6 +35,18 @@ def check_quantize(quantize) -> Optional[str]:
     return quantize
 
 
+KV_DTYPES = (None, "int8", "bfloat16", "float32")
+
+
+def check_kv_dtype(kv_dtype) -> Optional[str]:
+    """`kv_dtype` if it is one of KV_DTYPES (None: the compute dtype; "none" and "" read as None)."""
+    if kv_dtype in ("none", ""):
+        return None
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    return kv_dtype
+
+
 @struct.dataclass
 class Int8Kernel:
     """A dense kernel as int8 `q` ([..., in, out], or [..., out, in] for a head's table) and a float32

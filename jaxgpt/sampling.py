@@ -15,7 +15,7 @@ from jaxgpt.cache import KVCache
 from jaxgpt.checks import is_int, is_real
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT, abstract_params
-from jaxgpt.quantize import check_quantize, dequantized
+from jaxgpt.quantize import check_kv_dtype, check_quantize, dequantized
 
 NEG_INF = -jnp.inf
 
@@ -253,10 +253,11 @@ class DecodeState(NamedTuple):
     step: jax.Array
 
 
-def _prefill(model: GPT, params, prompts_BxP, prompt_lengths_B, max_len: int) -> DecodeState:
-    """The whole (padded) prompt at once, logits only at each row's last prompt token."""
+def _prefill(model: GPT, params, prompts_BxP, prompt_lengths_B, max_len: int, kv_dtype=None) -> DecodeState:
+    """The whole (padded) prompt at once, logits only at each row's last prompt token; the cache in
+    `kv_dtype` (default: the compute dtype; "int8": int8 with scales, jaxgpt/cache.py)."""
     b = prompts_BxP.shape[0]
-    cache = KVCache.create(model.config, b, max_len, layout=model.backend.cache_layout)
+    cache = KVCache.create(model.config, b, max_len, dtype=kv_dtype, layout=model.backend.cache_layout)
     logits, cache = model.apply({"params": params}, prompts_BxP, cache, token_lengths=prompt_lengths_B,
                                 logits_index=prompt_lengths_B - 1)
     return DecodeState(cache, logits[:, 0], prompt_lengths_B, jnp.zeros((b,), bool), jnp.zeros((), jnp.int32))
@@ -294,14 +295,14 @@ def _cast(weights: DecodeWeights, config: GPTConfig) -> DecodeWeights:
 TRACE_COUNT = 0
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "max_new_tokens", "sampler"))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "max_new_tokens", "sampler", "kv_dtype"))
 def _generate(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, rng, *, config: GPTConfig, backend: Backend,
-              max_new_tokens: int, sampler: Sampler) -> GenerateOutput:
+              max_new_tokens: int, sampler: Sampler, kv_dtype=None) -> GenerateOutput:
     global TRACE_COUNT
     TRACE_COUNT += 1
     b, p = prompts_BxP.shape
     model, weights = GPT(config, backend), _cast(weights, config)
-    state = _prefill(model, weights.params, prompts_BxP, prompt_lengths_B, p + max_new_tokens)
+    state = _prefill(model, weights.params, prompts_BxP, prompt_lengths_B, p + max_new_tokens, kv_dtype)
     state, new_BxN = _decode(model, weights.variables(), state, rng, max_new_tokens, sampler, last=True)
     # row b's new tokens go right after its prompt (ragged rows: over the padding)
     tokens = jnp.concatenate([prompts_BxP, jnp.full((b, max_new_tokens), sampler.pad_id, jnp.int32)], axis=1)
@@ -310,10 +311,10 @@ def _generate(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, rng, *, con
     return GenerateOutput(tokens, state.lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "max_len"))
-def _prefill_jit(params, prompts_BxP, prompt_lengths_B, *, config, backend, max_len):
+@functools.partial(jax.jit, static_argnames=("config", "backend", "max_len", "kv_dtype"))
+def _prefill_jit(params, prompts_BxP, prompt_lengths_B, *, config, backend, max_len, kv_dtype=None):
     return _prefill(GPT(config, backend), cast_floats(params, config.compute_dtype), prompts_BxP, prompt_lengths_B,
-                    max_len)
+                    max_len, kv_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "n", "sampler", "last"), donate_argnums=(1,))
@@ -343,14 +344,18 @@ class Decoder:
     greedy output equals plain decoding's, sampled output follows the same distribution; the latest call's
     acceptance is in `last_speculative_stats`.
 
+    `kv_dtype="int8"` keeps the KV cache as int8 with a scale per position and head (jaxgpt/cache.py):
+    a quarter of float32's bytes.
+
     `quantize="int8"` decodes with int8 weights (jaxgpt/quantize.py): every dense kernel and the output
     head as int8 with a float scale per output, made once here. Its model is `quantize.dequantized(params)`
     (kept as `self.params`, and what the prompts are prefilled with): the tokens equal that float model's.
     """
 
     def __init__(self, params, config: GPTConfig, backend: Optional[Backend] = None, quantize: Optional[str] = None,
-                 speculative=None):
+                 speculative=None, kv_dtype: Optional[str] = None):
         self.quantize = check_quantize(quantize)
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self.config = config.replace(remat="none")
         self.params = params if self.quantize is None else _dequantized_jit(params, config=self.config)
         self.backend = backend or resolve(config)
@@ -380,7 +385,8 @@ class Decoder:
         if self.speculative is not None:
             return self.speculative.generate_with(self, prompts, prompt_lengths, n, rng, sampler)
         return _generate(self.weights(prompts.shape[0]), jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng,
-                         config=self.config, backend=self.backend, max_new_tokens=n, sampler=sampler)
+                         config=self.config, backend=self.backend, max_new_tokens=n, sampler=sampler,
+                         kv_dtype=self.kv_dtype)
 
     def stream(self, prompts, max_new_tokens: int, rng: jax.Array, *, chunk_size: int = 32, prompt_lengths=None,
                temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
@@ -396,7 +402,7 @@ class Decoder:
         sampler = Sampler.of(temperature, top_k, top_p, eos_id, pad_id)
         static = dict(config=self.config, backend=self.backend)
         state = _prefill_jit(self.params, jnp.asarray(prompts), jnp.asarray(prompt_lengths),
-                             max_len=prompts.shape[1] + total, **static)
+                             max_len=prompts.shape[1] + total, kv_dtype=self.kv_dtype, **static)
         weights, done = self.weights(prompts.shape[0]), 0
         while done < total:
             n = min(chunk_size, total - done)

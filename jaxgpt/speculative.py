@@ -80,7 +80,7 @@ class Speculative:
             decoder.weights(b * (self.k + 1)), None if draft is None else draft.weights(2 * b), jnp.asarray(prompts),
             jnp.asarray(prompt_lengths), rng, config=decoder.config, backend=decoder.backend,
             draft_config=None if draft is None else draft.config, draft_backend=None if draft is None else draft.backend,
-            max_new_tokens=n, k=self.k, ngram=self.ngram, sampler=sampler)
+            max_new_tokens=n, k=self.k, ngram=self.ngram, sampler=sampler, kv_dtype=decoder.kv_dtype)
         decoder.last_speculative_stats = stats_of(stats)
         return out
 
@@ -225,18 +225,18 @@ def _finish(c: dict, prompts_BxP, prompt_lengths_B, n: int, sampler) -> Generate
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "draft_config", "draft_backend", "max_new_tokens",
-                                             "k", "ngram", "sampler"))
+                                             "k", "ngram", "sampler", "kv_dtype"))
 def speculative_generate(weights: DecodeWeights, draft_weights: Optional[DecodeWeights], prompts_BxP,
                          prompt_lengths_B, rng, *, config: GPTConfig, backend: Backend,
                          draft_config: Optional[GPTConfig], draft_backend: Optional[Backend], max_new_tokens: int,
-                         k: int, ngram: int, sampler):
+                         k: int, ngram: int, sampler, kv_dtype=None):
     """`generate`'s output (tokens [B, P + N], lengths [B]) by speculative decoding, and SpecStats arrays."""
     b, p = prompts_BxP.shape
     n = max_new_tokens
     max_len = min(config.block_size, p + n + 2 * k + 2)
     target = GPT(config, backend)
     t_weights = weights.replace(params=cast_floats(weights.params, config.compute_dtype))
-    state = _prefill(target, t_weights.params, prompts_BxP, prompt_lengths_B, max_len)
+    state = _prefill(target, t_weights.params, prompts_BxP, prompt_lengths_B, max_len, kv_dtype)
     first, _ = _choose(jax.random.fold_in(rng, 0), state.logits, sampler)
     draft = d_vars = cache_d = None
     if draft_config is not None:
@@ -244,7 +244,7 @@ def speculative_generate(weights: DecodeWeights, draft_weights: Optional[DecodeW
         d_weights = draft_weights.replace(params=cast_floats(draft_weights.params, draft_config.compute_dtype))
         d_vars = d_weights.variables()
         cache_d = _prefill(draft, d_weights.params, prompts_BxP, prompt_lengths_B,
-                           min(draft_config.block_size, max_len)).cache
+                           min(draft_config.block_size, max_len), kv_dtype).cache
     hist = jnp.concatenate([prompts_BxP, jnp.zeros((b, n + 2 * k + 2), jnp.int32)], axis=1)
     zero = jnp.zeros((), jnp.int32)
     carry = dict(cache_t=state.cache, cache_d=cache_d, last=first, n_out=jnp.ones((b,), jnp.int32),

@@ -118,3 +118,23 @@ def test_quantize_refuses_an_unknown_format(params):
         jaxgpt.Decoder(params, CFG, quantize="int4")
     with pytest.raises(ValueError, match="quantize must be one of"):
         Engine(params, CFG, slots=2, max_len=16, quantize="fp8")
+
+
+def test_an_int8_kv_cache_through_the_decoder_and_the_engine(params):
+    prompts = [list(np.random.default_rng(4).integers(0, CFG.vocab_size, n)) for n in (6, 11)]
+    dec = jaxgpt.Decoder(params, CFG, kv_dtype="int8")
+    eng = Engine(params, CFG, slots=2, max_len=64, prefill_chunk=8, kv_dtype="int8")
+    assert eng.cache.k[0].dtype == jnp.int8
+    # int8 values and a float32 scale per (row, kv head, position): (8 + 4) / 32 of float32 at head_dim 8
+    assert eng.cache_bytes == jaxgpt.cache_bytes(CFG, 2, 64, "int8") == 12 * Engine(params, CFG, slots=2, max_len=64).cache_bytes // 32
+    outs = eng.run([dict(prompt=p, max_tokens=12, temperature=0.0, logprobs=1) for p in prompts])
+    for p, o in zip(prompts, outs):
+        # the decoder's int8 cache and the engine's (filled in chunks) round the same keys and values alike
+        alone = dec.generate(np.array([p]), 12, jax.random.key(0), temperature=0.0)
+        assert np.asarray(alone.tokens)[0, len(p):].tolist() == o.token_ids
+        # and the logprobs stay within the int8 cache's rounding of the float model's
+        logits = jaxgpt.GPT(CFG).apply({"params": params}, jnp.array([p + o.token_ids]))[0]
+        rows = np.asarray(jax.nn.log_softmax(logits, -1))[len(p) - 1:len(p) - 1 + 12]
+        np.testing.assert_allclose([t.logprob for t in o.tokens], rows[np.arange(12), o.token_ids], atol=3e-3)
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        jaxgpt.Decoder(params, CFG, kv_dtype="int4")

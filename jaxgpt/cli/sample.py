@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save_settings", default=None, help="write the settings and samples to this JSON file")
     p.add_argument("--quantize", default="none", choices=["none", "int8"],
                    help="decode with int8 weights (a scale per output channel, made at load; default none)")
+    p.add_argument("--kv_dtype", default="none", choices=["none", "int8", "bfloat16", "float32"],
+                   help="the KV cache's dtype (none: the model's compute dtype; int8: a scale per position and head)")
     return p
 
 
@@ -65,7 +67,8 @@ def _stream(params, config, tok, ids, args, top_k):
     rng, remaining = jax.random.key(args.seed), args.max_new_tokens
     keep = max(1, config.block_size // 2)
     # its decode weights are made once, for every window
-    decoder = Decoder(params, config, quantize=None if args.quantize == "none" else args.quantize)
+    decoder = Decoder(params, config, quantize=None if args.quantize == "none" else args.quantize,
+                      kv_dtype=None if args.kv_dtype == "none" else args.kv_dtype)
     while remaining > 0 and not all(done):
         ctx = [s if len(s) < config.block_size else s[-keep:] for s in seqs]
         plen = np.array([len(c) for c in ctx], np.int32)
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
         settings = {**source, "prompt": prompt, "tokenizer": tok.to_dict().get("type", type(tok).__name__),
                     "temperature": args.temperature, "top_k": top_k, "top_p": args.top_p, "seed": args.seed,
                     "max_new_tokens": args.max_new_tokens, "num_samples": args.num_samples, "stop": args.stop,
-                    "quantize": args.quantize}
+                    "quantize": args.quantize, "kv_dtype": args.kv_dtype}
         print("# settings: " + json.dumps(settings), flush=True)
         t0 = time.time()
         new = [[] for _ in range(args.num_samples)]

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log_requests", action="store_true", help="log prompts and outputs (off: never logged)")
     p.add_argument("--quantize", default="none", choices=["none", "int8"],
                    help="decode with int8 weights (a scale per output channel, made at load; default none)")
+    p.add_argument("--kv_dtype", default="none", choices=["none", "int8", "bfloat16", "float32"],
+                   help="the KV cache's dtype (none: the model's compute dtype; int8: a scale per position and head)")
     return p
 
 
@@ -122,7 +124,8 @@ def main(argv=None) -> int:
         config, params, tok, name, template = _load(args)
         engine = Engine(params, config, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                         max_logprobs=min(args.max_logprobs, config.vocab_size),
-                        quantize=None if args.quantize == "none" else args.quantize)
+                        quantize=None if args.quantize == "none" else args.quantize,
+                        kv_dtype=None if args.kv_dtype == "none" else args.kv_dtype)
         if args.max_waiting < 0:
             raise ValueError(f"--max_waiting must be >= 0, got {args.max_waiting}")
     except (ValueError, CheckpointError, OSError, ImportError) as e:
