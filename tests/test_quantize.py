@@ -63,14 +63,14 @@ def test_dequantized_params_quantize_again_to_the_same_int8_values(params):
 
 
 @pytest.mark.skipif(not native.available(), reason="the native CPU kernels are not built here")
-@pytest.mark.parametrize("rows,n_in,out", [(1, 64, 40), (3, 48, 16), (8, 96, 130), (16, 32, 7)])
+@pytest.mark.parametrize("rows,n_in,out", [(1, 64, 40), (3, 48, 16), (6, 40, 200), (8, 96, 130), (14, 24, 70), (16, 32, 7)])
 def test_native_int8_kernel_equals_the_float_product_of_its_dequantized_weights(rows, n_in, out):
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((n_in, out)).astype(np.float32)
     x = rng.standard_normal((rows, n_in)).astype(np.float32)
     k = Q.quantize_int8(jnp.asarray(w))
     panels, scale = native.pack_int8(k.q, k.scale)
-    assert panels.dtype == jnp.int8 and panels.shape == native.panels_shape(n_in, out)
+    assert panels.dtype == jnp.int8 and panels.shape == native.int8_panels_shape(n_in, out)
     y = np.asarray(jax.jit(lambda a, p, s: native.rows_matmul_int8(a, p, s, out))(jnp.asarray(x), panels, scale))
     ref = x.astype(np.float64) @ np.asarray(k.dequantize()).astype(np.float64)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

@@ -38,6 +38,7 @@ TARGET = "jaxgpt_rows_matmul"
 INT8_TARGET = "jaxgpt_rows_matmul_int8"
 PACK_TARGET = "jaxgpt_pack"
 MAX_ROWS = 16
+INT8_PANEL = 64  # outputs per int8 panel: one cache line per input
 ATTENTION_TARGET = "jaxgpt_causal_attention"
 ATTENTION_BWD_TARGET = "jaxgpt_causal_attention_bwd"
 ATTENTION_BWD_FUSED_TARGET = "jaxgpt_causal_attention_bwd_fused"
@@ -211,26 +212,31 @@ def rows_matmul(x: jax.Array, panels: jax.Array, out: int) -> jax.Array:
 
 def pack_int8(q: jax.Array, scale: jax.Array, w_out_in: bool = False) -> tuple[jax.Array, jax.Array]:
     """An int8 kernel q [..., in, out] (or [..., out, in] with `w_out_in`) and its scale [..., out] ->
-    (int8 panels [..., ceil(out/16), in, 16] as `pack` lays them out, float32 scale [..., 16 ceil(out/16)]),
-    zero past `out`. In jax.numpy (made once per decoder; int8 moves a quarter of float32's bytes)."""
+    (int8 panels [..., ceil(out/64), in, 64], panel p holding outputs 64p..64p+63 for every input in input
+    order; float32 scale [..., 64 ceil(out/64)]), zero past `out`. In jax.numpy (made once per decoder)."""
     if not w_out_in:
         q = jnp.swapaxes(q, -1, -2)  # [..., out, in]
     *lead, out, n_in = q.shape
-    pad = -out % 16
+    pad = -out % INT8_PANEL
     q = jnp.pad(q.astype(jnp.int8), [(0, 0)] * len(lead) + [(0, pad), (0, 0)])
-    panels = jnp.swapaxes(q.reshape(*lead, (out + pad) // 16, 16, n_in), -1, -2)
+    panels = jnp.swapaxes(q.reshape(*lead, (out + pad) // INT8_PANEL, INT8_PANEL, n_in), -1, -2)
     scale = jnp.pad(scale.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, pad)])
     return panels, scale
+
+
+def int8_panels_shape(n_in: int, out: int) -> tuple[int, int, int]:
+    """The shape `pack_int8` gives a kernel with `n_in` inputs and `out` outputs."""
+    return (-(-out // INT8_PANEL), n_in, INT8_PANEL)
 
 
 def rows_matmul_int8(x: jax.Array, panels: jax.Array, scale: jax.Array, out: int) -> jax.Array:
     """x float32 [R, in] (1 <= R <= 16) times the int8 kernel in `panels` with its per-output `scale`
     (`pack_int8`'s) -> float32 [R, out]: (x @ q) * scale, the weights widened to float32 in registers."""
-    shape = panels_shape(x.shape[-1], out)
+    shape = int8_panels_shape(x.shape[-1], out)
     if (x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS or panels.shape != shape or panels.dtype != jnp.int8
-            or scale.shape != (shape[0] * 16,)):
+            or scale.shape != (shape[0] * INT8_PANEL,)):
         raise ValueError(f"rows_matmul_int8: x [R <= {MAX_ROWS}, in], int8 panels {shape} and scale "
-                         f"({shape[0] * 16},), got x{x.shape}, panels{panels.shape} {panels.dtype}, scale{scale.shape}")
+                         f"({shape[0] * INT8_PANEL},), got x{x.shape}, panels{panels.shape} {panels.dtype}, scale{scale.shape}")
     _require()
     call = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32),
                             vmap_method="sequential")

@@ -8,7 +8,7 @@
 // `JaxgptPack` makes the panels from a stored kernel once per generate call (XLA's transposes took ~0.3 s
 // for GPT-2 124M's kernels on that machine).
 //
-// `JaxgptRowsMatmulInt8` is the same multiply over int8 panels with a float scale per output
+// `JaxgptRowsMatmulInt8` is the same multiply over int8 panels of 64 outputs with a float scale per output
 // (jaxgpt/quantize.py): each 16 weights are widened to float in registers, so the weights stream at a
 // quarter of float32's bytes and x stays float32 (only the weights are rounded); the accumulators are
 // scaled once at the end.
@@ -108,20 +108,70 @@ static ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   return ffi::Error::Success();
 }
 
+// int8 panels are 64 outputs wide, wp[p][i][j] = q[i, 64 p + j]: each input's 64 weights of a panel are one
+// cache line, read in one stream (in panels of 16, the four interleaved streams of a quarter line each
+// measured slower). V vectors of 16 outputs are accumulated per pass over the inputs, V x R + V registers
+// of 32: all 64 outputs in one pass up to 6 rows, in two passes (the second from L2) up to 14, else four.
+template <int R, int V>
+static void panels64(const float* x, int64_t in, const int8_t* wp, const float* scale, int64_t out, float* y,
+                     int64_t lo, int64_t hi) {
+  for (int64_t p = lo; p < hi; ++p) {
+    const int8_t* w0 = wp + p * in * 64;
+    for (int part = 0; part < 4; part += V) {
+      if (p * 64 + part * 16 >= out) break;
+      v16 acc[V][R];
+      for (int v = 0; v < V; ++v)
+        for (int r = 0; r < R; ++r) acc[v][r] = v16{};
+      const int8_t* wq = w0 + part * 16;
+      for (int64_t i = 0; i < in; ++i) {
+        v16 w[V];
+        for (int v = 0; v < V; ++v) w[v] = weights16(wq + i * 64 + v * 16);
+        for (int r = 0; r < R; ++r) {
+          const float xi = x[r * in + i];
+          for (int v = 0; v < V; ++v) acc[v][r] += xi * w[v];
+        }
+      }
+      for (int v = 0; v < V; ++v) {
+        const int64_t o = p * 64 + (part + v) * 16, n = out - o < 16 ? out - o : 16;
+        if (n <= 0) break;
+        const v16 s = load16(scale + o);  // scale is padded to whole panels
+        for (int r = 0; r < R; ++r) {
+          const v16 yr = acc[v][r] * s;
+          std::memcpy(y + r * out + o, &yr, n * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+static void run_int8(int64_t r, const float* x, int64_t in, const int8_t* wp, const float* scale, int64_t out,
+                     float* y, int64_t lo, int64_t hi) {
+  switch (r) {
+#define JAXGPT_ROWS8(n, v) \
+  case n:                  \
+    return panels64<n, v>(x, in, wp, scale, out, y, lo, hi);
+    JAXGPT_ROWS8(1, 4) JAXGPT_ROWS8(2, 4) JAXGPT_ROWS8(3, 4) JAXGPT_ROWS8(4, 4) JAXGPT_ROWS8(5, 4)
+    JAXGPT_ROWS8(6, 4) JAXGPT_ROWS8(7, 2) JAXGPT_ROWS8(8, 2) JAXGPT_ROWS8(9, 2) JAXGPT_ROWS8(10, 2)
+    JAXGPT_ROWS8(11, 2) JAXGPT_ROWS8(12, 2) JAXGPT_ROWS8(13, 2) JAXGPT_ROWS8(14, 2) JAXGPT_ROWS8(15, 1)
+    JAXGPT_ROWS8(16, 1)
+#undef JAXGPT_ROWS8
+  }
+}
+
 static ffi::Error RowsMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> wp,
                                  ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = wp.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 1 || yd.size() != 2 || wd[2] != 16 || wd[1] != xd[1] ||
-      yd[0] != xd[0] || (yd[1] + 15) / 16 != wd[0] || sd[0] != wd[0] * 16 || xd[0] < 1 || xd[0] > 16)
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 1 || yd.size() != 2 || wd[2] != 64 || wd[1] != xd[1] ||
+      yd[0] != xd[0] || (yd[1] + 63) / 64 != wd[0] || sd[0] != wd[0] * 64 || xd[0] < 1 || xd[0] > 16)
     return ffi::Error::InvalidArgument(
-        "jaxgpt_rows_matmul_int8: x [R <= 16, in], int8 panels [ceil(out/16), in, 16], scale [16 ceil(out/16)], "
+        "jaxgpt_rows_matmul_int8: x [R <= 16, in], int8 panels [ceil(out/64), in, 64], scale [64 ceil(out/64)], "
         "y [R, out]");
   const int64_t r = xd[0], in = xd[1], out = yd[1];
   const float* xp = x.typed_data();
   const int8_t* w = wp.typed_data();
   const float* s = scale.typed_data();
   float* yp = y->typed_data();
-  in_two_halves(pool, wd[0], [=](int64_t lo, int64_t hi) { run<int8_t>(r, xp, in, w, s, out, yp, lo, hi); });
+  in_two_halves(pool, wd[0], [=](int64_t lo, int64_t hi) { run_int8(r, xp, in, w, s, out, yp, lo, hi); });
   return ffi::Error::Success();
 }
 
