@@ -37,7 +37,7 @@ def gpt2_config(dtype: str, kernels: str = "auto") -> jaxgpt.GPTConfig:
 
 
 def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, bandwidth: float,
-        kernels: str = "auto", quantize: str = "none") -> dict:
+        kernels: str = "auto", quantize: str = "none", kv_dtype: str = "none") -> dict:
     cfg = gpt2_config(dtype, kernels)
     params = jaxgpt.init_params(cfg, jax.random.key(0))
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len))
@@ -45,7 +45,8 @@ def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, ban
     # one Decoder for every call, as a program that decodes repeatedly holds one: the backend's prepared
     # decode weights (the CPU backend's packed kernels) are made once, timed apart as prepare_s
     q = None if quantize == "none" else quantize
-    decoder = jaxgpt.Decoder(params, cfg, quantize=q)
+    kv = None if kv_dtype == "none" else kv_dtype
+    decoder = jaxgpt.Decoder(params, cfg, quantize=q, kv_dtype=kv)
     t0 = time.perf_counter()
     jax.block_until_ready(decoder.weights(batch))
     prepare = time.perf_counter() - t0
@@ -61,14 +62,14 @@ def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, ban
     n_params = jaxgpt.count_params(params)
     itemsize = np.dtype(cfg.dtype).itemsize
     # per decode step: every weight once (wpe: one row, ignored) plus the whole allocated cache
-    cache = jaxgpt.cache_bytes(cfg, batch, prompt_len + new_tokens)
+    cache = jaxgpt.cache_bytes(cfg, batch, prompt_len + new_tokens, kv)
     bytes_per_step = (n_params - cfg.block_size * cfg.n_embd) * itemsize + cache
     if q == "int8":  # the int8 kernels (and their scales) are read instead of their float values
         from jaxgpt.quantize import int8_bytes
         nb = int8_bytes(params, cfg)
         bytes_per_step += nb["int8"] - nb["float"]
     steps_per_s = new_tokens / t
-    return {"batch": batch, "dtype": dtype, "kernels": kernels, "quantize": quantize, "tokens_per_s": batch * new_tokens / t, "seconds": t,
+    return {"batch": batch, "dtype": dtype, "kernels": kernels, "quantize": quantize, "kv_dtype": kv_dtype, "tokens_per_s": batch * new_tokens / t, "seconds": t,
             "all_seconds": times, "compile_s": first - t, "prepare_s": prepare, "kv_cache_bytes": cache,
             "bytes_per_step": bytes_per_step, "achieved_read_bytes_per_s": bytes_per_step * steps_per_s,
             "fraction_of_read_bandwidth": bytes_per_step * steps_per_s / bandwidth}
@@ -142,6 +143,44 @@ def run_llama(venv: str, prompt_len: int, new_tokens: int, reps: int, work: str)
     return rows
 
 
+def run_speculative(target_dir: str, draft_dir: str, k: int, new_tokens: int, reps: int) -> list:
+    """Greedy batch-1 decoding of a trained target: plain, speculative with the trained draft model, and
+    speculative with n-gram lookup on a prompt that repeats a passage (its continuation can be copied)."""
+    from jaxgpt.loading import load_model
+
+    cfg, params, tok, _ = load_model(target_dir)
+    d_cfg, d_params, d_tok, _ = load_model(draft_dir)
+    if tok.to_dict() != d_tok.to_dict():
+        raise SystemExit("--speculative: the two runs use different tokenizers")
+    text = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
+            "Arise, fair sun, and kill the envious moon,\n")
+    prompts = {"shakespeare": tok.encode("ROMEO:\n"), "repetitive": tok.encode(text + text[:40])}
+    plain = jaxgpt.Decoder(params, cfg)
+    drafts = {"draft model": jaxgpt.Speculative(k=k, draft=(d_params, d_cfg)),
+              "n-gram": jaxgpt.Speculative(k=k, draft="ngram", ngram=3)}
+    rows = []
+    for pname, ids in prompts.items():
+        ids = np.array([ids[-(cfg.block_size - new_tokens - k):]], np.int32)
+        decoders = {"plain": plain, **{name: jaxgpt.Decoder(params, cfg, speculative=s) for name, s in drafts.items()}}
+        base = None
+        for name, dec in decoders.items():
+            def call(dec=dec):
+                return dec.generate(ids, new_tokens, jax.random.key(0), temperature=0.0).tokens.block_until_ready()
+            first = np.asarray(call())
+            t, times = median_time(call, reps)
+            row = {"name": f"{name} on the {pname} prompt", "tokens_per_s": new_tokens / t, "seconds": t,
+                   "all_seconds": times, "k": k, "same_as_plain": None}
+            if name == "plain":
+                base, base_tokens = t, first
+            else:
+                st = dec.last_speculative_stats
+                row.update(acceptance=st["acceptance"], rounds=st["rounds"], tokens_per_round=new_tokens / st["rounds"],
+                           same_as_plain=bool((first == base_tokens).all()))
+            row["speedup"] = base / t
+            rows.append(row)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -152,6 +191,12 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8"],
                    help="decode weights: as stored (none) and/or int8 with a scale per output channel")
+    p.add_argument("--kv-dtype", dest="kv_dtype", nargs="+", default=["none"], choices=["none", "int8", "bfloat16"],
+                   help="the KV cache's dtype (none: the compute dtype)")
+    p.add_argument("--speculative", nargs=2, default=None, metavar=("TARGET_RUN", "DRAFT_RUN"),
+                   help="two trained runs (train.py out_dirs, same tokenizer): greedy decoding at batch 1, plain "
+                        "against speculative with the draft model and with n-gram lookup (on a repetitive prompt)")
+    p.add_argument("--k", type=int, default=4, help="tokens proposed per round with --speculative")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     p.add_argument("--llama", default=None, metavar="VENV",
                    help="llama.cpp's venv (../shared/peers/install_llama_cpp.sh VENV): its f32 and q8_0 at batch 1")
@@ -159,8 +204,9 @@ def main():
                    help="where the Hugging Face folder and the GGUF files for llama.cpp are written (reused)")
     args = p.parse_args()
     ceil = ceilings()
-    rows = [run(b, d, args.prompt_len, args.new_tokens, args.reps, ceil["read_bytes_per_s"], k, q)
-            for k in args.kernels for d in args.dtypes for q in args.quantize for b in args.batch]
+    rows = [run(b, d, args.prompt_len, args.new_tokens, args.reps, ceil["read_bytes_per_s"], k, q, kv)
+            for k in args.kernels for d in args.dtypes for q in args.quantize for kv in args.kv_dtype for b in args.batch]
+    spec = run_speculative(*args.speculative, args.k, args.new_tokens, args.reps) if args.speculative else []
     peers = {} if args.no_peer else {b: run_peer(b, args.prompt_len, args.new_tokens, args.reps) for b in args.batch}
     llama = run_llama(args.llama, args.prompt_len, args.new_tokens, args.reps, args.work) if args.llama else []
     for r in rows:
@@ -168,18 +214,22 @@ def main():
             r["peer_tokens_per_s"] = peers[r["batch"]]["tokens_per_s"]
             r["speedup_vs_peer"] = r["tokens_per_s"] / r["peer_tokens_per_s"]
     path = write_results("decode", {"machine": machine(), "ceilings": ceil, "settings": vars(args), "runs": rows,
-                                    "peer": list(peers.values()), "llama_cpp": llama})
+                                    "peer": list(peers.values()), "llama_cpp": llama,
+                                    "speculative": spec})
     print(f"read bandwidth {ceil['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul "
           f"{ceil['matmul_fp32_flops'] / 1e9:.0f} GFLOP/s, bf16 {ceil['matmul_bf16_flops'] / 1e9:.0f} GFLOP/s")
-    print(f"{'kernels':>8} {'dtype':>9} {'quantize':>8} {'batch':>5} {'tok/s':>8} {'compile s':>9} {'prepare s':>9} "
-          f"{'cache MB':>8} {'% read bw':>9} {'peer tok/s':>10}")
+    print(f"{'kernels':>8} {'dtype':>9} {'quantize':>8} {'kv':>8} {'batch':>5} {'tok/s':>8} {'compile s':>9} "
+          f"{'prepare s':>9} {'cache MB':>8} {'% read bw':>9} {'peer tok/s':>10}")
     for r in rows:
         peer = f"{r['peer_tokens_per_s']:10.1f} ({r['speedup_vs_peer']:.2f}x)" if "peer_tokens_per_s" in r else ""
-        print(f"{r['kernels']:>8} {r['dtype']:>9} {r['quantize']:>8} {r['batch']:>5} {r['tokens_per_s']:8.1f} "
+        print(f"{r['kernels']:>8} {r['dtype']:>9} {r['quantize']:>8} {r['kv_dtype']:>8} {r['batch']:>5} {r['tokens_per_s']:8.1f} "
               f"{r['compile_s']:9.2f} {r['prepare_s']:9.2f} {r['kv_cache_bytes'] / 2**20:8.1f} "
               f"{100 * r['fraction_of_read_bandwidth']:8.1f}% {peer}")
     for r in llama:
         print(f"{r['peer']:>18} batch 1 {r['tokens_per_s']:8.1f} tok/s")
+    for r in spec:
+        extra = f", acceptance {r['acceptance']:.2f}, {r['tokens_per_round']:.2f} tokens/round" if "acceptance" in r else ""
+        print(f"{r['name']:>34}: {r['tokens_per_s']:7.1f} tok/s ({r['speedup']:.2f}x plain on its prompt){extra}")
     print(f"results: {path}")
 
 
