@@ -601,18 +601,24 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
 
 
 def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_len: Optional[int] = None,
-                   chunk: int = 256, progress: bool = True) -> dict:
+                   chunk: int = 256, progress: bool = True, quantize: Optional[str] = None,
+                   kv_dtype: Optional[str] = None) -> dict:
     """Compile the engine's decode step (every slot) and a prefill chunk for the target, weights and cache
     replicated on each device (one engine per device); a dict of figures, with how many slots of `max_len`
     positions fit beside the weights. A slot's bytes are measured, not assumed: the decode step compiled
     again for twice the slots gives the peak's growth per slot (its cache, and any temporaries that grow
-    with it: a compiler may copy the cache into another layout)."""
+    with it: a compiler may copy the cache into another layout). `quantize="int8"`: int8 weights (the
+    programs hold the int8 kernels and not the float ones they replace); `kv_dtype="int8"`: an int8 cache
+    (its float32 scales counted)."""
+    import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxgpt import engine
     from jaxgpt.cache import cache_bytes
+    from jaxgpt.quantize import check_kv_dtype, check_quantize
 
+    quantize, kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
     gcfg, backend = model_config(config, vocab_size, devs.target.platform)
     max_len = gcfg.block_size if max_len is None else max_len
     chunk = min(chunk, max_len)
@@ -621,14 +627,27 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
                        f">= 1; got {slots}, {max_len}, {chunk}")
     replicated = NamedSharding(Mesh(np.array(devs.devices), ("data",)), P())
 
+    lowered = {}
+
     def lower(name, n=slots):
-        return lambda: engine.lower_engine(gcfg, n, max_len, chunk, backend=backend, sharding=replicated)[name]
+        def run():
+            lowered[n] = lowered.get(n) or engine.lower_engine(gcfg, n, max_len, chunk, backend=backend,
+                                                               sharding=replicated, quantize=quantize,
+                                                               kv_dtype=kv_dtype)
+            return lowered[n][name]
+        return run
 
     decode, decode_s = _compile("engine decode step", lower("decode"), devs, progress)
     prefill, prefill_s = _compile("engine prefill", lower("prefill"), devs, progress)
     twice, _ = _compile(f"engine decode step for {2 * slots} slots", lower("decode", 2 * slots), devs, progress)
-    per_slot = cache_bytes(gcfg, 1, max_len)
+    per_slot = cache_bytes(gcfg, 1, max_len, dtype=kv_dtype)
+    weights = lowered[slots]["weights"]
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     extra = {"slots": slots, "max_len": max_len, "chunk": chunk, "dtype": gcfg.dtype, "kernels": backend.name,
+             "quantize": quantize, "kv_dtype": kv_dtype or gcfg.dtype,
+             # what the programs take as weights: float params (with int8, those int8 does not replace) and
+             # the backend's prepared forms (the int8 kernels and their scales)
+             "weight_bytes": nbytes(weights), "float_weight_bytes": nbytes(weights.params),
              "cache_bytes": per_slot * slots, "cache_bytes_per_slot": per_slot}
     out = _report("engine decode step", decode, decode_s, devs, None, extra)
     pre = _memory(prefill)
@@ -721,10 +740,12 @@ def format_result(result: dict) -> str:
                     + (f", loss in chunks of {p['loss_chunk']} positions" if p.get("loss_chunk") else ""))
         elif p["program"] == "engine decode step":
             head = (f"engine: {p['slots']} slots of {p['max_len']} positions (KV cache {_gib(p['cache_bytes'])}, "
-                    f"{p['cache_bytes_per_slot'] / 2 ** 20:.1f} MiB a slot), prefill chunks of {p['chunk']}, dtype "
-                    f"{p['dtype']}, kernels {p['kernels']}; each slot takes {p['bytes_per_slot'] / 2 ** 20:.1f} MiB in "
-                    f"the compiled step; slots of {p['max_len']} positions that fit beside the weights: "
-                    f"{p['slots_that_fit']}; prefill program peak {_gib(p['prefill'].get('peak_bytes'))}")
+                    f"{p['cache_bytes_per_slot'] / 2 ** 20:.1f} MiB a slot, {p.get('kv_dtype', p['dtype'])}), "
+                    f"prefill chunks of {p['chunk']}, dtype {p['dtype']}, weights {p.get('quantize') or p['dtype']} "
+                    f"({_gib(p.get('weight_bytes'))}), kernels {p['kernels']}; each slot takes "
+                    f"{p['bytes_per_slot'] / 2 ** 20:.1f} MiB in the compiled step; slots of {p['max_len']} positions "
+                    f"that fit beside the weights: {p['slots_that_fit']}; prefill program peak "
+                    f"{_gib(p['prefill'].get('peak_bytes'))}")
         else:
             head = (f"generate: batch {p['batch_size']}, prompt {p['prompt_len']}, {p['max_new_tokens']} new tokens, "
                     f"dtype {p['dtype']}, kernels {p['kernels']}")

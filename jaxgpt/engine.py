@@ -131,19 +131,22 @@ def _prefill(params, cache: KVCache, slot, start, tokens_1xC, n, targets_C, rows
              config: GPTConfig, backend: Backend, prompt_logprobs: bool, n_logprobs: int):
     """The first `n` of tokens [1, C] into slot `slot` from position `start`, then a draw of the token
     after them (used when they end the prompt) with its logprobs; with `prompt_logprobs` also each
-    position's logprob of `targets` (the next prompt token), its alternatives and whether it was argmax."""
+    position's logprob of `targets` (the next prompt token), its alternatives and whether it was argmax.
+    `params` may also be `DecodeWeights` whose "prepared" kernels take any row count (int8 `Int8Kernel`s
+    multiplied with XLA, as `lower_engine` passes for the accelerators): the chunk then runs on them."""
     _count("prefill")
     model = GPT(config, backend)
+    variables = params.variables() if isinstance(params, DecodeWeights) else {"params": params}
     one = cache.slot(slot).replace(lengths=start[None])
     extra = {}
     if prompt_logprobs:
-        logits_1xCxV, one = model.apply({"params": params}, tokens_1xC, one, token_lengths=n[None])
+        logits_1xCxV, one = model.apply(variables, tokens_1xC, one, token_lengths=n[None])
         lp_C, top_ids, top_lps = token_logprobs(logits_1xCxV[0], targets_C, n_logprobs)
         extra = dict(prompt_lp=lp_C, prompt_top_ids=top_ids, prompt_top_lps=top_lps,
                      prompt_greedy=jnp.argmax(logits_1xCxV[0], axis=-1) == targets_C)
         last_1xV = jax.lax.dynamic_slice_in_dim(logits_1xCxV[0], n - 1, 1, axis=0)
     else:
-        logits_1x1xV, one = model.apply({"params": params}, tokens_1xC, one, token_lengths=n[None],
+        logits_1x1xV, one = model.apply(variables, tokens_1xC, one, token_lengths=n[None],
                                         logits_index=(n - 1)[None])
         last_1xV = logits_1x1xV[:, 0]
     tok = sample_rows(last_1xV, rows)
@@ -608,17 +611,39 @@ def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, bac
                  sharding=None, max_logprobs: int = 20, params=None, quantize: Optional[str] = None,
                  kv_dtype: Optional[str] = None) -> dict:
     """The engine's decode step (every slot) and its prefill of a `chunk`-token piece, lowered for
-    abstract inputs placed on `sharding` (nothing allocated): {"decode": lowered, "prefill": lowered}.
-    `.compile()` them to check them for another platform's devices."""
+    abstract inputs placed on `sharding` (nothing allocated): {"decode": lowered, "prefill": lowered,
+    "weights": the abstract DecodeWeights both take}. `.compile()` them to check them for another
+    platform's devices.
+
+    With `quantize` and a backend whose int8 kernels take any row count (`Int8Kernel`s, multiplied with
+    XLA: the portable, tpu and gpu backends) the weights are what a device would hold: the int8 kernels
+    and the params without the float leaves they replace (a tied table stays: the embedding lookup reads
+    it; a running engine's is the dequantized table), and the prefill runs on them too, which computes
+    what the CPU Engine's prefill of the dequantized params does. Other backends keep the float params
+    beside their forms."""
+    from flax import traverse_util
+
     from jaxgpt.model import abstract_params
+    from jaxgpt.quantize import Int8Kernel, quantized_paths
 
     backend = backend or resolve(config)
     config = config.replace(remat="none")
+    quantize, kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
     params = abstract_params(config) if params is None else params
     params = jax.eval_shape(lambda p: cast_floats(p, config.compute_dtype), params)
     prepared = jax.eval_shape(lambda p: _prepare.__wrapped__(p, config=config, backend=backend, batch_size=slots,
                                                              quantize=quantize), params)
     cache = jax.eval_shape(lambda: KVCache.create(config, slots, max_len, dtype=kv_dtype, layout=backend.cache_layout))
+    is_kernel = lambda x: isinstance(x, Int8Kernel)  # noqa: E731
+    int8_any_rows = bool(quantize) and all(is_kernel(x) for x in jax.tree.leaves(prepared, is_leaf=is_kernel))
+    if int8_any_rows:
+        flat = traverse_util.flatten_dict(params)
+        for path in quantized_paths(params, config):
+            # with scan_layers the stacked layers' float kernels stay: the model's scan checks the stacked
+            # params' shapes against their initializer's
+            if path != ("wte", "embedding") and not (config.scan_layers and path[0] == "h"):
+                del flat[path]
+        params = traverse_util.unflatten_dict(flat)
 
     def place(tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
@@ -635,5 +660,7 @@ def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, bac
     scalar = arr((), jnp.int32)
     return {"decode": _decode.lower(weights, cache, arr((slots,), jnp.int32), arr((slots,), jnp.bool_), rows(slots),
                                     **static),
-            "prefill": _prefill.lower(weights.params, cache, scalar, scalar, arr((1, chunk), jnp.int32), scalar,
-                                      arr((chunk,), jnp.int32), rows(1), prompt_logprobs=False, **static)}
+            "prefill": _prefill.lower(weights if int8_any_rows else weights.params, cache, scalar, scalar,
+                                      arr((1, chunk), jnp.int32), scalar, arr((chunk,), jnp.int32), rows(1),
+                                      prompt_logprobs=False, **static),
+            "weights": weights}

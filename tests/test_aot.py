@@ -260,3 +260,32 @@ def test_the_engine_compiles_for_the_target_and_says_how_many_slots_fit(target):
     fixed = max(e["peak_bytes"], e["prefill"]["peak_bytes"]) - 4 * e["bytes_per_slot"]
     assert e["slots_that_fit"] == (e["limit_bytes"] - fixed) // e["bytes_per_slot"] > 4
     assert f"that fit beside the weights: {e['slots_that_fit']}" in aot.format_result(r)
+
+
+@needs_aot
+def test_the_int8_engine_compiles_for_a_tpu_holding_int8_kernels_instead_of_float_ones():
+    from jaxgpt import quantize
+    from jaxgpt.model import abstract_params
+
+    aot.prepare_environment()
+    figures = []
+    for q, kv in [(None, None), ("int8", None), ("int8", "int8")]:
+        r = aot.compile_for_target(_tiny(), aot.parse_target("tpu:v5e:1x1"), programs=("engine",), progress=False,
+                                   engine_args={"slots": 4, "max_len": 32, "chunk": 8, "quantize": q, "kv_dtype": kv})
+        figures.append(r["programs"]["engine"])
+    f, q8, kv8 = figures
+    assert all(e["fits"] for e in figures) and (q8["quantize"], kv8["kv_dtype"]) == ("int8", "int8")
+    # the weights given: the int8 kernels and their scales, and of the float leaves they stand for only the
+    # tied table (the embedding lookup reads it)
+    gcfg = aot.model_config(_tiny(), 256, "tpu")[0]
+    sizes = quantize.int8_bytes(abstract_params(gcfg), gcfg)
+    wte = gcfg.vocab_size * gcfg.n_embd * 4
+    assert q8["weight_bytes"] - q8["float_weight_bytes"] == sizes["int8"]
+    assert q8["float_weight_bytes"] == f["weight_bytes"] - sizes["float"] + wte
+    # both programs take fewer bytes: the decode step and the prefill hold no float copy of the kernels
+    assert q8["argument_bytes"] < f["argument_bytes"]
+    assert q8["prefill"]["argument_bytes"] < f["prefill"]["argument_bytes"]
+    # the int8 cache: 16 int8 values and a float32 scale per key or value vector, 20/64 of float32's bytes
+    assert kv8["cache_bytes_per_slot"] == f["cache_bytes_per_slot"] * 20 // 64
+    assert kv8["argument_bytes"] < q8["argument_bytes"] and kv8["slots_that_fit"] > q8["slots_that_fit"]
+    assert "weights int8" in aot.format_result(r) and "a slot, int8)" in aot.format_result(r)

@@ -30,6 +30,10 @@ flags.DEFINE_list("programs", ["train", "generate"], "which programs to compile:
 flags.DEFINE_integer("engine_slots", None, "engine: slots (default 8); the report says how many fit")
 flags.DEFINE_integer("engine_max_len", None, "engine: positions per slot (default the context)")
 flags.DEFINE_integer("engine_chunk", None, "engine: prefill chunk (default 256)")
+flags.DEFINE_string("quantize", None, "engine: int8 to compile it with int8 weights (every dense kernel and the "
+                    "head; the programs hold them instead of the float kernels); default float weights")
+flags.DEFINE_string("kv_dtype", None, "engine: the KV cache's dtype: int8 (a float32 scale per position and "
+                    "head), bfloat16 or float32; default the model's compute dtype")
 flags.DEFINE_integer("gen_batch", None, "generate: prompt rows (default one per device)")
 flags.DEFINE_integer("gen_prompt_len", None, "generate: prompt length (default half the context)")
 flags.DEFINE_integer("gen_new_tokens", None, "generate: new tokens (default the rest of the context)")
@@ -111,9 +115,18 @@ def _run(argv) -> None:
         _fail("--target is required, e.g. --target=tpu:v5e:2x4 or --target=gpu:h100:8")
     try:
         target = aot.parse_target(FLAGS.target, FLAGS.slices)
-        aot.check_programs(FLAGS.programs)
+        programs = aot.check_programs(FLAGS.programs)
     except aot.AotError as e:
         _fail(e)
+    for name in ("quantize", "kv_dtype"):
+        if FLAGS[name].value is not None and "engine" not in programs:
+            _fail(f"--{name} applies to the engine's programs: add engine to --programs (e.g. --programs=engine)")
+    try:
+        from jaxgpt.quantize import check_kv_dtype, check_quantize
+        check_quantize(FLAGS.quantize)
+        check_kv_dtype(FLAGS.kv_dtype)
+    except ValueError as e:
+        _fail(f"--quantize/--kv_dtype: {e}")
     if FLAGS.json:
         _check_writable(FLAGS.json)  # before the compile, which may take minutes
     config = train_cli._load_config()
@@ -126,7 +139,8 @@ def _run(argv) -> None:
     result, error = None, None
     with _FilteredStderr():
         try:
-            engine = {"slots": FLAGS.engine_slots, "max_len": FLAGS.engine_max_len, "chunk": FLAGS.engine_chunk}
+            engine = {"slots": FLAGS.engine_slots, "max_len": FLAGS.engine_max_len, "chunk": FLAGS.engine_chunk,
+                      "quantize": FLAGS.quantize, "kv_dtype": FLAGS.kv_dtype}
             result = aot.compile_for_target(config, target, FLAGS.vocab_size, tuple(FLAGS.programs),
                                             progress=True, generate_args=gen, engine_args=engine)
         except aot.DoesNotFit as e:
