@@ -24,27 +24,26 @@ from flax import struct, traverse_util
 from jaxgpt.config import GPTConfig
 
 QUANTIZE_CHOICES = (None, "int8")
-
-
-def check_quantize(quantize) -> Optional[str]:
-    """`quantize` as given if it is one of QUANTIZE_CHOICES ("none" and "" read as None), else ValueError."""
-    if quantize in ("none", ""):
-        return None
-    if quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
-    return quantize
-
-
 KV_DTYPES = (None, "int8", "bfloat16", "float32")
 
 
-def check_kv_dtype(kv_dtype) -> Optional[str]:
-    """`kv_dtype` if it is one of KV_DTYPES (None: the compute dtype; "none" and "" read as None)."""
-    if kv_dtype in ("none", ""):
+def _choice(name: str, value, choices: tuple) -> Optional[str]:
+    """`value` if it is one of `choices` ("none" and "" read as None), else ValueError naming `name`."""
+    if value in ("none", ""):
         return None
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-    return kv_dtype
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def check_quantize(quantize) -> Optional[str]:
+    """`quantize` checked against QUANTIZE_CHOICES."""
+    return _choice("quantize", quantize, QUANTIZE_CHOICES)
+
+
+def check_kv_dtype(kv_dtype) -> Optional[str]:
+    """`kv_dtype` checked against KV_DTYPES (None: the compute dtype)."""
+    return _choice("kv_dtype", kv_dtype, KV_DTYPES)
 
 
 @struct.dataclass

@@ -6,6 +6,11 @@ import re
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.cache import KVCache
+from jaxgpt.model import GPT
 from jaxgpt.training.config import default_config
 
 _WORDS = ("the king is dead long live the queen my lord what say you of this night and day to be or not "
@@ -113,3 +118,16 @@ def doc_example(doc: str, paragraph: str) -> str:
     text = (REPO / doc).read_text()
     start = text.index(paragraph)
     return re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
+
+
+def cached_logits(cfg, backend, params, tokens, prompt=5):
+    """Logits of the positions after `prompt`, computed by a prefill and one-token cached steps."""
+    model = GPT(cfg, backend)
+    apply = jax.jit(lambda p, x, c: model.apply({"params": p}, x, c))  # one program per token count
+    cache = KVCache.create(cfg, tokens.shape[0], tokens.shape[1], layout=backend.cache_layout)
+    _, cache = apply(params, tokens[:, :prompt], cache)
+    out = []
+    for i in range(prompt, tokens.shape[1]):
+        logits, cache = apply(params, tokens[:, i:i + 1], cache)
+        out.append(logits[:, 0])
+    return jnp.stack(out, axis=1)

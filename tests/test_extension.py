@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import GPT, KVCache, init_params, resolve
+from jaxgpt import GPT, init_params, resolve
 from jaxgpt.backends import PORTABLE
 from jaxgpt.model import CausalSelfAttention
 from jaxgpt.registry import ATTENTION, BLOCKS
 from jaxgpt.training.step import cross_entropy
-from tests.helpers import doc_example, varied_params
+from tests.helpers import cached_logits, doc_example, varied_params
 
 BACKENDS = [PORTABLE, resolve("cpu")]
 
@@ -30,19 +30,6 @@ def _loss(cfg, backend, params, data):
     model = GPT(cfg, backend)
     loss = jax.jit(lambda p, d: cross_entropy(model.apply({"params": p}, d[:, :-1]), d[:, 1:]))
     return float(loss(params, data))
-
-
-def _decode_logits(cfg, backend, params, tokens, prompt=5):
-    """Logits of the positions after `prompt`, computed by a prefill and one-token cached steps."""
-    model = GPT(cfg, backend)
-    apply = jax.jit(lambda p, x, c: model.apply({"params": p}, x, c))  # one program per token count
-    cache = KVCache.create(cfg, tokens.shape[0], tokens.shape[1], layout=backend.cache_layout)
-    _, cache = apply(params, tokens[:, :prompt], cache)
-    out = []
-    for i in range(prompt, tokens.shape[1]):
-        logits, cache = apply(params, tokens[:, i:i + 1], cache)
-        out.append(logits[:, 0])
-    return jnp.stack(out, axis=1)
 
 
 @pytest.fixture
@@ -70,8 +57,8 @@ def test_readme_attention_variant_changes_training_and_decoding_on_every_backend
     for backend in BACKENDS:
         assert abs(_loss(cfg, backend, params, data) - _loss(plain, backend, params, data)) > 1e-4
         full = GPT(cfg, backend).apply({"params": params}, data)[:, 5:]
-        np.testing.assert_allclose(_decode_logits(cfg, backend, params, data), full, atol=1e-4)
-        assert float(jnp.abs(_decode_logits(plain, backend, params, data) - full).max()) > 1e-3
+        np.testing.assert_allclose(cached_logits(cfg, backend, params, data), full, atol=1e-4)
+        assert float(jnp.abs(cached_logits(plain, backend, params, data) - full).max()) > 1e-3
     np.testing.assert_allclose(*[_loss(cfg, b, params, data) for b in BACKENDS], rtol=1e-5)
 
 
@@ -79,7 +66,7 @@ def test_a_change_to_the_model_attention_reaches_the_cpu_training_path_and_decod
     cfg = _tiny()
     params = varied_params(cfg)
     data = _tokens(cfg)
-    before = {b.name: (_loss(cfg, b, params, data), _decode_logits(cfg, b, params, data)) for b in BACKENDS}
+    before = {b.name: (_loss(cfg, b, params, data), cached_logits(cfg, b, params, data)) for b in BACKENDS}
     original = CausalSelfAttention.attend
 
     def doubled_queries(self, q, k, v, positions, cache, layer):  # a forker's edit of the one call site
@@ -87,7 +74,7 @@ def test_a_change_to_the_model_attention_reaches_the_cpu_training_path_and_decod
 
     monkeypatch.setattr(CausalSelfAttention, "attend", doubled_queries)
     for b in BACKENDS:
-        loss, decoded = _loss(cfg, b, params, data), _decode_logits(cfg, b, params, data)
+        loss, decoded = _loss(cfg, b, params, data), cached_logits(cfg, b, params, data)
         assert abs(loss - before[b.name][0]) > 1e-4, f"the {b.name} backend's training loss ignored the edit"
         assert float(jnp.abs(decoded - before[b.name][1]).max()) > 1e-3
         np.testing.assert_allclose(decoded, GPT(cfg, b).apply({"params": params}, data)[:, 5:], atol=1e-4)
@@ -101,7 +88,7 @@ def test_documented_block_registers_trains_and_decodes_like_its_full_forward(pos
     for backend in BACKENDS:
         full = GPT(cfg, backend).apply({"params": params}, data)
         assert float(jnp.abs(full - GPT(gpt2, backend).apply({"params": params}, data)).max()) > 1e-3
-        np.testing.assert_allclose(_decode_logits(cfg, backend, params, data), full[:, 5:], atol=1e-4)
+        np.testing.assert_allclose(cached_logits(cfg, backend, params, data), full[:, 5:], atol=1e-4)
         grads = jax.jit(jax.grad(lambda p: cross_entropy(GPT(cfg, backend).apply({"params": p}, data[:, :-1]),
                                                          data[:, 1:])))(params)
         assert all(np.isfinite(g).all() and np.abs(g).sum() > 0 for g in map(np.asarray, jax.tree.leaves(grads)))
@@ -118,7 +105,7 @@ def test_the_parallel_block_is_built_in_and_differs_from_gpt2():
     data = _tokens(cfg)
     for backend in BACKENDS:
         full = GPT(cfg, backend).apply({"params": params}, data)
-        np.testing.assert_allclose(_decode_logits(cfg, backend, params, data), full[:, 5:], atol=1e-4)
+        np.testing.assert_allclose(cached_logits(cfg, backend, params, data), full[:, 5:], atol=1e-4)
 
 
 def test_unknown_block_names_the_choices():

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import GPT, GPTConfig, KVCache, register_attention, register_block, resolve
+from jaxgpt import GPT, GPTConfig, register_attention, register_block, resolve
 from jaxgpt.attention import einsum_attention
 from jaxgpt.backends import PORTABLE
 from jaxgpt.registry import ATTENTION, BLOCKS, Registry
-from tests.helpers import varied_params
+from tests.helpers import cached_logits, varied_params
 
 BACKENDS = [PORTABLE, resolve("cpu")]
 
@@ -86,19 +86,6 @@ def test_a_user_name_is_taken_once_but_its_own_definition_may_run_again():
     assert reg.get("mine") is other and not reg.replaced("mine")  # not a built-in: nothing to stand down
 
 
-def _cached_logits(cfg, backend, params, tokens, prompt=5):
-    """Logits after `prompt` from a prefill and one-token cached steps."""
-    model = GPT(cfg, backend)
-    apply = jax.jit(lambda p, x, c: model.apply({"params": p}, x, c))
-    cache = KVCache.create(cfg, tokens.shape[0], tokens.shape[1], layout=backend.cache_layout)
-    _, cache = apply(params, tokens[:, :prompt], cache)
-    out = []
-    for i in range(prompt, tokens.shape[1]):
-        logits, cache = apply(params, tokens[:, i:i + 1], cache)
-        out.append(logits[:, 0])
-    return jnp.stack(out, axis=1)
-
-
 def test_a_replaced_dot_product_runs_as_written_on_every_backend(restore_builtins):
     cfg = _tiny()
     params = varied_params(cfg)
@@ -115,7 +102,7 @@ def test_a_replaced_dot_product_runs_as_written_on_every_backend(restore_builtin
     assert float(jnp.abs(full["portable"] - original).max()) > 1e-2, "the replacement did not run"
     np.testing.assert_allclose(full["cpu"], full["portable"], atol=1e-5)
     for b in BACKENDS:
-        np.testing.assert_allclose(_cached_logits(cfg, b, params, tokens), full[b.name][:, 5:], atol=1e-4)
+        np.testing.assert_allclose(cached_logits(cfg, b, params, tokens), full[b.name][:, 5:], atol=1e-4)
 
 
 def test_a_replaced_builtin_block_is_the_one_the_model_builds(restore_builtins):

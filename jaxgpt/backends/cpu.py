@@ -198,10 +198,11 @@ def prepare_decode(params: dict, batch_size: int, compute_dtype, tie_embeddings:
                    native_decode: bool) -> dict:
     """The "prepared" collection for decode steps of `batch_size` rows: every dense kernel ([in, out], or
     stacked [L, in, out] under `h`) in `decode_form`, and a tied head's table as `head`. With
-    quantize="int8", int8 panels for the native kernel in the "panels" form, else `Int8Kernel`s for XLA."""
-    if quantize == "int8":  # the native int8 multiply at any row count (16 rows per call) and dtype
-        native_int8 = native_decode and batch_size >= 1 and native.available()
-        return int8_prepared(params, tie_embeddings, _prepare_int8 if native_int8 else None)
+    quantize="int8" and the native kernels on, int8 panels (any row count, 16 rows a call; any dtype). Without
+    them the params (the dequantized model, quantize.dequantized) keep their float forms: XLA:CPU's int8
+    forms ran 10x slower than float32 (bench/README.md), so the same tokens come at float32's speed."""
+    if quantize == "int8" and native_decode and native.available():
+        return int8_prepared(params, tie_embeddings, _prepare_int8)
     form = decode_form(batch_size, compute_dtype, native_decode)
     if form is None:
         return {}
