@@ -354,9 +354,10 @@ def _write_run(folder, params):
     ck.close()
 
 
-def _start_server(run, *flags):
+def _start_server(run, *flags, env=None):
     proc = subprocess.Popen([sys.executable, "-m", "jaxgpt.cli.serve", f"--out_dir={run}", "--port=0", *flags],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=None if env is None else {**os.environ, **env})
     err = []
     threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()  # (never blocks on a pipe)
     line = proc.stdout.readline()
@@ -373,8 +374,10 @@ def test_jaxgpt_serve_with_the_openai_client(tmp_path, params):
     import openai
 
     _write_run(tmp_path / "run", params)
+    hold = tmp_path / "hold"  # while it exists the server's engine takes no step (tests/serve_hold.py)
     proc, url, err = _start_server(tmp_path / "run", "--slots=2", "--max_waiting=1", "--prefill_chunk=16",
-                                   "--api_key=sesame", "--served_model_name=tiny", "--grace_period=30")
+                                   "--api_key=sesame", "--served_model_name=tiny", "--grace_period=30",
+                                   "--import=tests.serve_hold", env={"JAXGPT_TEST_HOLD": str(hold)})
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
         assert httpx.get(url + "/health").status_code == 200
@@ -417,7 +420,7 @@ def test_jaxgpt_serve_with_the_openai_client(tmp_path, params):
         with pytest.raises(openai.BadRequestError, match="chat template"):
             c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
 
-        _dropped_streams_and_a_full_queue(c, url)
+        _dropped_streams_and_a_full_queue(c, url, hold)
         _sigterm_finishes_the_request_in_flight(c, proc)
         assert proc.wait(60) == 0, "".join(err)[-3000:]
     finally:
@@ -425,28 +428,37 @@ def test_jaxgpt_serve_with_the_openai_client(tmp_path, params):
             proc.kill()
 
 
-def _dropped_streams_and_a_full_queue(c, url):
+def _dropped_streams_and_a_full_queue(c, url, hold):
+    """With the engine held, three streams take the 2 slots and the 1 waiting place; a fourth request is
+    refused at once; the three dropped streams count as cancelled and free their slots once it steps."""
     import httpx
     import openai
 
-    streams = [c.completions.create(model="tiny", prompt="To be", max_tokens=55, temperature=0, stream=True)
-               for _ in range(3)]  # 2 running, 1 waiting: the queue is full
-    for s in streams[:2]:
-        next(iter(s))
-    t0 = time.perf_counter()
-    with pytest.raises(openai.RateLimitError):
-        c.completions.create(model="tiny", prompt="ab", max_tokens=2)
-    assert time.perf_counter() - t0 < 5
-    for s in streams:  # dropped: their slots free within a step
-        s.close()
+    def metric(pattern):
+        return re.search(pattern, httpx.get(url + "/metrics").text, re.M)
+
+    hold.touch()
+    try:
+        streams = [c.completions.create(model="tiny", prompt="To be", max_tokens=55, temperature=0, stream=True)
+                   for _ in range(3)]  # (the answer's headers come before its first token)
+        t0 = time.perf_counter()
+        with pytest.raises(openai.RateLimitError):
+            c.completions.create(model="tiny", prompt="ab", max_tokens=2)
+        assert time.perf_counter() - t0 < 5
+        for s in streams:
+            s.close()
+        for _ in range(300):  # the server sees each disconnect while the engine is still held
+            if metric(r'^jaxgpt_requests_total\{outcome="cancelled"\} 3\.0$'):
+                break
+            time.sleep(0.05)
+        assert metric(r'^jaxgpt_requests_total\{outcome="cancelled"\} 3\.0$'), httpx.get(url + "/metrics").text
+    finally:
+        hold.unlink()
     for _ in range(300):
-        text = httpx.get(url + "/metrics").text
-        if re.search(r"^jaxgpt_requests_running 0\.0$", text, re.M) and \
-                re.search(r"^jaxgpt_requests_waiting 0\.0$", text, re.M):
+        if metric(r"^jaxgpt_requests_running 0\.0$") and metric(r"^jaxgpt_requests_waiting 0\.0$"):
             break
         time.sleep(0.05)
-    assert re.search(r"^jaxgpt_requests_running 0\.0$", text, re.M), text
-    assert re.search(r'^jaxgpt_requests_total\{outcome="cancelled"\} 3\.0$', text, re.M), text
+    assert metric(r"^jaxgpt_requests_running 0\.0$") and metric(r"^jaxgpt_requests_waiting 0\.0$")
     assert c.completions.create(model="tiny", prompt="ab", max_tokens=2, temperature=0).choices[0].text
 
 
