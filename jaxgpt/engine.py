@@ -7,9 +7,9 @@ sampler settings passed as arrays (`sampling.RowSettings`): no setting is part o
 finished slot is free at the next step. A request's randomness is its own key folded with its token
 index, so its tokens depend only on its prompt, settings and seed, never on its neighbours.
 
-Programs: a decode step per power-of-two count of leading slots (up to all of them), one prefill per
-power-of-two chunk length (twice: with and without per-position logprobs), one slot copy, for one
-(slots, max_len). `warmup()` compiles them all.
+Programs: a decode step per power-of-two count of leading slots (up to all of them; with speculative
+decoding a k + 1 wide step per count too), one prefill per power-of-two chunk length (twice: with and
+without per-position logprobs), one slot copy, for one (slots, max_len). `warmup()` compiles them all.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
 from jaxgpt.quantize import check_kv_dtype, check_quantize
 from jaxgpt.sampling import RowSettings, _check_rng, _dequantized_jit, sample_rows, token_logprobs, validate_sampler
+from jaxgpt.speculative import Speculative, ngram_lookup
 
 # Traces of the engine's programs, by kind; `Engine.programs_compiled` reads it.
 TRACES: collections.Counter = collections.Counter()
@@ -182,6 +183,47 @@ def _decode_rows(weights, cache, tokens_S, active_S, rows, config, backend, n_lo
     return cache, dict(token=tok, logprob=lp, top_ids=ids, top_lps=lps)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs"), donate_argnums=(1,))
+def _verify(weights: DecodeWeights, cache: KVCache, tokens_SxW, n_prop_S, active_S, rows: RowSettings, *,
+            config: GPTConfig, backend: Backend, n_logprobs: int):
+    """Speculative decoding's step over the first S slots: each row's latest token and its proposals
+    ([S, W], W = k + 1; row s's first n_prop[s] proposals count) through the model at once, the token the
+    row's own sampler draws at each of the W positions (its key folded with that token's index, as a plain
+    step would), and how many proposals match those draws. Row s emits draws 0 .. n_acc[s]: the tokens a
+    plain step per token would have drawn, so greedy and seeded output are unchanged (for an n-gram
+    proposal, a point mass, accepting exactly when the draw equals it is the standard accept/resample
+    rule). The cache keeps the accepted positions; active rows must have W free positions."""
+    _count("verify")
+    s = tokens_SxW.shape[0]
+    if s == cache.batch_size:
+        return _verify_rows(weights, cache, tokens_SxW, n_prop_S, active_S, rows, config, backend, n_logprobs)
+    first, out = _verify_rows(weights, cache.first(s), tokens_SxW, n_prop_S, active_S, rows, config, backend,
+                              n_logprobs)
+    return cache.merge_first(first), out
+
+
+def _verify_rows(weights, cache, tokens_SxW, n_prop_S, active_S, rows, config, backend, n_logprobs):
+    s, w = tokens_SxW.shape
+    model = GPT(config, backend)
+    lengths = cache.lengths
+    # idle rows write their W positions where they fit (the engine drops those from a slot's reusable prefix)
+    cache = cache.replace(lengths=jnp.where(active_S, lengths, jnp.minimum(lengths, cache.max_len - w)))
+    logits_SxWxV, cache = model.apply(weights.variables(), tokens_SxW, cache,
+                                      token_lengths=jnp.where(active_S, w, 0).astype(jnp.int32))
+    flat = logits_SxWxV.reshape(s * w, -1)
+    each = functools.partial(jnp.repeat, repeats=w, axis=0, total_repeat_length=s * w)
+    at = RowSettings(each(rows.temperature), each(rows.top_k), each(rows.top_p), each(rows.key_data),
+                     (rows.index[:, None] + jnp.arange(w, dtype=rows.index.dtype)[None, :]).reshape(-1))
+    tok = sample_rows(flat, at)
+    lp, ids, lps = token_logprobs(flat, tok, n_logprobs)
+    tok_SxW = tok.reshape(s, w)
+    match = (tokens_SxW[:, 1:] == tok_SxW[:, :-1]) & (jnp.arange(w - 1)[None, :] < n_prop_S[:, None])
+    n_acc = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    cache = cache.replace(lengths=jnp.where(active_S, lengths + n_acc + 1, lengths))
+    return cache, dict(token=tok_SxW, n_acc=n_acc, logprob=lp.reshape(s, w), top_ids=ids.reshape(s, w, -1),
+                       top_lps=lps.reshape(s, w, -1))
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _copy(cache: KVCache, src, dst) -> KVCache:
     _count("copy")
@@ -203,6 +245,17 @@ def decode_sizes(slots: int) -> tuple:
     """The decode programs' row counts: a step decodes the first n slots, n the smallest of these that
     covers every generating slot (a lone request does not pay for idle slots' rows)."""
     return chunk_lengths(slots)
+
+
+def _check_speculative(speculative):
+    if speculative is None:
+        return None
+    if not isinstance(speculative, Speculative):
+        raise ValueError(f"speculative must be a jaxgpt.Speculative, got {type(speculative).__name__}")
+    if speculative.uses_model:
+        raise ValueError("the engine drafts by n-gram lookup (Speculative(draft='ngram')); a draft model runs in "
+                         "Decoder(..., speculative=Speculative(draft=(params, config)))")
+    return speculative
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -230,12 +283,17 @@ class Engine:
     `quantize="int8"` decodes with int8 weights, as `sampling.Decoder` does: the engine's model is then
     `quantize.dequantized(params)` (prefill, scoring and prompt logprobs run it in float). `kv_dtype="int8"`
     keeps the slots' keys and values as int8 with scales (a quarter of float32's cache bytes).
+    `speculative=Speculative(k, draft="ngram")` decodes speculatively: each generating slot proposes up to
+    k tokens by n-gram lookup in its own text, one step checks them all, and the slot emits every draw
+    that matched and one more (`_verify`). Its tokens are the plain engine's, greedy and seeded alike;
+    `stats` counts the proposed and accepted tokens.
     """
 
     def __init__(self, params, config: GPTConfig, *, slots: int = 8, max_len: Optional[int] = None,
                  prefill_chunk: int = 256, max_logprobs: int = 20, backend: Optional[Backend] = None,
-                 quantize: Optional[str] = None, kv_dtype: Optional[str] = None):
+                 quantize: Optional[str] = None, kv_dtype: Optional[str] = None, speculative=None):
         self.quantize = check_quantize(quantize)
+        self.speculative = _check_speculative(speculative)
         self.kv_dtype = check_kv_dtype(kv_dtype)
         max_len = config.block_size if max_len is None else max_len
         for name, value, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("prefill_chunk", prefill_chunk, 1),
@@ -256,7 +314,9 @@ class Engine:
         if self.quantize is not None:  # the float model the int8 weights stand for (prefill runs it)
             params = _dequantized_jit(params, config=self.config)
         self.params = cast_floats(params, self.config.compute_dtype)
-        self.weights = self._decode_weights()  # rows of a decode step -> DecodeWeights
+        # rows of a decode step -> DecodeWeights (a speculative step's rows: slots x (k + 1))
+        sizes = decode_sizes(self.slots)
+        self.weights = self._decode_weights(sizes + tuple(n * self.width for n in sizes))
         self.cache = KVCache.create(self.config, self.slots, self.max_len, dtype=self.kv_dtype,
                                     layout=self.backend.cache_layout)
         self._static = dict(config=self.config, backend=self.backend)
@@ -267,11 +327,16 @@ class Engine:
         self._traces_at_start = sum(TRACES.values())
         self.stats = collections.Counter()  # prefill_tokens, reused_tokens, decode_steps, copies
 
-    def _decode_weights(self) -> dict:
+    @property
+    def width(self) -> int:
+        """Positions per row in a decode step: 1, or k + 1 when decoding speculatively."""
+        return 1 if self.speculative is None else self.speculative.k + 1
+
+    def _decode_weights(self, row_counts: Sequence[int]) -> dict:
         """The backend's decode forms for each decode step's row count, made once; counts whose forms are
         alike share one copy (the CPU backend: packed kernels for up to 16 rows, its matmul's above)."""
         by_rows, made = {}, {}
-        for n in decode_sizes(self.slots):
+        for n in sorted(set(row_counts)):
             def prepare(p, n=n):
                 return _prepare.__wrapped__(p, config=self.config, backend=self.backend, batch_size=n,
                                             quantize=self.quantize)
@@ -311,6 +376,10 @@ class Engine:
         for n in decode_sizes(self.slots):
             self.cache, _ = _decode(self.weights[n], self.cache, np.zeros(n, np.int32), np.zeros(n, bool),
                                     self._rows([None] * n), n_logprobs=self.max_logprobs, **self._static)
+            if self.speculative is not None:
+                self.cache, _ = _verify(self.weights[n * self.width], self.cache, np.zeros((n, self.width), np.int32),
+                                        np.zeros(n, np.int32), np.zeros(n, bool), self._rows([None] * n),
+                                        n_logprobs=self.max_logprobs, **self._static)
         self.cache = _copy(self.cache, np.int32(0), np.int32(0))
         self._cached = [[] for _ in range(self.slots)]
         self.cache = self.cache.replace(lengths=jnp.zeros((self.slots,), jnp.int32))
@@ -507,6 +576,8 @@ class Engine:
             return
         n = next(n for n in decode_sizes(self.slots) if n > max(s for s, g in enumerate(gen) if g))
         gen = gen[:n]
+        if self.speculative is not None and self._speculative_step(n, gen, events):
+            return
         tokens = np.array([live.last if g else 0 for live, g in zip(self._live, gen)], np.int32)
         rows = self._rows([live if g else None for live, g in zip(self._live, gen)])
         self.cache, out = _decode(self.weights[n], self.cache, tokens, np.asarray(gen), rows,
@@ -519,6 +590,45 @@ class Engine:
                 self._cached[s].append(live.last)
                 self._emit(s, live, out["token"][s], out["logprob"][s], out["top_ids"][s], out["top_lps"][s],
                            events)
+
+    def _speculative_step(self, n: int, gen: list, events: list) -> bool:
+        """One speculative step over the first n slots (n-gram proposals from each generating slot's own
+        text); False, having done nothing, when no slot has a proposal or one lacks room for k + 1 positions
+        (a plain step is then as good)."""
+        spec, w = self.speculative, self.width
+        tokens, n_prop = np.zeros((n, w), np.int32), np.zeros(n, np.int32)
+        for s, g in enumerate(gen):
+            if not g:
+                continue
+            live = self._live[s]
+            if len(self._cached[s]) + w > self.max_len:
+                return False
+            left = live.req.max_tokens - len(live.out.tokens)  # tokens still to emit, this step's draw included
+            props = ngram_lookup(self._cached[s] + [live.last], spec.ngram, min(spec.k, left - 1))
+            tokens[s, 0], n_prop[s] = live.last, len(props)
+            tokens[s, 1:1 + len(props)] = props
+        if not n_prop.any():
+            return False
+        rows = self._rows([live if g else None for live, g in zip(self._live, gen)])
+        self.cache, out = _verify(self.weights[n * w], self.cache, tokens, n_prop, np.asarray(gen), rows,
+                                  n_logprobs=self.max_logprobs, **self._static)
+        out = jax.device_get(out)
+        self.stats["decode_steps"] += 1
+        self.stats["proposed"] += int(n_prop.sum())
+        for s, g in enumerate(gen):
+            if not g:
+                if len(self._cached[s]) > self.max_len - w:  # its tail was written over
+                    self._cached[s] = self._cached[s][:self.max_len - w]
+                continue
+            live, m = self._live[s], int(out["n_acc"][s])
+            self.stats["accepted"] += m
+            self._cached[s].extend(int(t) for t in tokens[s, :m + 1])  # the positions the cache keeps
+            for j in range(m + 1):
+                self._emit(s, live, out["token"][s, j], out["logprob"][s, j], out["top_ids"][s, j],
+                           out["top_lps"][s, j], events)
+                if self._live[s] is not live:  # it ended (its length, or a stop token)
+                    break
+        return True
 
     def _rows(self, lives: Sequence[Optional[_Live]]) -> RowSettings:
         """The sampler settings of these slots as arrays (greedy zeros for empty ones)."""

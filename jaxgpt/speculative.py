@@ -1,7 +1,7 @@
 """Speculative decoding: a draft proposes k tokens, the target checks them all in one forward.
 
 Each round, per row: the draft proposes d_1..d_k (a smaller jaxgpt model decoding k steps with its own KV
-cache, or n-gram lookup: the tokens that followed the latest earlier occurrence of the row's last n tokens
+cache, or n-gram lookup: the tokens that followed an earlier occurrence of the row's last n tokens
 in its prompt and output, which needs no second model); the target runs [last, d_1..d_k] through its cache
 in one call (k + 1 positions) and keeps the longest accepted prefix plus one token of its own, so a round
 emits 1 to k + 1 tokens. Greedy: d_i is accepted while it is the target's argmax, so the output is plain
@@ -108,8 +108,9 @@ def _choose(key, logits, sampler):
 
 
 def _ngram_proposals(hist, hist_len, n: int, k: int):
-    """For each row of hist [B, H] (its first hist_len tokens real): the k tokens after the latest earlier
-    occurrence of its last n tokens ([B, k]; the row's last token repeated where there is none)."""
+    """For each row of hist [B, H] (its first hist_len tokens real): the k tokens after an earlier
+    occurrence of its last n tokens, the latest with k tokens after it, else the earliest ([B, k]; the row's
+    last token repeated where there is none)."""
     b, h = hist.shape
     pos = jnp.arange(h)
     tail = jax.vmap(lambda row, ln: jax.lax.dynamic_slice_in_dim(row, ln - n, n))(hist, jnp.maximum(hist_len, n))
@@ -119,12 +120,31 @@ def _ngram_proposals(hist, hist_len, n: int, k: int):
         match &= shifted == tail[:, i:i + 1]
     # an occurrence that starts at j ends before the tail starts, and has a token after it
     match &= (pos[None, :] + n < hist_len[:, None]) & (hist_len[:, None] >= n + 1)
-    start = jnp.max(jnp.where(match, pos[None, :], -1), axis=1)
+    # the latest occurrence with k tokens after it, else the earliest (the longest continuation)
+    room = jnp.minimum(hist_len[:, None] - pos[None, :] - n, k)
+    start = jnp.argmax(jnp.where(match, room * h + pos[None, :], -1), axis=1)
+    start = jnp.where(match.any(axis=1), start, -1)
     last = jax.vmap(lambda row, ln: row[ln - 1])(hist, hist_len)
     idx = start[:, None] + n + jnp.arange(k)[None, :]
     found = (start[:, None] >= 0) & (idx < hist_len[:, None])
     got = jnp.take_along_axis(hist, jnp.clip(idx, 0, h - 1), axis=1)
     return jnp.where(found, got, last[:, None]).astype(jnp.int32)
+
+
+def ngram_lookup(tokens, n: int, k: int) -> list:
+    """Host-side n-gram drafting (the engine's): the up to k tokens after an earlier occurrence of the last
+    n of `tokens` (the latest with k tokens after it, else the earliest), [] when there is none;
+    `_ngram_proposals` for one row, without the padding."""
+    arr = np.asarray(tokens, np.int64)
+    if k <= 0 or len(arr) < n + 1:
+        return []
+    windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # starts 0 .. len - n - 1
+    hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+    if not hits.size:
+        return []
+    full = hits[hits + n + k <= len(arr)]
+    start = int(full[-1] if full.size else hits[0]) + n
+    return arr[start:start + k].tolist()
 
 
 def _put_rows(buf, rows, at):

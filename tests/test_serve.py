@@ -2,7 +2,8 @@
 client, the engine thread running): greedy text equals `generate`, streams equal their whole answers,
 seeded sampling holds among concurrent requests, echo logprobs equal the full forward's log-softmax,
 every bad input is a 4xx in OpenAI's error form, a dropped stream frees its slot, a full queue answers
-429 at once. One slow test runs `jaxgpt-serve` in a subprocess against the `openai` client and SIGTERM."""
+429 at once. One slow test runs `jaxgpt-serve` in a subprocess against the `openai` client and SIGTERM
+(decoding speculatively with n-gram proposals: its answers must still equal `generate`'s)."""
 
 import asyncio
 import json
@@ -377,7 +378,8 @@ def test_jaxgpt_serve_with_the_openai_client(tmp_path, params):
     hold = tmp_path / "hold"  # while it exists the server's engine takes no step (tests/serve_hold.py)
     proc, url, err = _start_server(tmp_path / "run", "--slots=2", "--max_waiting=1", "--prefill_chunk=16",
                                    "--api_key=sesame", "--served_model_name=tiny", "--grace_period=30",
-                                   "--import=tests.serve_hold", env={"JAXGPT_TEST_HOLD": str(hold)})
+                                   "--import=tests.serve_hold", "--speculative=ngram", "--speculative_k=3",
+                                   env={"JAXGPT_TEST_HOLD": str(hold)})
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
         assert httpx.get(url + "/health").status_code == 200
@@ -420,6 +422,7 @@ def test_jaxgpt_serve_with_the_openai_client(tmp_path, params):
         with pytest.raises(openai.BadRequestError, match="chat template"):
             c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
 
+        assert re.search(r"^jaxgpt_speculative_proposed_tokens \d", httpx.get(url + "/metrics").text, re.M)
         _dropped_streams_and_a_full_queue(c, url, hold)
         _sigterm_finishes_the_request_in_flight(c, proc)
         assert proc.wait(60) == 0, "".join(err)[-3000:]

@@ -39,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode with int8 weights (a scale per output channel, made at load; default none)")
     p.add_argument("--kv_dtype", default="none", choices=["none", "int8", "bfloat16", "float32"],
                    help="the KV cache's dtype (none: the model's compute dtype; int8: a scale per position and head)")
+    p.add_argument("--speculative", default="none", metavar="DRAFT",
+                   help="decode speculatively: 'ngram' (proposals looked up in the text so far: no second model), "
+                        "or a draft model (a run folder, a Hugging Face folder or a GPT-2 name) with the same "
+                        "tokenizer; greedy output equals plain decoding's within the first context window (windows "
+                        "past it end k tokens early, so the text may then differ). The text is printed per window, "
+                        "not per chunk (default none)")
+    p.add_argument("--speculative_k", type=int, default=4, help="tokens proposed per speculative round (default 4)")
+    p.add_argument("--ngram", type=int, default=3, help="with --speculative=ngram: tokens matched (default 3)")
     return p
 
 
@@ -50,6 +58,21 @@ def _load(args):
         return config, params, tok, {"source": args.init_from}
     config, params, tok, meta, _ = loading.load_run(args.out_dir, args.step, imports=args.imports)
     return config, params, tok, {"source": args.out_dir, "step": meta.get("step")}
+
+
+def _speculative(args, config):
+    """The Speculative of --speculative (None for none), its draft model loaded."""
+    if args.speculative == "none":
+        return None
+    from jaxgpt import loading
+    from jaxgpt.speculative import Speculative
+    if args.speculative == "ngram":
+        return Speculative(k=args.speculative_k, ngram=args.ngram)
+    d_config, d_params, _, _, _ = loading.load(args.speculative, tokenizer=None, imports=args.imports)
+    if d_config.vocab_size != config.vocab_size:
+        raise ValueError(f"--speculative={args.speculative}: the draft's vocab_size ({d_config.vocab_size}) differs "
+                         f"from the model's ({config.vocab_size}); a draft must share the model's tokenizer")
+    return Speculative(k=args.speculative_k, draft=(d_params, d_config), ngram=args.ngram)
 
 
 def _stream(params, config, tok, ids, args, top_k):
@@ -67,18 +90,28 @@ def _stream(params, config, tok, ids, args, top_k):
     rng, remaining = jax.random.key(args.seed), args.max_new_tokens
     keep = max(1, config.block_size // 2)
     # its decode weights are made once, for every window
+    spec = _speculative(args, config)
     decoder = Decoder(params, config, quantize=None if args.quantize == "none" else args.quantize,
-                      kv_dtype=None if args.kv_dtype == "none" else args.kv_dtype)
+                      kv_dtype=None if args.kv_dtype == "none" else args.kv_dtype, speculative=spec)
+    room = 0 if spec is None else spec.k  # speculative rounds may write k positions past the last token
+    if room and config.block_size - room < 2:
+        raise ValueError(f"--speculative_k={room} leaves no room in block_size ({config.block_size}); lower it")
+    limit, keep = config.block_size - room, min(keep, config.block_size - room - 1)
     while remaining > 0 and not all(done):
-        ctx = [s if len(s) < config.block_size else s[-keep:] for s in seqs]
+        ctx = [s if len(s) < limit else s[-keep:] for s in seqs]
         plen = np.array([len(c) for c in ctx], np.int32)
         prompts = np.zeros((n, plen.max()), np.int32)
         for r, c in enumerate(ctx):
             prompts[r, :len(c)] = c
-        count = min(remaining, config.block_size - prompts.shape[1])
+        count = min(remaining, limit - prompts.shape[1])
         rng, key = jax.random.split(rng)
-        chunks = decoder.stream(prompts, count, key, chunk_size=args.chunk_size, prompt_lengths=plen,
-                                temperature=args.temperature, top_k=top_k, top_p=args.top_p, eos_id=tok.eos_id)
+        settings = dict(prompt_lengths=plen, temperature=args.temperature, top_k=top_k, top_p=args.top_p,
+                        eos_id=tok.eos_id)
+        if spec is None:
+            chunks = decoder.stream(prompts, count, key, chunk_size=args.chunk_size, **settings)
+        else:  # one compiled loop per window
+            toks = np.asarray(decoder.generate(prompts, count, key, **settings).tokens)
+            chunks = [np.stack([toks[r, plen[r]:plen[r] + count] for r in range(n)])]
         for chunk in chunks:
             for r in range(n):
                 if done[r]:
@@ -166,7 +199,7 @@ def main(argv=None) -> int:
         settings = {**source, "prompt": prompt, "tokenizer": tok.to_dict().get("type", type(tok).__name__),
                     "temperature": args.temperature, "top_k": top_k, "top_p": args.top_p, "seed": args.seed,
                     "max_new_tokens": args.max_new_tokens, "num_samples": args.num_samples, "stop": args.stop,
-                    "quantize": args.quantize, "kv_dtype": args.kv_dtype}
+                    "quantize": args.quantize, "kv_dtype": args.kv_dtype, "speculative": args.speculative}
         print("# settings: " + json.dumps(settings), flush=True)
         t0 = time.time()
         new = [[] for _ in range(args.num_samples)]

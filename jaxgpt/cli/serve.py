@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode with int8 weights (a scale per output channel, made at load; default none)")
     p.add_argument("--kv_dtype", default="none", choices=["none", "int8", "bfloat16", "float32"],
                    help="the KV cache's dtype (none: the model's compute dtype; int8: a scale per position and head)")
+    p.add_argument("--speculative", default="none", choices=["none", "ngram"],
+                   help="decode speculatively with n-gram proposals looked up in each request's own text (no "
+                        "second model); every request's tokens stay what plain decoding gives (default none)")
+    p.add_argument("--speculative_k", type=int, default=4, help="tokens proposed per step and request (default 4)")
+    p.add_argument("--ngram", type=int, default=3, help="with --speculative=ngram: tokens matched (default 3)")
     return p
 
 
@@ -118,6 +123,7 @@ def main(argv=None) -> int:
         return fail(f"{e}: the server needs the serve extra: pip install 'jaxgpt[serve]'")
     from jaxgpt.checkpoint import CheckpointError
     from jaxgpt.engine import Engine
+    from jaxgpt.speculative import Speculative
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -125,7 +131,9 @@ def main(argv=None) -> int:
         engine = Engine(params, config, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                         max_logprobs=min(args.max_logprobs, config.vocab_size),
                         quantize=None if args.quantize == "none" else args.quantize,
-                        kv_dtype=None if args.kv_dtype == "none" else args.kv_dtype)
+                        kv_dtype=None if args.kv_dtype == "none" else args.kv_dtype,
+                        speculative=None if args.speculative == "none" else
+                        Speculative(k=args.speculative_k, ngram=args.ngram))
         if args.max_waiting < 0:
             raise ValueError(f"--max_waiting must be >= 0, got {args.max_waiting}")
     except (ValueError, CheckpointError, OSError, ImportError) as e:

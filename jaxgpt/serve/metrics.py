@@ -22,6 +22,11 @@ class Metrics:
         running.set_function(lambda: worker.num_running)
         waiting = Gauge("jaxgpt_requests_waiting", "Requests waiting for a slot", registry=r)
         waiting.set_function(lambda: worker.num_waiting)
+        stats = worker.engine.stats  # (the engine thread's counters: read, never written, here)
+        proposed = Gauge("jaxgpt_speculative_proposed_tokens", "Tokens proposed by speculative decoding", registry=r)
+        proposed.set_function(lambda: stats["proposed"])
+        accepted = Gauge("jaxgpt_speculative_accepted_tokens", "Proposed tokens that the model accepted", registry=r)
+        accepted.set_function(lambda: stats["accepted"])
         self.ttft = Histogram("jaxgpt_time_to_first_token_seconds", "From the request's arrival to its first "
                               "generated token", buckets=_LATENCY, registry=r)
         self.itl = Histogram("jaxgpt_inter_token_latency_seconds", "Between a request's consecutive tokens",
