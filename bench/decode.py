@@ -2,6 +2,7 @@
 
 python bench/decode.py [--batch 1 8] [--dtypes float32 bfloat16] [--kernels auto portable] [--reps 3]
                        [--quantize none int8] [--llama VENV] [--no-peer]
+                       [--speculative TARGET_RUN DRAFT_RUN] [--engine-speculative RUN] [--k 4]
 
 16-token prompt, 128 new tokens, top-k 50 sampling. Reports tokens/s (median of reps, compile excluded),
 compile time (first call minus a warm call), and the achieved bytes/s of weights plus KV cache read per
@@ -181,6 +182,45 @@ def run_speculative(target_dir: str, draft_dir: str, k: int, new_tokens: int, re
     return rows
 
 
+def run_engine_speculative(target_dir: str, k: int, new_tokens: int, reps: int) -> list:
+    """A lone greedy request on jaxgpt.Engine (one slot), plain against n-gram speculative decoding, on the
+    same two prompts as run_speculative; programs compiled by warmup() first, then one untimed run."""
+    from jaxgpt.engine import Engine
+    from jaxgpt.loading import load_model
+
+    cfg, params, tok, _ = load_model(target_dir)
+    text = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n"
+            "Arise, fair sun, and kill the envious moon,\n")
+    prompts = {"shakespeare": tok.encode("ROMEO:\n"), "repetitive": tok.encode(text + text[:40])}
+    engines = {"engine plain": Engine(params, cfg, slots=1, prefill_chunk=128),
+               "engine n-gram": Engine(params, cfg, slots=1, prefill_chunk=128,
+                                       speculative=jaxgpt.Speculative(k=k, draft="ngram", ngram=3))}
+    for eng in engines.values():
+        eng.warmup(prompt_logprobs=False)
+    rows = []
+    for pname, ids in prompts.items():
+        ids = ids[-(cfg.block_size - new_tokens - k):]
+        base = base_tokens = None
+        for name, eng in engines.items():
+            def call(eng=eng):
+                return eng.run([dict(prompt=ids, max_tokens=new_tokens, temperature=0.0)])[0].token_ids
+            first = call()
+            before = dict(eng.stats)
+            t, times = median_time(call, reps)
+            steps = (eng.stats["decode_steps"] - before.get("decode_steps", 0)) / reps
+            row = {"name": f"{name} on the {pname} prompt", "tokens_per_s": new_tokens / t, "seconds": t,
+                   "all_seconds": times, "k": k, "decode_steps": steps, "same_as_plain": None}
+            if base is None:
+                base, base_tokens = t, first
+            else:
+                proposed = eng.stats["proposed"] - before.get("proposed", 0)
+                row.update(acceptance=(eng.stats["accepted"] - before.get("accepted", 0)) / max(1, proposed),
+                           tokens_per_round=new_tokens / steps, same_as_plain=first == base_tokens)
+            row["speedup"] = base / t
+            rows.append(row)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -196,6 +236,9 @@ def main():
     p.add_argument("--speculative", nargs=2, default=None, metavar=("TARGET_RUN", "DRAFT_RUN"),
                    help="two trained runs (train.py out_dirs, same tokenizer): greedy decoding at batch 1, plain "
                         "against speculative with the draft model and with n-gram lookup (on a repetitive prompt)")
+    p.add_argument("--engine-speculative", dest="engine_speculative", default=None, metavar="RUN",
+                   help="a trained run (train.py out_dir): a lone greedy request on the engine, plain against "
+                        "n-gram speculative decoding")
     p.add_argument("--k", type=int, default=4, help="tokens proposed per round with --speculative")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     p.add_argument("--llama", default=None, metavar="VENV",
@@ -207,6 +250,8 @@ def main():
     rows = [run(b, d, args.prompt_len, args.new_tokens, args.reps, ceil["read_bytes_per_s"], k, q, kv)
             for k in args.kernels for d in args.dtypes for q in args.quantize for kv in args.kv_dtype for b in args.batch]
     spec = run_speculative(*args.speculative, args.k, args.new_tokens, args.reps) if args.speculative else []
+    if args.engine_speculative:
+        spec += run_engine_speculative(args.engine_speculative, args.k, args.new_tokens, args.reps)
     peers = {} if args.no_peer else {b: run_peer(b, args.prompt_len, args.new_tokens, args.reps) for b in args.batch}
     llama = run_llama(args.llama, args.prompt_len, args.new_tokens, args.reps, args.work) if args.llama else []
     for r in rows:
