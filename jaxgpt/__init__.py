@@ -9,6 +9,7 @@ from jaxgpt.model import GPT, convert_layers, count_params, flops_per_token, ini
 from jaxgpt.pretrained import from_pretrained, save_pretrained
 from jaxgpt.sampling import (Decoder, GenerateOutput, generate, generate_stream, sample_logits, top_k_filter,
                              top_p_filter)
+from jaxgpt.schema import ParamInfo, param_schema
 from jaxgpt.speculative import Speculative
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend", "Completion", "Decoder", "Engine", "GPT", "GPTConfig", "GenerateOutput", "KVCache", "attention", "cache_bytes", "causal_mask",
     "convert_layers", "count_params", "flops_per_token", "from_pretrained", "generate", "generate_stream",
-    "init_params", "num_params", "register_attention", "register_block", "Request", "resolve", "sample_logits",
+    "init_params", "num_params", "ParamInfo", "param_schema", "register_attention", "register_block", "Request",
+    "resolve", "sample_logits",
     "save_pretrained", "Speculative", "top_k_filter", "top_p_filter",
 ]

@@ -14,11 +14,12 @@ def _is_params(node) -> bool:
     return isinstance(node, dict) and ("h" in node or any(k.startswith("h_") and k[2:].isdigit() for k in node))
 
 
-def stack_layers(params: dict, n_layer: int) -> dict:
-    """GPT-2's h_0 ... h_{L-1} -> one subtree `h` with [L, ...] leaves (the scan_layers layout)."""
+def stack_layers(params: dict, n_layer: int, stack=None) -> dict:
+    """GPT-2's h_0 ... h_{L-1} -> one subtree `h` with [L, ...] leaves (the scan_layers layout);
+    `stack(*leaves)` makes each stacked leaf (default: jnp.stack; the schema stacks declarations)."""
     layers = [params[f"h_{i}"] for i in range(n_layer)]
     rest = {k: v for k, v in params.items() if not (k.startswith("h_") and k[2:].isdigit())}
-    return {**rest, "h": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+    return {**rest, "h": jax.tree.map(stack or (lambda *xs: jnp.stack(xs)), *layers)}
 
 
 def unstack_layers(params: dict, n_layer: int) -> dict:

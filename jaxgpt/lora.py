@@ -3,7 +3,9 @@
 A targeted dense layer y = x @ W (+ bias) becomes y = x @ W + scale * (x @ a) @ (b * cols) with a [in, r]
 (random), b [r, out] (zeros, so a fresh adapter changes nothing), scale = alpha / r, and `cols` [out] a
 0/1 mask of the output columns it adapts (all of them, or for Llama's q/k/v names one part of jaxgpt's
-fused c_attn = [q | k | v]). The adapters are a pytree that mirrors the parameters down to each targeted
+fused c_attn = [q | k | v]). A target is a name a layer declares for its kernel (schema.ParamInfo.targets:
+q, k, v, o, gate, up, down for the built-in layers) or the end of a dense layer's path (c_attn,
+mlp.c_proj, lm_head). The adapters are a pytree that mirrors the parameters down to each targeted
 layer ({"a", "b", "cols", "scale"}; stacked [L, ...] under `h` for scan_layers models) and reaches the
 model as the "lora" variable collection: `model.apply({"params": base, "lora": adapters}, tokens)`.
 `merge` folds them into the base weights (for sampling and `save_pretrained`).
@@ -19,16 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax import traverse_util
+
 from jaxgpt.checks import is_int, is_real
 from jaxgpt.config import GPTConfig
 from jaxgpt.layers import unstack_layers
+from jaxgpt.schema import leaf_infos
 
-# target name -> (module path suffix, part of the layer's output columns: None = all of them)
-_ALIASES = {
-    "q": (("attn", "c_attn"), "q"), "k": (("attn", "c_attn"), "k"), "v": (("attn", "c_attn"), "v"),
-    "o": (("attn", "c_proj"), None), "gate": (("mlp", "c_gate"), None), "up": (("mlp", "c_fc"), None),
-    "down": (("mlp", "c_proj"), None),
-}
 TRAINABLE = ("a", "b")  # the other adapter leaves (cols, scale) are constants
 
 
@@ -62,31 +61,28 @@ class LoraSpec:
         return cls(rank=lora_cfg["rank"], alpha=lora_cfg["alpha"], targets=tuple(targets))
 
 
-def _matches(path: tuple, target: str) -> tuple[bool, Optional[str]]:
-    """Whether the dense layer at `path` (module names) is named by `target`, and which part of it."""
-    if target in _ALIASES:
-        suffix, part = _ALIASES[target]
-    else:
-        suffix, part = tuple(target.split(".")), None
-    return tuple(path[-len(suffix):]) == suffix, part
-
-
-def _column_ranges(config: GPTConfig) -> dict:
-    n, kh, h = config.n_head, config.n_kv_head, config.head_dim
-    return {"q": (0, n * h), "k": (n * h, (n + kh) * h), "v": ((n + kh) * h, (n + 2 * kh) * h)}
+def _columns(module: tuple, targets: dict, aliases: set, target: str) -> tuple[bool, Optional[tuple]]:
+    """Whether the dense layer at `module` (its path) is named by `target`, and which of its output
+    columns ((lo, hi); None: all): by a name its kernel declares, else by the end of its path."""
+    if target in aliases:
+        return target in targets, targets.get(target)
+    suffix = tuple(target.split("."))
+    return tuple(module[-len(suffix):]) == suffix, None
 
 
 def init_adapters(params, config: GPTConfig, spec: LoraSpec, rng: jax.Array) -> dict:
-    """Fresh adapters for `params` (either layer layout): a ~ N(0, 1/in), b = 0."""
-    kernels = {tuple(getattr(k, "key", k) for k in path[:-1]): leaf
-               for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-               if getattr(path[-1], "key", None) == "kernel"}
+    """Fresh adapters for `params` (either layer layout) on the dense kernels (schema role "matrix")
+    that `spec.targets` name: a ~ N(0, 1/in), b = 0."""
+    flat = traverse_util.flatten_dict(params)
+    kernels = {path[:-1]: (flat[path], dict(info.targets))
+               for path, info in leaf_infos(params, config).items() if info.role == "matrix"}
+    aliases = {name for _, targets in kernels.values() for name in targets}
     adapters: dict = {}
     used = set()
-    for i, (module, kernel) in enumerate(sorted(kernels.items())):
+    for i, (module, (kernel, targets)) in enumerate(sorted(kernels.items(), key=lambda e: e[0])):
         parts = set()
         for target in spec.targets:
-            hit, part = _matches(module, target)
+            hit, part = _columns(module, targets, aliases, target)
             if hit:
                 used.add(target)
                 parts.add(part)
@@ -95,7 +91,7 @@ def init_adapters(params, config: GPTConfig, spec: LoraSpec, rng: jax.Array) -> 
         *lead, fan_in, fan_out = kernel.shape  # lead: [L] for stacked layers
         cols = jnp.zeros((fan_out,), jnp.float32)
         for part in parts:
-            lo, hi = (0, fan_out) if part is None else _column_ranges(config)[part]
+            lo, hi = (0, fan_out) if part is None else part
             cols = cols.at[lo:hi].set(1.0)
         key = jax.random.fold_in(rng, i)
         leaf = {"a": jax.random.normal(key, (*lead, fan_in, spec.rank), jnp.float32) / jnp.sqrt(fan_in),
@@ -110,7 +106,7 @@ def init_adapters(params, config: GPTConfig, spec: LoraSpec, rng: jax.Array) -> 
     if unused:
         names = sorted({".".join(m[-2:]) for m in kernels})
         raise ValueError(f"train.lora.targets {unused} name no dense layer of this model; its layers are {names} "
-                         f"(and Llama's q, k, v, o, gate, up, down)")
+                         f"(and the names they answer to: {', '.join(sorted(aliases))})")
     return adapters
 
 
@@ -122,15 +118,18 @@ def delta(x: jax.Array, adapter: dict) -> jax.Array:
 
 
 def merge(params, adapters) -> dict:
-    """`params` with every adapter folded into its kernel: W + scale * a @ (b * cols) (same function)."""
+    """`params` with every adapter folded into its kernel: W + scale * a @ (b * cols) (same function).
+    The kernel is the adapted layer's parameter shaped [..., in, out] like a @ b (its bias is [..., out])."""
     def fold(node, adapter_node):
         if adapter_node is None:
             return node
         if "a" in adapter_node:
-            w = node["kernel"]
-            d = jnp.einsum("...ir,...ro->...io", adapter_node["a"], adapter_node["b"] * adapter_node["cols"][..., None, :])
+            a, b = adapter_node["a"], adapter_node["b"]
+            name = next(k for k, w in node.items() if getattr(w, "shape", None) == a.shape[:-1] + b.shape[-1:])
+            w = node[name]
+            d = jnp.einsum("...ir,...ro->...io", a, b * adapter_node["cols"][..., None, :])
             d = d * adapter_node["scale"][..., None, None]
-            return {**node, "kernel": (w.astype(jnp.float32) + d).astype(w.dtype)}
+            return {**node, name: (w.astype(jnp.float32) + d).astype(w.dtype)}
         return {k: fold(v, adapter_node.get(k)) for k, v in node.items()}
 
     return fold(params, adapters)
@@ -150,6 +149,11 @@ def base_fingerprint(params, config: GPTConfig) -> str:
         h.update(f"{jax.tree_util.keystr(path)} {x.dtype} {x.shape}\n".encode())
         h.update(x.tobytes())
     return h.hexdigest()
+
+
+def adapter_decay_mask(adapters) -> dict:
+    """Weight decay on the adapters' a and b (the matrices that train), as for every matrix."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) in TRAINABLE, adapters)
 
 
 def trainable_labels(adapters) -> dict:

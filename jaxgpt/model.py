@@ -3,6 +3,8 @@
 Every module is handed the `Backend` (jaxgpt.backends) that computes its matmuls, attention and cache
 writes; the model itself names none. Blocks are registered classes (`register_block`), chosen by
 `GPTConfig.block`; attention functions are registered in jaxgpt.attention, chosen by `GPTConfig.attention`.
+Each layer declares what its parameters are where it creates them (jaxgpt/schema.py): the optimizer,
+LoRA, decoding and the FLOP count read those declarations, never the names.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 from typing import Optional
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 
@@ -22,6 +25,8 @@ from jaxgpt.cache import KVCache
 from jaxgpt.config import GPTConfig
 from jaxgpt.layers import convert_layers, stack_layers, unstack_layers  # noqa: F401  (re-exported)
 from jaxgpt.registry import BLOCKS
+from jaxgpt.schema import HEAD, ParamInfo, declare, declare_block, embedding, leaf_infos, matrix, param_schema, vector
+from jaxgpt.schema import install as install_schema
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -37,7 +42,9 @@ def register_block(name: str, *, replace: bool = False):
 class Dense(nn.Module):
     """`nn.Dense`'s parameters (kernel [in, out], bias [out]) multiplied by the backend's `linear`. A
     "prepared" kernel (the backend's decode form) is used instead of the stored one when present, and a
-    LoRA adapter in the "lora" collection adds its low-rank term (jaxgpt/lora.py)."""
+    LoRA adapter in the "lora" collection adds its low-rank term (jaxgpt/lora.py). `info` declares the
+    kernel (schema.matrix: its logical axes, LoRA names, ...); the bias is declared from it. The
+    parameters may take other names (`kernel_name`, `bias_name`)."""
 
     features: int
     use_bias: bool
@@ -45,15 +52,24 @@ class Dense(nn.Module):
     backend: Backend
     kernel_init: nn.initializers.Initializer = _init
     out_dtype: Optional[jnp.dtype] = None  # default: the backend's activation dtype
+    info: Optional[ParamInfo] = None
+    kernel_name: str = "kernel"
+    bias_name: str = "bias"
 
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        if self.has_variable("prepared", "kernel"):
-            kernel = self.get_variable("prepared", "kernel")
+        if self.has_variable("prepared", self.kernel_name):
+            kernel = self.get_variable("prepared", self.kernel_name)
         else:
-            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), cfg.params_dtype)
-        bias = self.param("bias", nn.initializers.zeros, (self.features,), cfg.params_dtype) if self.use_bias else None
+            if self.info is not None:
+                declare(self, self.kernel_name, self.info)
+            kernel = self.param(self.kernel_name, self.kernel_init, (x.shape[-1], self.features), cfg.params_dtype)
+        bias = None
+        if self.use_bias:
+            if self.info is not None:
+                declare(self, self.bias_name, bias_info(self.info))
+            bias = self.param(self.bias_name, nn.initializers.zeros, (self.features,), cfg.params_dtype)
         out_dtype = self.out_dtype or self.backend.activation_dtype(cfg.compute_dtype)
         if not self.has_variable("lora", "a"):
             return self.backend.linear(x, kernel, cfg.compute_dtype, b=bias, out_dtype=out_dtype)
@@ -61,12 +77,19 @@ class Dense(nn.Module):
         return (y + lora.delta(x, self.variables["lora"])).astype(out_dtype)
 
 
-def _dense(cfg: GPTConfig, backend: Backend, features: int, name: str, residual_out: bool = False) -> Dense:
+def bias_info(kernel: ParamInfo) -> ParamInfo:
+    """A dense layer's bias [out], declared from its kernel's declaration."""
+    names = tuple(n.rsplit(".", 1)[0] + ".bias" for n in kernel.hf_name)
+    return vector(kernel.axes[-1], output_only=kernel.output_only, hf_name=names)
+
+
+def _dense(cfg: GPTConfig, backend: Backend, features: int, name: str, info: ParamInfo,
+           residual_out: bool = False) -> Dense:
     # GPT-2 scales the init of layers that write into the residual stream by 1/sqrt(2 * n_layer);
     # `zero_init_proj` starts them at zero (each block then begins as the identity)
     std = 0.02 / math.sqrt(2 * cfg.n_layer) if residual_out else 0.02
     init = nn.initializers.zeros if residual_out and cfg.zero_init_proj else nn.initializers.normal(stddev=std)
-    return Dense(features, cfg.bias, cfg, backend, init, name=name)
+    return Dense(features, cfg.bias, cfg, backend, init, info=info, name=name)
 
 
 def rms_normalize(x, eps: float = 1e-6):
@@ -87,9 +110,13 @@ def _rms_norm(cfg: GPTConfig, dtype, name: str) -> nn.Module:
 NORMS = {"layernorm": _layer_norm, "rmsnorm": _rms_norm}  # GPTConfig.norm -> a norm with a `scale`
 
 
-def norm(cfg: GPTConfig, backend: Backend, name: str) -> nn.Module:
-    """The config's norm layer (LayerNorm with a bias when cfg.bias, or RMSNorm)."""
-    return NORMS[cfg.norm](cfg, backend.activation_dtype(cfg.compute_dtype), name)
+def norm(cfg: GPTConfig, backend: Backend, name: str, hf_name: str = "") -> nn.Module:
+    """The config's norm layer (LayerNorm with a bias when cfg.bias, or RMSNorm); its scale (and bias)
+    declared as vectors over `embed`, `hf_name` the scale's Llama name."""
+    layer = NORMS[cfg.norm](cfg, backend.activation_dtype(cfg.compute_dtype), name)
+    declare(layer, "scale", vector("embed", hf_name=hf_name or ()))
+    declare(layer, "bias", vector("embed"))
+    return layer
 
 
 class CausalSelfAttention(nn.Module):
@@ -98,6 +125,7 @@ class CausalSelfAttention(nn.Module):
     config: GPTConfig
     backend: Backend
     deterministic: bool = True
+    output_only: bool = False  # c_proj's output feeds only the block's output (the parallel block's)
 
     @nn.compact
     def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None, value_embed=None):
@@ -106,9 +134,10 @@ class CausalSelfAttention(nn.Module):
         cfg, backend = self.config, self.backend
         b, t, _ = x_BxTxD.shape
         n, kh, h = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        qkv = _dense(cfg, backend, (n + 2 * kh) * h, "c_attn")(x_BxTxD)
+        qkv = _dense(cfg, backend, (n + 2 * kh) * h, "c_attn", qkv_info(cfg))(x_BxTxD)
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = split_heads(qkv, n, kh)
         if value_embed is not None:
+            declare(self, "ve_mix", ParamInfo("mixing", ("mix",)))
             mix = self.param("ve_mix", nn.initializers.constant(0.5), (2,), jnp.float32).astype(v_BxTxKxH.dtype)
             v_BxTxKxH = mix[0] * v_BxTxKxH + mix[1] * value_embed.reshape(b, t, kh, h).astype(v_BxTxKxH.dtype)
         if cfg.qk_norm:
@@ -118,7 +147,9 @@ class CausalSelfAttention(nn.Module):
             k_BxTxKxH = rotary_embedding(k_BxTxKxH, positions_BxT, cfg.rope_theta)
         out_BxTxNxH, cache = self.attend(q_BxTxNxH, k_BxTxKxH.swapaxes(1, 2), v_BxTxKxH.swapaxes(1, 2),
                                          positions_BxT, cache, layer)
-        y = _dense(cfg, backend, cfg.n_embd, "c_proj", residual_out=True)(out_BxTxNxH.reshape(b, t, n * h))
+        out_info = matrix("heads", "embed", targets=(("o", None),), output_only=self.output_only,
+                          hf_name="self_attn.o_proj.weight")
+        y = _dense(cfg, backend, cfg.n_embd, "c_proj", out_info, residual_out=True)(out_BxTxNxH.reshape(b, t, n * h))
         return nn.Dropout(cfg.dropout)(y, deterministic=self.deterministic), cache
 
     def attend(self, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, positions_BxT, cache: Optional[KVCache], layer):
@@ -134,19 +165,34 @@ class CausalSelfAttention(nn.Module):
         return attend(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, positions_BxT, kv_lengths_B), cache
 
 
+def qkv_info(cfg: GPTConfig) -> ParamInfo:
+    """Attention's fused projection [embed, (N + 2K) H] = [q | k | v]: LoRA's q, k and v adapt one part
+    of its columns each; Llama stores it as three tensors."""
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    parts = (("q", (0, q)), ("k", (q, q + kv)), ("v", (q + kv, q + 2 * kv)))
+    return matrix("embed", "qkv", targets=parts, hf_name=tuple(f"self_attn.{x}_proj.weight" for x in "qkv"))
+
+
+UP = matrix("embed", "mlp", targets=(("up", None),), hf_name="mlp.up_proj.weight")
+GATE = matrix("embed", "mlp", targets=(("gate", None),), hf_name="mlp.gate_proj.weight")
+
+
 class GeluMLP(nn.Module):
     """GPT-2's MLP: c_fc, GELU (tanh approximation), c_proj."""
 
     config: GPTConfig
     backend: Backend
     deterministic: bool = True
+    output_only: bool = True  # c_proj's output feeds only the block's output
 
     def hidden(self, x_BxTxD):
-        return nn.gelu(_dense(self.config, self.backend, self.config.mlp_hidden, "c_fc")(x_BxTxD), approximate=True)
+        return nn.gelu(_dense(self.config, self.backend, self.config.mlp_hidden, "c_fc", UP)(x_BxTxD), approximate=True)
 
     @nn.compact
     def __call__(self, x_BxTxD):
-        y = _dense(self.config, self.backend, self.config.n_embd, "c_proj", residual_out=True)(self.hidden(x_BxTxD))
+        down = matrix("mlp", "embed", targets=(("down", None),), output_only=self.output_only,
+                      hf_name="mlp.down_proj.weight")
+        y = _dense(self.config, self.backend, self.config.n_embd, "c_proj", down, residual_out=True)(self.hidden(x_BxTxD))
         return nn.Dropout(self.config.dropout)(y, deterministic=self.deterministic)
 
 
@@ -155,15 +201,15 @@ class SwiGLUMLP(GeluMLP):
 
     def hidden(self, x_BxTxD):
         cfg, backend = self.config, self.backend
-        up = _dense(cfg, backend, cfg.mlp_hidden, "c_fc")(x_BxTxD)
-        return nn.silu(_dense(cfg, backend, cfg.mlp_hidden, "c_gate")(x_BxTxD)) * up
+        up = _dense(cfg, backend, cfg.mlp_hidden, "c_fc", UP)(x_BxTxD)
+        return nn.silu(_dense(cfg, backend, cfg.mlp_hidden, "c_gate", GATE)(x_BxTxD)) * up
 
 
 class ReluSquaredMLP(GeluMLP):
     """The speedrun's MLP: c_proj(relu(c_fc(x)) ** 2)."""
 
     def hidden(self, x_BxTxD):
-        return jnp.square(nn.relu(_dense(self.config, self.backend, self.config.mlp_hidden, "c_fc")(x_BxTxD)))
+        return jnp.square(nn.relu(_dense(self.config, self.backend, self.config.mlp_hidden, "c_fc", UP)(x_BxTxD)))
 
 
 MLPS = {"gelu": GeluMLP, "swiglu": SwiGLUMLP, "relu2": ReluSquaredMLP}  # GPTConfig.mlp -> the MLP module
@@ -180,10 +226,11 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None, **extras):
         cfg, backend, det = self.config, self.backend, self.deterministic
-        y, cache = CausalSelfAttention(cfg, backend, det, name="attn")(norm(cfg, backend, "ln_1")(x_BxTxD),
-                                                                      positions_BxT, cache, layer, **extras)
+        h = norm(cfg, backend, "ln_1", "input_layernorm.weight")(x_BxTxD)
+        y, cache = CausalSelfAttention(cfg, backend, det, name="attn")(h, positions_BxT, cache, layer, **extras)
         x_BxTxD = x_BxTxD + y
-        x_BxTxD = x_BxTxD + MLPS[cfg.mlp](cfg, backend, det, name="mlp")(norm(cfg, backend, "ln_2")(x_BxTxD))
+        h = norm(cfg, backend, "ln_2", "post_attention_layernorm.weight")(x_BxTxD)
+        x_BxTxD = x_BxTxD + MLPS[cfg.mlp](cfg, backend, det, name="mlp")(h)
         return x_BxTxD, cache
 
 
@@ -198,8 +245,10 @@ class ParallelBlock(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None, **extras):
         cfg, backend, det = self.config, self.backend, self.deterministic
-        h = norm(cfg, backend, "ln_1")(x_BxTxD)
-        y, cache = CausalSelfAttention(cfg, backend, det, name="attn")(h, positions_BxT, cache, layer, **extras)
+        h = norm(cfg, backend, "ln_1", "input_layernorm.weight")(x_BxTxD)
+        # both branches' projections write only the block's output
+        y, cache = CausalSelfAttention(cfg, backend, det, output_only=True, name="attn")(h, positions_BxT, cache,
+                                                                                       layer, **extras)
         return x_BxTxD + y + MLPS[cfg.mlp](cfg, backend, det, name="mlp")(h), cache
 
 
@@ -228,7 +277,8 @@ class GPT(nn.Module):
         # the untied head is made here, not inline in __call__, so that `head` also runs on its own
         # (`model.apply(variables, h, method=GPT.head)`); its parameters keep the name lm_head
         if not self.config.tie_embeddings:
-            self.lm_head = Dense(self.config.vocab_size, False, self.config, self._backend(), out_dtype=jnp.float32)
+            self.lm_head = Dense(self.config.vocab_size, False, self.config, self._backend(), out_dtype=jnp.float32,
+                                 info=matrix("embed", "vocab", muon=False, hf_name="lm_head.weight"))
 
     @nn.nowrap
     def _backend(self) -> Backend:
@@ -260,12 +310,13 @@ class GPT(nn.Module):
             for i in range(cfg.n_layer):
                 x_BxTxD = _mix_embedding(x_BxTxD, x0_BxTxD, None if skip_Lx2 is None else skip_Lx2[i])
                 extras = {} if ve_L is None else {"value_embed": ve_L[i]}
-                out = block_cls(cfg, backend, deterministic, name=f"h_{i}")(
-                    x_BxTxD, positions_BxT, cache, None if cache is None else i, **extras)
+                block = block_cls(cfg, backend, deterministic, name=f"h_{i}")
+                declare_block(block)
+                out = block(x_BxTxD, positions_BxT, cache, None if cache is None else i, **extras)
                 x_BxTxD, cache = _checked_block_output(out, x_BxTxD, cfg)
         if logits_index is not None:
             x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_index.astype(jnp.int32)[:, None, None], axis=1)
-        h_BxTxD = norm(cfg, backend, "ln_f")(x_BxTxD)
+        h_BxTxD = norm(cfg, backend, "ln_f", "model.norm.weight")(x_BxTxD)
         out = h_BxTxD if hidden else self.head(h_BxTxD)
         if cache is None:
             return out
@@ -278,10 +329,13 @@ class GPT(nn.Module):
         act_dtype = backend.activation_dtype(cfg.compute_dtype)
         wte = nn.Embed(cfg.vocab_size, cfg.n_embd, embedding_init=_init, dtype=act_dtype,
                        param_dtype=cfg.params_dtype, name="wte")
+        declare(wte, "embedding", embedding("vocab", "embed", head=cfg.tie_embeddings,
+                                            hf_name="model.embed_tokens.weight"))
         x_BxTxD = wte(tokens_BxT)
         if cfg.position == "learned":  # (rotary positions turn q and k inside attention)
             wpe = nn.Embed(cfg.block_size, cfg.n_embd, embedding_init=_init, dtype=act_dtype,
                            param_dtype=cfg.params_dtype, name="wpe")
+            declare(wpe, "embedding", embedding("position", "embed"))
             # without a cache every row has positions 0..t-1: one [1, T, D] lookup broadcast over the rows
             # (its gradient a sum over the rows, which a batch sharded on a mesh reduces where it lies)
             steps = jnp.arange(tokens_BxT.shape[1], dtype=jnp.int32)[None, :]
@@ -298,13 +352,19 @@ class GPT(nn.Module):
         if cfg.embed_skip:
             def init(_, shape):
                 return jnp.zeros(shape, jnp.float32).at[:, 0].set(1.0)
+            # (two dimensions: decayed, as every parameter of two dimensions was before the schema)
+            declare(self, "embed_skip", ParamInfo("mixing", ("layers", "mix"), decay=True))
             skip_Lx2 = self.param("embed_skip", init, (cfg.n_layer, 2))
         if not cfg.value_embeds:
             return skip_Lx2, None
         k, width = cfg.value_embeds, cfg.n_kv_head * cfg.head_dim
         act_dtype = backend.activation_dtype(cfg.compute_dtype)
-        tables = [nn.Embed(cfg.vocab_size, width, embedding_init=_init, dtype=act_dtype,
-                           param_dtype=cfg.params_dtype, name=f"wve_{j}")(tokens_BxT) for j in range(k)]
+        tables = []
+        for j in range(k):
+            table = nn.Embed(cfg.vocab_size, width, embedding_init=_init, dtype=act_dtype,
+                             param_dtype=cfg.params_dtype, name=f"wve_{j}")
+            declare(table, "embedding", embedding("vocab", "kv_heads"))
+            tables.append(table(tokens_BxT))
         zeros = jnp.zeros(tokens_BxT.shape + (width,), act_dtype)
         ve_L = [tables[i] if i < k else tables[i - (cfg.n_layer - k)] if i >= cfg.n_layer - k else zeros
                 for i in range(cfg.n_layer)]
@@ -318,7 +378,7 @@ class GPT(nn.Module):
         if not cfg.tie_embeddings:
             logits = self.lm_head(h_BxTxD)
         else:
-            head = (self.get_variable("prepared", "head") if self.has_variable("prepared", "head")
+            head = (self.get_variable("prepared", *HEAD) if self.has_variable("prepared", *HEAD)
                     else self.get_variable("params", "wte")["embedding"])
             logits = self._backend().linear(h_BxTxD, head, cfg.compute_dtype, w_out_in=True, out_dtype=jnp.float32)
         if cfg.logit_softcap:
@@ -387,7 +447,9 @@ def _mix_embedding(x_BxTxD, x0_BxTxD, skip_2):
 
 def init_params(config: GPTConfig, rng: jax.Array) -> dict:
     """Freshly initialised parameters (the `params` collection); built unrolled and stacked for
-    `scan_layers`, so both layouts start from the same values. Backend-independent (portable)."""
+    `scan_layers`, so both layouts start from the same values. Backend-independent (portable). Their
+    schema is computed too (once per config), so code given only these params finds it."""
+    param_schema(config)
     tokens = jnp.zeros((1, min(8, config.block_size)), jnp.int32)
     # an attention function has no parameters: the reference one builds the same tree without needing
     # what another may (cuDNN's needs its libraries even to trace)
@@ -399,6 +461,7 @@ def init_params(config: GPTConfig, rng: jax.Array) -> dict:
 @functools.lru_cache(maxsize=64)
 def abstract_params(config: GPTConfig):
     """The parameters' shapes and dtypes (jax.ShapeDtypeStruct leaves), without allocating them."""
+    param_schema(config)
     return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
 
 
@@ -428,10 +491,11 @@ def recompute_flops_per_token(config: GPTConfig, seq_len: Optional[int] = None) 
         return 0.0
     t = config.block_size if seq_len is None else seq_len
     params = abstract_params(config)
-    blocks = [v for k, v in params.items() if k == "h" or (k.startswith("h_") and k[2:].isdigit())]
-    last = ("attn", "mlp") if config.block == "parallel" else ("mlp",)
-    skipped = sum(count_params(b[part]["c_proj"]) for b in blocks for part in last if "c_proj" in b.get(part, {}))
-    return 2.0 * (sum(count_params(b) for b in blocks) - skipped) + 4 * config.n_layer * t * config.n_head * config.head_dim
+    infos = leaf_infos(params, config)
+    sizes = {path: int(x.size) for path, x in traverse_util.flatten_dict(params).items()}
+    in_blocks = sum(n for path, n in sizes.items() if infos[path].block)
+    skipped = sum(n for path, n in sizes.items() if infos[path].block and infos[path].output_only)
+    return 2.0 * (in_blocks - skipped) + 4 * config.n_layer * t * config.n_head * config.head_dim
 
 
 def flops_per_token(config: GPTConfig, seq_len: Optional[int] = None, causal_halved: bool = False) -> float:
@@ -440,3 +504,30 @@ def flops_per_token(config: GPTConfig, seq_len: Optional[int] = None, causal_hal
     t = config.block_size if seq_len is None else seq_len
     attn = 12 * config.n_layer * t * config.n_head * config.head_dim
     return 6.0 * num_params(config, non_embedding=True) + (attn / 2 if causal_halved else attn)
+
+
+def _trace_init(config: GPTConfig):
+    """The unrolled model's abstract params, its init traced (jax.eval_shape): what `param_schema` records
+    the declarations of."""
+    tokens = jnp.zeros((1, min(8, config.block_size)), jnp.int32)
+    return jax.eval_shape(lambda: GPT(config, backend=PORTABLE).init(jax.random.key(0), tokens))["params"]
+
+
+def undeclared_info(path: tuple, shape: tuple) -> ParamInfo:
+    """What a parameter that no layer declared is taken to be (a hand-made params tree's, or a custom
+    layer's that declares nothing): read from the names this module's layers give theirs, as everything
+    was before the schema. A `kernel` of two dimensions (per layer) is a matrix, trained by Muon inside a
+    block (`h_i`, or the stacked `h`); `wte` is the table a tied head uses; two or more dimensions
+    (per layer) are decayed. No logical axes are known."""
+    stacked = path[0] == "h"
+    block = stacked or (path[0].startswith("h_") and path[0][2:].isdigit())
+    per_layer = len(shape) - stacked
+    axes = ("layers",) * stacked + ("unnamed",) * per_layer
+    if path[-1] == "kernel" and len(shape) >= 2:
+        return ParamInfo("matrix", axes, muon=block, decay=per_layer >= 2, decode=per_layer == 2, block=block)
+    if path == ("wte", "embedding"):
+        return ParamInfo("embedding", axes, decay=True, decode=True)
+    return ParamInfo("embedding" if per_layer >= 2 else "vector", axes, decay=per_layer >= 2, block=block)
+
+
+install_schema(_trace_init, undeclared_info)

@@ -24,6 +24,7 @@ import numpy as np
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import abstract_params, convert_layers
+from jaxgpt.schema import ParamInfo, leaf_infos
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 _HUB_REPOS = {name: f"openai-community/{name}" for name in GPT2_NAMES}
@@ -57,9 +58,16 @@ def _expected_shapes(config: GPTConfig) -> dict:
     return {_path_names(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
 
 
-def _is_transposed(path: tuple, linear_layout: bool) -> bool:
-    # torch nn.Linear stores [out, in]: lm_head always, and every projection in nanoGPT's layout.
-    return path[-1] == "kernel" and (linear_layout or path[0] == "lm_head")
+def _infos(config: GPTConfig) -> dict:
+    """{jaxgpt param path: its ParamInfo} for `config` in GPT-2's per-layer layout (jaxgpt/schema.py)."""
+    unrolled = config.replace(scan_layers=False, remat="none")
+    return leaf_infos(abstract_params(unrolled), unrolled)
+
+
+def _is_transposed(info: ParamInfo, linear_layout: bool) -> bool:
+    # torch nn.Linear stores [out, in]: the head (the one matrix outside the blocks) always, and every
+    # projection in nanoGPT's layout; GPT-2's Conv1D stores [in, out] as jaxgpt does
+    return info.role == "matrix" and (linear_layout or not info.block)
 
 
 def _nest(flat: dict) -> dict:
@@ -78,7 +86,7 @@ def _params_from_tensors(shapes: dict, read: Callable[[str], np.ndarray], config
 
     `shapes` maps GPT-2 tensor names (prefixes already stripped) to shapes; `read(name)` loads one.
     """
-    expected = _expected_shapes(config)
+    expected, infos = _expected_shapes(config), _infos(config)
     wanted = {gpt2_name(p): p for p in expected}
     missing = sorted(set(wanted) - set(shapes))
     if missing:
@@ -96,7 +104,7 @@ def _params_from_tensors(shapes: dict, read: Callable[[str], np.ndarray], config
         want = expected[path]
         if path == ("wpe", "embedding") and crop_positions is not None:
             want = (crop_positions,) + want[1:]
-        if _is_transposed(path, linear_layout):
+        if _is_transposed(infos[path], linear_layout):
             want = want[::-1]
         if tuple(shapes[name]) != want:
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, but the config "
@@ -104,7 +112,7 @@ def _params_from_tensors(shapes: dict, read: Callable[[str], np.ndarray], config
     flat = {}
     for name, path in wanted.items():
         x = np.asarray(read(name))
-        if _is_transposed(path, linear_layout):
+        if _is_transposed(infos[path], linear_layout):
             x = x.T
         if path == ("wpe", "embedding"):
             x = x[:config.block_size]
@@ -354,7 +362,7 @@ def _gpt2_tensors(params, config: GPTConfig) -> dict:
     if set(params) == {"params"}:
         params = params["params"]
     params = convert_layers(params, config.replace(scan_layers=False))  # GPT-2's h_i
-    expected = _expected_shapes(config)
+    expected, infos = _expected_shapes(config), _infos(config)
     got = {_path_names(p): np.asarray(jax.device_get(x))
            for p, x in jax.tree_util.tree_leaves_with_path(params)}
     if set(got) != set(expected):
@@ -368,13 +376,13 @@ def _gpt2_tensors(params, config: GPTConfig) -> dict:
     dt = config.params_dtype
     out = {}
     for path, x in got.items():
-        if path[-2:] == ("c_attn", "kernel") or path[-2:] == ("c_attn", "bias"):
+        if infos[path].axes[-1] == "qkv":  # attention's fused [q | k | v] (kernel and bias)
             q, k, v = np.split(x, [n * h, (n + kh) * h], axis=-1)
             # query head i reads kv head i // (n // kh), as in attention.py's grouping
             k, v = (np.repeat(a.reshape(a.shape[:-1] + (kh, h)), n // kh, axis=-2).reshape(
                 a.shape[:-1] + (n * h,)) for a in (k, v))
             x = np.concatenate([q, k, v], axis=-1)
-        out[gpt2_name(path)] = np.ascontiguousarray(x.T if path[0] == "lm_head" else x)
+        out[gpt2_name(path)] = np.ascontiguousarray(x.T if _is_transposed(infos[path], False) else x)
     if not config.bias:
         widths = {"attn.c_attn": 3 * d, "attn.c_proj": d, "mlp.c_fc": 4 * d, "mlp.c_proj": d,
                   "ln_1": d, "ln_2": d}
@@ -441,9 +449,9 @@ def save_pretrained(params, config: GPTConfig, out_dir: PathLike) -> Path:
 
 # ----------------------------------------------------------------------------------------------------
 # Llama: `model.layers.{i}.self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, `input_layernorm` and
-# `post_attention_layernorm` (RMSNorm weights), `model.embed_tokens`, `model.norm`, `lm_head`.
-# jaxgpt's names: h_i/attn/c_attn = [q | k | v] (each weight transposed to [in, out]), attn/c_proj = o,
-# mlp/c_gate = gate, mlp/c_fc = up, mlp/c_proj = down, ln_1, ln_2, ln_f, wte, lm_head.
+# `post_attention_layernorm` (RMSNorm weights), `model.embed_tokens`, `model.norm`, `lm_head`: each
+# layer declares its parameters' Llama names (schema.ParamInfo.hf_name). jaxgpt's h_i/attn/c_attn is
+# [q | k | v] (each weight transposed to [in, out]), the others one tensor each.
 
 def _llama_rope_theta(hf: dict) -> float:
     rope = hf.get("rope_parameters") or {}
@@ -493,24 +501,16 @@ def config_to_hf_llama(config: GPTConfig) -> dict:
     }
 
 
-_LLAMA_DENSE = {("attn", "c_proj"): "self_attn.o_proj", ("mlp", "c_gate"): "mlp.gate_proj",
-                ("mlp", "c_fc"): "mlp.up_proj", ("mlp", "c_proj"): "mlp.down_proj"}
-
-
 def _llama_names(config: GPTConfig) -> dict:
-    """{jaxgpt path (GPT-2 layer names): Llama tensor name, or the three q/k/v names for c_attn}."""
-    names = {("wte", "embedding"): "model.embed_tokens.weight", ("ln_f", "scale"): "model.norm.weight"}
-    if not config.tie_embeddings:
-        names[("lm_head", "kernel")] = "lm_head.weight"
-    leaves = {"kernel": "weight", "bias": "bias"} if config.bias else {"kernel": "weight"}
-    for i in range(config.n_layer):
-        p = f"model.layers.{i}."
-        names[(f"h_{i}", "ln_1", "scale")] = p + "input_layernorm.weight"
-        names[(f"h_{i}", "ln_2", "scale")] = p + "post_attention_layernorm.weight"
-        for ours, theirs in leaves.items():
-            names[(f"h_{i}", "attn", "c_attn", ours)] = tuple(p + f"self_attn.{x}_proj.{theirs}" for x in "qkv")
-            for module, hf_module in _LLAMA_DENSE.items():
-                names[(f"h_{i}",) + module + (ours,)] = p + f"{hf_module}.{theirs}"
+    """{jaxgpt path (GPT-2 layer names): Llama tensor name, or the three q/k/v names for c_attn}, from
+    the names the layers declare (relative to the decoder layer `model.layers.{i}` inside a block)."""
+    names = {}
+    for path, info in _infos(config).items():
+        if not info.hf_name:
+            continue
+        prefix = f"model.layers.{path[0][2:]}." if info.block else ""
+        full = tuple(prefix + n for n in info.hf_name)
+        names[path] = full if len(full) > 1 else full[0]
     return names
 
 
@@ -518,7 +518,7 @@ def _from_llama(folder: Path, hf: dict, files: list, block_size: Optional[int], 
     config = config_from_hf_llama(hf, **overrides)
     if block_size is not None:  # rotary positions have no table to crop: only the context limit changes
         config = config.replace(block_size=block_size)
-    expected = _expected_shapes(config)
+    expected, infos = _expected_shapes(config), _infos(config)
     names = _llama_names(config)
     with _tensors(folder, files, ()) as (shapes, read):
         wanted = {n for v in names.values() for n in (v if isinstance(v, tuple) else (v,))}
@@ -536,7 +536,7 @@ def _from_llama(folder: Path, hf: dict, files: list, block_size: Optional[int], 
         for path, name in names.items():
             parts = [np.asarray(read(n)) for n in (name if isinstance(name, tuple) else (name,))]
             x = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-            if path[-1] == "kernel":
+            if infos[path].role == "matrix":
                 x = x.T  # nn.Linear's [out, in] -> [in, out]
             if x.shape != expected[path]:
                 raise ValueError(f"{str(folder)}: {name} gives {'/'.join(path)} the shape {x.shape}, but the "
@@ -551,7 +551,7 @@ def _llama_tensors(params, config: GPTConfig) -> dict:
         params = params["params"]
     params = convert_layers(params, config.replace(scan_layers=False))
     got = {_path_names(p): np.asarray(jax.device_get(x)) for p, x in jax.tree_util.tree_leaves_with_path(params)}
-    names = _llama_names(config)
+    names, infos = _llama_names(config), _infos(config)
     if set(got) != set(names):
         diff = sorted("/".join(p) for p in set(got) ^ set(names))
         raise ValueError(f"params do not match the config: these differ between them: {_short(diff)}")
@@ -564,5 +564,5 @@ def _llama_tensors(params, config: GPTConfig) -> dict:
         else:
             x = [x]
         for part, hf_name in zip(x, name if isinstance(name, tuple) else (name,)):
-            out[hf_name] = np.ascontiguousarray(part.T if path[-1] == "kernel" else part)
+            out[hf_name] = np.ascontiguousarray(part.T if infos[path].role == "matrix" else part)
     return out

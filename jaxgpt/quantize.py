@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct, traverse_util
 
 from jaxgpt.config import GPTConfig
+from jaxgpt.schema import HEAD, leaf_infos
 
 QUANTIZE_CHOICES = (None, "int8")
 KV_DTYPES = (None, "int8", "bfloat16", "float32")
@@ -70,16 +71,25 @@ def quantize_int8(w: jax.Array, w_out_in: bool = False) -> Int8Kernel:
     return Int8Kernel(q, scale)
 
 
-def quantized_paths(params: dict, config: GPTConfig) -> dict:
-    """{path: w_out_in} of the leaves int8 decoding replaces: every dense kernel ([in, out], or stacked
-    [L, in, out] under `h`) and the tied head's table (wte, [vocab, embd])."""
+def decode_kernels(params: dict, tie_embeddings: bool, config: Optional[GPTConfig] = None) -> dict:
+    """{params path: (path in the "prepared" collection, w_out_in)} of the leaves that decoding keeps in
+    a decode form (packed, or int8): those their layers declare `decode` (schema.ParamInfo): every dense
+    kernel ([in, out], stacked [L, in, out] for scan_layers) at its own path, and with `tie_embeddings`
+    the tied head's table ([vocab, embd]) at schema.HEAD. `config`: the model's (else the schema is
+    found by the params' names and shapes, schema.leaf_infos)."""
     out = {}
-    for path, leaf in traverse_util.flatten_dict(params).items():
-        if path[-1] == "kernel" and leaf.ndim == 2 + (path[0] == "h"):
-            out[path] = False
-    if config.tie_embeddings and "wte" in params:
-        out[("wte", "embedding")] = True
+    for path, info in leaf_infos(params, config).items():
+        if info.decode and not info.w_out_in:
+            out[path] = (path, False)
+        elif info.decode and tie_embeddings:
+            out[path] = (HEAD, True)
     return out
+
+
+def quantized_paths(params: dict, config: GPTConfig) -> dict:
+    """{path: w_out_in} of the leaves int8 decoding replaces (`decode_kernels`): every dense kernel
+    and the tied head's table."""
+    return {path: w_out_in for path, (_, w_out_in) in decode_kernels(params, config.tie_embeddings, config).items()}
 
 
 def dequantized(params: dict, config: GPTConfig) -> dict:

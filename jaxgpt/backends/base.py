@@ -18,26 +18,26 @@ from jax.sharding import PartitionSpec as P
 from jaxgpt.attention import AttentionFn, check_shapes, dot_product_attention, get_attention
 from jaxgpt.cache import CacheLayout
 from jaxgpt.ops import linear as portable_linear
-from jaxgpt.quantize import quantize_int8
+from jaxgpt.quantize import decode_kernels, quantize_int8
 from jaxgpt.registry import ATTENTION
 
 
-def _no_prepared(params, batch_size: int, compute_dtype, tie_embeddings: bool, quantize=None) -> dict:
+def _no_prepared(params, batch_size: int, compute_dtype, tie_embeddings: bool, quantize=None, *,
+                 config=None) -> dict:
     """No decode forms of its own: {} for float kernels; with quantize="int8", `Int8Kernel`s that
     `ops.linear` multiplies with XLA (int8 operands, float32 products scaled per output)."""
-    return int8_prepared(params, tie_embeddings) if quantize == "int8" else {}
+    return int8_prepared(params, tie_embeddings, config=config) if quantize == "int8" else {}
 
 
-def int8_prepared(params, tie_embeddings: bool, kernel_form=None) -> dict:
+def int8_prepared(params, tie_embeddings: bool, kernel_form=None, *, config=None) -> dict:
     """A "prepared" collection of every dense kernel (and a tied head as `head`) quantized to int8,
-    each passed through `kernel_form(int8_kernel, w_out_in)` (default: kept as the `Int8Kernel`)."""
+    each passed through `kernel_form(int8_kernel, w_out_in)` (default: kept as the `Int8Kernel`); which
+    leaves, the parameter schema says (quantize.decode_kernels)."""
     form = kernel_form or (lambda k, w_out_in: k)
+    flat = traverse_util.flatten_dict(params)
     prepared = {}
-    for path, leaf in traverse_util.flatten_dict(params).items():
-        if path[-1] == "kernel" and leaf.ndim == 2 + (path[0] == "h"):
-            prepared[path] = form(quantize_int8(leaf), False)
-    if tie_embeddings and "wte" in params:
-        prepared[("head",)] = form(quantize_int8(params["wte"]["embedding"], w_out_in=True), True)
+    for path, (where, w_out_in) in decode_kernels(params, tie_embeddings, config).items():
+        prepared[where] = form(quantize_int8(flat[path], w_out_in=w_out_in), w_out_in)
     return traverse_util.unflatten_dict(prepared)
 
 
@@ -54,9 +54,11 @@ class Backend:
     - `attention_kernels`: (registered name, function) pairs this backend computes its own way, with the
       registry's signature; every other registered attention runs as written in attention.py.
     - `cache_layout`: how the KV cache stores and writes each layer (cache.CacheLayout).
-    - `prepare_decode(params, batch_size, compute_dtype, tie_embeddings, quantize=None) -> dict`: kernels
-      in a form for the decode steps, as a "prepared" variable collection laid out like the params ({}:
-      none); with quantize="int8" every dense kernel and the tied head as int8 (jaxgpt/quantize.py).
+    - `prepare_decode(params, batch_size, compute_dtype, tie_embeddings, quantize=None, *, config=None)
+      -> dict`: kernels in a form for the decode steps, as a "prepared" variable collection laid out like
+      the params ({}: none); with quantize="int8" every dense kernel and the tied head as int8
+      (jaxgpt/quantize.py). Which leaves: those the parameter schema marks `decode` (`config`: the
+      model's; else found by the params' names and shapes).
     - `float32_activations`: keep activations float32 between matmuls whatever the compute dtype.
     - `fast_bf16`: whether bfloat16 matmuls are faster than float32 here (a bf16 run says so if not).
     - `run_once_options`: XLA options for programs run once (parameter init), as (key, value) pairs.
@@ -122,10 +124,12 @@ def cast_floats(tree: Any, dtype) -> Any:
 
 
 def decode_weights(backend: Backend, params: Any, batch_size: int, compute_dtype,
-                   tie_embeddings: bool) -> DecodeWeights:
-    """The params cast to the compute dtype plus `backend.prepare_decode`'s forms for `batch_size` rows."""
+                   tie_embeddings: bool, config=None) -> DecodeWeights:
+    """The params cast to the compute dtype plus `backend.prepare_decode`'s forms for `batch_size` rows
+    (`config`: the model's GPTConfig, for its parameter schema)."""
     params = cast_floats(params, compute_dtype)
-    return DecodeWeights(params, backend.prepare_decode(params, batch_size, compute_dtype, tie_embeddings))
+    return DecodeWeights(params, backend.prepare_decode(params, batch_size, compute_dtype, tie_embeddings,
+                                                        config=config))
 
 
 def per_batch_shard(attend: AttentionFn, mesh, batch_axes: tuple) -> AttentionFn:

@@ -22,7 +22,7 @@ from jaxgpt.backends import native
 from jaxgpt.backends.base import Backend, int8_prepared
 from jaxgpt.cache import CacheLayout
 from jaxgpt.ops import int8_linear, linear_bwd, linear_fwd
-from jaxgpt.quantize import Int8Kernel
+from jaxgpt.quantize import Int8Kernel, decode_kernels
 
 SMALL_ROWS = 16  # up to this many rows, [out, in] kernels are multiplied by `_few_rows`
 
@@ -195,23 +195,21 @@ def _prepare_int8(k: Int8Kernel, w_out_in: bool) -> PreparedKernel:
 
 
 def prepare_decode(params: dict, batch_size: int, compute_dtype, tie_embeddings: bool, quantize=None, *,
-                   native_decode: bool) -> dict:
+                   native_decode: bool, config=None) -> dict:
     """The "prepared" collection for decode steps of `batch_size` rows: every dense kernel ([in, out], or
-    stacked [L, in, out] under `h`) in `decode_form`, and a tied head's table as `head`. With
+    stacked [L, in, out] for scan_layers) in `decode_form`, and a tied head's table as `head` (the leaves
+    the parameter schema marks `decode`, quantize.decode_kernels; `config`: the model's). With
     quantize="int8" and the native kernels on, int8 panels (any row count, 16 rows a call; any dtype). Without
     them the params (the dequantized model, quantize.dequantized) keep their float forms: XLA:CPU's int8
     forms ran 10x slower than float32 (bench/README.md), so the same tokens come at float32's speed."""
     if quantize == "int8" and native_decode and native.available():
-        return int8_prepared(params, tie_embeddings, _prepare_int8)
+        return int8_prepared(params, tie_embeddings, _prepare_int8, config=config)
     form = decode_form(batch_size, compute_dtype, native_decode)
     if form is None:
         return {}
-    prepared = {}
-    for path, leaf in traverse_util.flatten_dict(params).items():
-        if path[-1] == "kernel" and leaf.ndim == 2 + (path[0] == "h"):
-            prepared[path] = _prepare(leaf, form)
-    if tie_embeddings and "wte" in params:
-        prepared[("head",)] = _prepare(params["wte"]["embedding"], form, w_out_in=True)
+    flat = traverse_util.flatten_dict(params)
+    prepared = {where: _prepare(flat[path], form, w_out_in=w_out_in)
+                for path, (where, w_out_in) in decode_kernels(params, tie_embeddings, config).items()}
     return traverse_util.unflatten_dict(prepared)
 
 

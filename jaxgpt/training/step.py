@@ -14,8 +14,9 @@ from jax.sharding import NamedSharding
 from jaxgpt.backends import Backend, resolve
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
-from jaxgpt.lora import trainable_labels
+from jaxgpt.lora import adapter_decay_mask, trainable_labels
 from jaxgpt.model import GPT
+from jaxgpt.schema import map_params
 
 
 @struct.dataclass
@@ -50,14 +51,11 @@ def wsd_schedule(lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
     return optax.join_schedules(pieces, [max(warmup_steps, 1), start])
 
 
-def decay_mask(params) -> Any:
-    """Weight decay only on parameters with two or more dimensions per layer (matmul kernels,
-    embeddings); the stacked blocks `h` of a scan_layers model carry one extra leading axis."""
-    def decays(path, p):
-        stacked = getattr(path[0], "key", None) == "h"
-        return p.ndim - stacked >= 2
-
-    return jax.tree_util.tree_map_with_path(decays, params)
+def decay_mask(params, config: Optional[GPTConfig] = None) -> Any:
+    """Weight decay on the parameters their layers declare decayed (schema.ParamInfo.decay: matrices and
+    embeddings; not biases, norms' scales or the attention's value-embedding mix). `config`: the
+    model's, when `params` may not be a tree this process has seen (jaxgpt.schema.leaf_infos)."""
+    return map_params(lambda p, info: info.decay, params, config)
 
 
 def make_schedule(train_cfg) -> optax.Schedule:
@@ -69,23 +67,22 @@ def make_schedule(train_cfg) -> optax.Schedule:
     return lr_schedule(train_cfg.lr, train_cfg.min_lr, train_cfg.warmup_steps, decay)
 
 
-def muon_dimensions(params) -> Any:
+def muon_dimensions(params, config: Optional[GPTConfig] = None) -> Any:
     """Which parameters Muon trains, as optax's MuonDimensionNumbers (the matrix axes: the last two, the
-    stacked blocks of scan_layers batched over their first): every block's matmul kernel. None for the
-    rest (embeddings, head, norms, biases, mixing weights), which AdamW trains."""
-    def dims(path, p):
-        top, name = getattr(path[0], "key", ""), getattr(path[-1], "key", "")
-        in_block = top == "h" or (top.startswith("h_") and top[2:].isdigit())
-        if name != "kernel" or not in_block or p.ndim < 2:
+    stacked blocks of scan_layers batched over their first): those their layers declare `muon` (every
+    block's dense kernels). None for the rest (embeddings, head, norms, biases, mixing weights), which
+    AdamW trains. `config` as for `decay_mask`."""
+    def dims(p, info):
+        if not info.muon or p.ndim < 2:
             return None
         return optax.contrib.MuonDimensionNumbers(reduction_axis=p.ndim - 2, output_axis=p.ndim - 1)
 
-    return jax.tree_util.tree_map_with_path(dims, params)
+    return map_params(dims, params, config)
 
 
-def _muon_labels(params) -> Any:
+def _muon_labels(params, config: Optional[GPTConfig] = None) -> Any:
     is_dims = lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)  # noqa: E731
-    return jax.tree_util.tree_map(lambda d: "adamw" if d is None else "muon", muon_dimensions(params),
+    return jax.tree_util.tree_map(lambda d: "adamw" if d is None else "muon", muon_dimensions(params, config),
                                   is_leaf=is_dims)
 
 
@@ -126,7 +123,7 @@ def orthogonalize(steps: int = 5, dtype=jnp.float32) -> optax.GradientTransforma
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def muon(train_cfg, schedule: optax.Schedule) -> optax.GradientTransformation:
+def muon(train_cfg, schedule: optax.Schedule, config: Optional[GPTConfig] = None) -> optax.GradientTransformation:
     """Muon (optax.contrib.scale_by_muon's Nesterov momentum train.muon_momentum; then 5 Newton-Schulz
     steps, in train.muon_ns_dtype), the width factor, decoupled weight decay, and train.muon_lr on the
     schedule's shape."""
@@ -135,29 +132,34 @@ def muon(train_cfg, schedule: optax.Schedule) -> optax.GradientTransformation:
     return optax.chain(
         # optax's momentum and normalisation (ns_steps=0), then the iterations in the chosen precision
         optax.contrib.scale_by_muon(ns_steps=0, beta=train_cfg.muon_momentum, nesterov=True,
-                                    weight_dimension_numbers=muon_dimensions),
+                                    weight_dimension_numbers=functools.partial(muon_dimensions, config=config)),
         orthogonalize(5, ns_dtype),
         scale_by_width(),
         optax.add_decayed_weights(train_cfg.weight_decay),
         optax.scale_by_learning_rate(lambda step: schedule(step) * scale))
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
+def make_optimizer(train_cfg, config: Optional[GPTConfig] = None) -> optax.GradientTransformation:
     """Clipping by global norm, then AdamW with the schedule and the decay mask; with train.optimizer
-    "muon", Muon for the blocks' matmul kernels and AdamW for the rest. With LoRA (train.lora.rank > 0)
-    the params are adapters: AdamW trains their a and b, and their constants (the column masks and scales)
-    take no update and hold no optimizer state."""
+    "muon", Muon for the blocks' matmul kernels and AdamW for the rest (both as the parameter schema
+    says: `decay_mask`, `muon_dimensions`; `config` the model's GPTConfig, else the schema is found by the
+    params' names and shapes). With LoRA (train.lora.rank > 0) the params are adapters: AdamW trains (and
+    decays) their a and b, and their constants (the column masks and scales) take no update and hold no
+    optimizer state."""
     schedule = make_schedule(train_cfg)
+    lora = "lora" in train_cfg and train_cfg.lora.rank > 0
     parts = []
     if train_cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(train_cfg.grad_clip))
+    mask = adapter_decay_mask if lora else functools.partial(decay_mask, config=config)
     adamw = optax.adamw(schedule, b1=train_cfg.beta1, b2=train_cfg.beta2, weight_decay=train_cfg.weight_decay,
-                        mask=decay_mask)
+                        mask=mask)
     if train_cfg.get("optimizer", "adamw") == "muon":
-        adamw = optax.multi_transform({"muon": muon(train_cfg, schedule), "adamw": adamw}, _muon_labels)
+        adamw = optax.multi_transform({"muon": muon(train_cfg, schedule, config), "adamw": adamw},
+                                      functools.partial(_muon_labels, config=config))
     parts.append(adamw)
     optimizer = optax.chain(*parts)
-    if "lora" in train_cfg and train_cfg.lora.rank > 0:
+    if lora:
         optimizer = optax.multi_transform({"train": optimizer, "freeze": optax.set_to_zero()}, trainable_labels)
     return optimizer
 
