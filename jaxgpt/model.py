@@ -14,9 +14,9 @@ import math
 from typing import Optional
 
 import flax.linen as nn
-from flax import traverse_util
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 from jaxgpt import lora
 from jaxgpt.attention import rotary_embedding, split_heads
@@ -25,7 +25,8 @@ from jaxgpt.cache import KVCache
 from jaxgpt.config import GPTConfig
 from jaxgpt.layers import convert_layers, stack_layers, unstack_layers  # noqa: F401  (re-exported)
 from jaxgpt.registry import BLOCKS
-from jaxgpt.schema import HEAD, ParamInfo, declare, declare_block, embedding, leaf_infos, matrix, param_schema, vector
+from jaxgpt.schema import (HEAD, UNNAMED, ParamInfo, declare, declare_block, embedding, leaf_infos, matrix,
+                           param_schema, vector)
 from jaxgpt.schema import install as install_schema
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -192,7 +193,8 @@ class GeluMLP(nn.Module):
     def __call__(self, x_BxTxD):
         down = matrix("mlp", "embed", targets=(("down", None),), output_only=self.output_only,
                       hf_name="mlp.down_proj.weight")
-        y = _dense(self.config, self.backend, self.config.n_embd, "c_proj", down, residual_out=True)(self.hidden(x_BxTxD))
+        cfg = self.config
+        y = _dense(cfg, self.backend, cfg.n_embd, "c_proj", down, residual_out=True)(self.hidden(x_BxTxD))
         return nn.Dropout(self.config.dropout)(y, deterministic=self.deterministic)
 
 
@@ -522,7 +524,7 @@ def undeclared_info(path: tuple, shape: tuple) -> ParamInfo:
     stacked = path[0] == "h"
     block = stacked or (path[0].startswith("h_") and path[0][2:].isdigit())
     per_layer = len(shape) - stacked
-    axes = ("layers",) * stacked + ("unnamed",) * per_layer
+    axes = ("layers",) * stacked + (UNNAMED,) * per_layer
     if path[-1] == "kernel" and len(shape) >= 2:
         return ParamInfo("matrix", axes, muon=block, decay=per_layer >= 2, decode=per_layer == 2, block=block)
     if path == ("wte", "embedding"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from typing import Any, Optional
+from typing import Optional
 
 from flax import traverse_util
 
@@ -263,12 +263,7 @@ def leaf_infos(params, config: Optional[GPTConfig] = None) -> dict:
     return {path: _undeclared(path, leaf) for path, leaf in flat.items()}
 
 
-def schema_like(params, config: Optional[GPTConfig] = None) -> Any:
-    """`leaf_infos` as a tree shaped like `params`."""
-    return traverse_util.unflatten_dict(leaf_infos(params, config))
-
-
-def map_params(fn, params, config: Optional[GPTConfig] = None):
+def map_params(fn, params, config: Optional[GPTConfig] = None) -> dict:
     """`params` with every leaf replaced by fn(leaf, info); a leaf without a shape (optax's MaskedNode)
     is kept as it is."""
     infos = leaf_infos(params, config)

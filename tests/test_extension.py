@@ -98,6 +98,36 @@ def test_documented_block_registers_trains_and_decodes_like_its_full_forward(pos
                                GPT(cfg).apply({"params": params}, data), atol=1e-5)
 
 
+@pytest.fixture
+def gain_mlp():
+    ns = {}
+    exec(doc_example("docs/extending.md", "**A block with its own names**"), ns)
+    yield ns
+    BLOCKS.unregister("gain_mlp")
+
+
+def test_documented_declarations_reach_muon_decay_lora_and_decoding(gain_mlp):
+    from flax import traverse_util
+
+    from jaxgpt.lora import LoraSpec, init_adapters
+    from jaxgpt.training.step import decay_mask, muon_dimensions
+
+    cfg = gain_mlp["cfg"]
+    params = init_params(cfg, jax.random.key(0))
+    mlp = gain_mlp["infos"]["h_0"]["mlp"]
+    assert mlp["w_in"]["w"].axes == ("embed", "mlp") and mlp["gain"].axes == ("mlp",)
+    muon, decay = muon_dimensions(params)["h_0"]["mlp"], decay_mask(params)["h_0"]["mlp"]
+    assert muon["w_in"]["w"] is not None and muon["w_out"]["w"] is not None and muon["gain"] is None
+    assert decay["w_out"]["w"] and not decay["gain"]
+    adapters = init_adapters(params, cfg, LoraSpec(2, 2.0, ("up", "down")), jax.random.key(1))
+    assert set(adapters["h_0"]["mlp"]) == {"w_in", "w_out"}
+    prepared = traverse_util.flatten_dict(resolve("cpu").prepare_decode(params, 2, jnp.float32, True))
+    assert ("h_1", "mlp", "w_out", "w") in prepared and not any("gain" in p for p in prepared)
+    data = _tokens(cfg)
+    full = GPT(cfg).apply({"params": params}, data)
+    np.testing.assert_allclose(cached_logits(cfg, PORTABLE, params, data), full[:, 5:], atol=1e-4)
+
+
 def test_the_parallel_block_is_built_in_and_differs_from_gpt2():
     cfg = _tiny().replace(block="parallel")
     params = init_params(cfg, jax.random.key(0))
