@@ -509,7 +509,7 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
         raise AotError(f"{e} (on {n} devices of {devs.target})") from None
     t = config.train
     gcfg, backend = model_config(config, vocab_size, devs.target.platform)
-    optimizer, schedule = make_optimizer(t), make_schedule(t)
+    optimizer, schedule = make_optimizer(t, gcfg), make_schedule(t)
     loss_chunk = t.get("loss_chunk", 0)
     runner = MeshRunner(gcfg, optimizer, t.grad_accum, schedule, devices=devs.devices, fsdp=t.fsdp, backend=backend,
                         mesh=t.mesh, loss_chunk=loss_chunk)

@@ -232,7 +232,8 @@ def _copy(cache: KVCache, src, dst) -> KVCache:
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "batch_size", "quantize"))
 def _prepare(params, *, config: GPTConfig, backend: Backend, batch_size: int, quantize=None):
-    return backend.prepare_decode(params, batch_size, config.compute_dtype, config.tie_embeddings, quantize)
+    return backend.prepare_decode(params, batch_size, config.compute_dtype, config.tie_embeddings, quantize,
+                                  config=config)
 
 
 def chunk_lengths(prefill_chunk: int) -> tuple:

@@ -325,7 +325,7 @@ def _decode_jit(weights: DecodeWeights, state, rng, *, config, backend, n, sampl
 @functools.partial(jax.jit, static_argnames=("config", "backend", "batch_size", "quantize"))
 def _prepare_jit(params, *, config: GPTConfig, backend: Backend, batch_size: int, quantize=None):
     return backend.prepare_decode(cast_floats(params, config.compute_dtype), batch_size, config.compute_dtype,
-                                  config.tie_embeddings, quantize)
+                                  config.tie_embeddings, quantize, config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -451,7 +451,8 @@ def lower_generate(config: GPTConfig, batch_size: int, prompt_len: int, max_new_
     sampler = sampler or Sampler(1.0, None, None, None, 0)
     params = abstract_params(config) if params is None else params
     prepared = jax.eval_shape(lambda p: backend.prepare_decode(cast_floats(p, config.compute_dtype), batch_size,
-                                                               config.compute_dtype, config.tie_embeddings), params)
+                                                               config.compute_dtype, config.tie_embeddings,
+                                                               config=config), params)
 
     def place(x, where=sharding):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)

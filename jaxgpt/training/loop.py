@@ -201,7 +201,7 @@ class _Run:
                       "float32, which is faster here (parameters and checkpoints are float32 either way)")
             gcfg = gcfg.replace(dtype="float32")
         self.gcfg = gcfg
-        self.optimizer, self.schedule = make_optimizer(cfg_t), make_schedule(cfg_t)
+        self.optimizer, self.schedule = make_optimizer(cfg_t, gcfg), make_schedule(cfg_t)
         self.runner = make_runner(parallel_mode(cfg_t), gcfg, self.optimizer, cfg_t.grad_accum, self.schedule,
                                   fsdp=cfg_t.fsdp, backend=self.backend, mesh=cfg_t.mesh,
                                   loss_chunk=cfg_t.get("loss_chunk", 0))
