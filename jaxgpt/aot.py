@@ -512,7 +512,7 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
     optimizer, schedule = make_optimizer(t, gcfg), make_schedule(t)
     loss_chunk = t.get("loss_chunk", 0)
     runner = MeshRunner(gcfg, optimizer, t.grad_accum, schedule, devices=devs.devices, fsdp=t.fsdp, backend=backend,
-                        mesh=t.mesh, loss_chunk=loss_chunk)
+                        mesh=t.mesh, loss_chunk=loss_chunk, rules=t.get("logical_axis_rules", ""))
     on_mesh = parallel_mode(t) == "mesh"
     lora = LoraSpec.from_config(t.lora)
     seed = config.seed

@@ -72,8 +72,8 @@ def test_mesh_strings_and_their_errors():
     assert parallel_mode(c.train) == "mesh"  # train.mesh implies the mesh, whatever train.parallel says
     with pytest.raises(ValueError, match="config.train.mesh: 'data=2,fsdp=2' is a mesh of 4 devices"):
         validate_config(c, 8)
-    c.train.mesh = "data=2,tensor=2"
-    with pytest.raises(ValueError, match="config.train.mesh: unknown axis 'tensor'"):
+    c.train.mesh = "data=2,expert=2"
+    with pytest.raises(ValueError, match="config.train.mesh: unknown axis 'expert'"):
         validate_config(c)
     c.train.mesh, c.train.fsdp = "data=2,fsdp=2", True
     with pytest.raises(ValueError, match="config.train.fsdp: .*name an fsdp axis in train.mesh"):

@@ -17,7 +17,8 @@ from jaxgpt.checks import is_int, is_real
 from jaxgpt.compile_cache import cache_folder
 from jaxgpt.config import GPTConfig
 from jaxgpt.lora import LoraSpec
-from jaxgpt.training.mesh import mesh_sizes, parse_mesh
+from jaxgpt.sharding import BATCH, rules
+from jaxgpt.training.mesh import mesh_sizes, mesh_text, parse_mesh
 from jaxgpt.user_modules import import_modules, require_parts
 
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "dropout", "bias", "tie_embeddings",
@@ -81,10 +82,14 @@ def default_config():
     c.train.log_interval = 10
     c.train.parallel = "pmap"    # pmap | mesh
     c.train.fsdp = False         # mesh only: shard params and optimizer state over the devices ("fsdp=-1")
-    # the mesh's axes and sizes, e.g. "data=-1,fsdp=2" or "dcn=2,data=-1,fsdp=4" (implies parallel=mesh): batch
-    # over all of dcn (across slices), data and fsdp, the state sharded over fsdp; -1: the rest of the devices.
-    # "": "data=-1", or "fsdp=-1" with fsdp=True (jaxgpt/training/mesh.py)
+    # the mesh's axes and sizes, e.g. "data=-1,fsdp=2", "dcn=2,data=-1,fsdp=4" or "fsdp=-1,tensor=4" (implies
+    # parallel=mesh): batch over dcn (across slices), data and fsdp, the state sharded over fsdp and tensor
+    # (heads, MLP hidden, vocab); -1: the rest of the devices. "": "data=-1", or "fsdp=-1" with fsdp=True
+    # (jaxgpt/training/mesh.py)
     c.train.mesh = ""
+    # overrides of the rules table that maps logical axes to mesh axes (jaxgpt/sharding.py), e.g.
+    # "qkv=tensor+fsdp,embed=" (embed unsplit); "": the defaults
+    c.train.logical_axis_rules = ""
     c.train.checkpoint_interval = 250
     c.train.keep_checkpoints = 2
     c.train.peak_flops = placeholder(float)  # per device, for MFU; None: measured or known for the device
@@ -166,7 +171,13 @@ def _check_keys(config, schema, prefix=""):
 
 
 def _check_mesh(t, device_count: Optional[int]) -> None:
-    """train.mesh: well formed, and with a known device count one whose sizes multiply to it."""
+    """train.mesh and train.logical_axis_rules: well formed, and with a known device count a mesh whose
+    sizes multiply to it."""
+    axis_rules = t.get("logical_axis_rules", "")
+    if not isinstance(axis_rules, (str, tuple, list)):
+        raise ValueError(f"config.train.logical_axis_rules must be a string such as 'qkv=tensor+fsdp,embed=', "
+                         f"got {axis_rules!r}")
+    rules(axis_rules)
     if not isinstance(t.mesh, str):
         raise ValueError(f"config.train.mesh must be a string such as 'data=-1,fsdp=2', got {t.mesh!r}")
     if not t.mesh:
@@ -178,6 +189,17 @@ def _check_mesh(t, device_count: Optional[int]) -> None:
         parse_mesh(t.mesh)
     else:
         mesh_sizes(t.mesh, device_count)
+
+
+def batch_devices(t, device_count: Optional[int]) -> int:
+    """How many devices a global batch's rows are split over (1 when the count is not known): all of them
+    under pmap; on a mesh those of its batch axes (by default all but tensor)."""
+    if device_count is None:
+        return 1
+    if parallel_mode(t) != "mesh":
+        return device_count
+    batch = rules(t.get("logical_axis_rules", ""))[BATCH]
+    return math.prod(size for name, size in mesh_sizes(mesh_text(t.mesh, t.fsdp), device_count) if name in batch)
 
 
 def validate_config(config, device_count: Optional[int] = None) -> None:
@@ -208,7 +230,7 @@ def validate_config(config, device_count: Optional[int] = None) -> None:
     _check_mesh(t, device_count)
     if "distributed" in config:
         distributed.check_config(config.distributed)
-    n = device_count or 1  # (every mesh axis carries batch: the batch axes span all the devices)
+    n = batch_devices(t, device_count)
     need(t.batch_size % (n * t.grad_accum) == 0, "train.batch_size",
          f"{t.batch_size} must be divisible by the device count ({n}; the product of the batch axes "
          f"of train.mesh) times train.grad_accum ({t.grad_accum})")

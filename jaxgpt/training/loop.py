@@ -204,7 +204,7 @@ class _Run:
         self.optimizer, self.schedule = make_optimizer(cfg_t, gcfg), make_schedule(cfg_t)
         self.runner = make_runner(parallel_mode(cfg_t), gcfg, self.optimizer, cfg_t.grad_accum, self.schedule,
                                   fsdp=cfg_t.fsdp, backend=self.backend, mesh=cfg_t.mesh,
-                                  loss_chunk=cfg_t.get("loss_chunk", 0))
+                                  loss_chunk=cfg_t.get("loss_chunk", 0), rules=cfg_t.get("logical_axis_rules", ""))
         self.init_args = () if params is None else (params,)
 
     def make_state(self, *pretrained):

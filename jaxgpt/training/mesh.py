@@ -1,16 +1,21 @@
 """The device mesh that `train.mesh` names: its axes, their sizes, and the devices laid out on them.
 
-`train.mesh` is a string such as "data=-1,fsdp=2" or "dcn=2,data=-1,fsdp=4" (MaxText's DCN/ICI split):
+`train.mesh` is a string such as "data=-1,fsdp=2", "dcn=2,data=-1,fsdp=4" (MaxText's DCN/ICI split) or
+"fsdp=-1,tensor=4":
 
 - `dcn`: across slices (the data-center network between TPU slices, or between hosts); carries batch.
 - `data`: within a slice; carries batch, the state replicated along it.
 - `fsdp`: within a slice; carries batch, and parameters and optimizer state are sharded along it.
+- `tensor`: within a slice; does not carry batch: it splits attention's heads, the MLP's hidden width and
+  the vocabulary (tensor parallelism), as the rules table says (jaxgpt/sharding.py).
 
-The batch is sharded over every axis; -1 stands for the devices the other axes leave (at most one -1).
-The axes are always laid out in the order dcn, data, fsdp (whatever order the string names them in), so
-that dcn is the outermost and fsdp the innermost (its all-gathers and reduce-scatters run between the
-closest chips). On several TPU slices (or, without slices, several processes) the outermost axis whose
-size their count divides spans them: dcn when the mesh has one (jax.experimental.mesh_utils' hybrid mesh).
+Which axes carry the batch and what each splits is the rules table's (`train.logical_axis_rules`); the
+above is its default. -1 stands for the devices the other axes leave (at most one -1). The axes are
+always laid out in the order dcn, data, fsdp, tensor (whatever order the string names them in), so that
+dcn is the outermost and tensor the innermost (its all-reduces, one per block and pass, run between the
+closest chips; then fsdp's all-gathers and reduce-scatters). On several TPU slices (or, without slices,
+several processes) the outermost axis whose size their count divides spans them: dcn when the mesh has
+one (jax.experimental.mesh_utils' hybrid mesh).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-AXES = ("dcn", "data", "fsdp")  # the only axis names, in the order the mesh lays them out
+from jaxgpt.sharding import MESH_AXES as AXES  # the only axis names, in the order the mesh lays them out
+
 KEY = "config.train.mesh"
 
 
@@ -37,7 +43,7 @@ def _size(name: str, text: str) -> int:
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
-    """'data=-1,fsdp=2' -> (('data', -1), ('fsdp', 2)), in the order dcn, data, fsdp; ValueError naming
+    """'data=-1,fsdp=2' -> (('data', -1), ('fsdp', 2)), in the order dcn, data, fsdp, tensor; ValueError naming
     train.mesh when it is malformed, names an unknown or repeated axis, or has more than one -1."""
     if not isinstance(text, str) or not text.strip():
         _fail(f"must name axes and sizes such as 'data=-1,fsdp=2', got {text!r}")
@@ -45,7 +51,7 @@ def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
     for part in text.split(","):
         name, eq, value = (s.strip() for s in part.partition("="))
         if not eq or not name or not value:
-            _fail(f"{part.strip()!r} is not AXIS=SIZE (the form is e.g. 'dcn=2,data=-1,fsdp=4'), in {text!r}")
+            _fail(f"{part.strip()!r} is not AXIS=SIZE (the form is e.g. 'dcn=2,data=-1,fsdp=4,tensor=2'), in {text!r}")
         if name not in AXES:
             _fail(f"unknown axis {name!r} in {text!r}; the axes are {', '.join(AXES)}")
         if name in sizes:

@@ -7,12 +7,14 @@ each process hands its runner only its own rows of the global batch, and the sta
 - `PmapRunner`: data parallel with `jax.pmap` over this process's devices; the axis spans all
   processes' devices, so `pmean` averages over the whole global batch. State is replicated with a
   leading local-device axis.
-- `MeshRunner`: `jax.jit` over a `Mesh` of all global devices with axes dcn, data and fsdp
-  (jaxgpt.training.mesh; `train.mesh`), the batch sharded over all of them. State is replicated over
-  dcn and data and sharded over fsdp (each leaf along its largest dimension divisible by the fsdp axis'
-  size; leaves with no such dimension stay replicated). XLA gathers the parameters for the forward and
-  backward passes and reduce-scatters the gradients; the update is the same as replicated training.
-  Without `train.mesh` the mesh is 1-D: 'data=-1' (replicated), or 'fsdp=-1' with `fsdp=True`.
+- `MeshRunner`: `jax.jit` over a `Mesh` of all global devices with axes dcn, data, fsdp and tensor
+  (jaxgpt.training.mesh; `train.mesh`), laid out by the rules table (jaxgpt.sharding;
+  `train.logical_axis_rules`): by default the batch sharded over dcn, data and fsdp; the state
+  replicated over dcn and data, sharded over fsdp (each leaf along one dimension the fsdp size divides,
+  the largest) and over tensor (heads, the MLP's hidden width, the vocabulary). XLA (GSPMD) gathers the
+  parameters for the forward and backward passes, reduce-scatters the gradients and all-reduces the
+  tensor-parallel matmuls' partial sums; the update is the same as replicated training. Without
+  `train.mesh` the mesh is 1-D: 'data=-1' (replicated), or 'fsdp=-1' with `fsdp=True`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.backends import Backend, resolve
 from jaxgpt.config import GPTConfig
+from jaxgpt.sharding import RulesLike, UNNAMED, batch_axes, logical_spec, rules, tree_shardings
 from jaxgpt.training.mesh import build_mesh, mesh_text
 from jaxgpt.training.step import make_eval_step, make_train_step, map_batches, repeat_steps
 
@@ -36,14 +39,9 @@ tree_map = jax.tree_util.tree_map
 
 def fsdp_spec(shape: tuple[int, ...], n: int, axis: str = FSDP) -> P:
     """The PartitionSpec that shards the largest dimension divisible by `n` over `axis` (of size n; the
-    first such dimension on ties); P() (replicated) when no dimension divides, or when n == 1."""
-    best = None
-    for i, d in enumerate(shape):
-        if n > 1 and d >= n and d % n == 0 and (best is None or d > shape[best]):
-            best = i
-    if best is None:
-        return P()
-    return P(*([None] * best), axis)
+    first such dimension on ties); P() (replicated) when no dimension divides, or when n == 1: the rules
+    table's spec of a leaf with no logical axes (jaxgpt.sharding.logical_spec) on a mesh of `axis` alone."""
+    return logical_spec((UNNAMED,) * len(shape), shape, {axis: n}, {UNNAMED: (axis,)})
 
 
 def _local_value(a) -> np.ndarray:
@@ -233,13 +231,17 @@ class PmapRunner:
 
 class MeshRunner:
     """The same step under `jax.jit` over a Mesh of all devices (`mesh`, a train.mesh string; default
-    'data=-1', or 'fsdp=-1' with `fsdp=True`): batch sharded over every axis, state over fsdp."""
+    'data=-1', or 'fsdp=-1' with `fsdp=True`), laid out by the rules table (`rules`: overrides of
+    jaxgpt.sharding's defaults, train.logical_axis_rules): by default the batch over dcn, data and fsdp,
+    the state over fsdp and tensor."""
 
     name = "mesh"
 
     def __init__(self, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, devices=None,
-                 fsdp: bool = False, backend: Optional[Backend] = None, mesh: str = "", loss_chunk: int = 0):
+                 fsdp: bool = False, backend: Optional[Backend] = None, mesh: str = "", loss_chunk: int = 0,
+                 rules: RulesLike = None):
         self.mesh = build_mesh(mesh_text(mesh, fsdp), devices)
+        self.config, self.rules = config, _rules(rules)
         self.n = self.mesh.size
         self.fsdp_size = self.mesh.shape[FSDP] if FSDP in self.mesh.axis_names else 0  # 0: no fsdp axis
         self.fsdp = self.fsdp_size > 0
@@ -247,9 +249,9 @@ class MeshRunner:
             self.name = f"mesh ({', '.join(f'{a}={s}' for a, s in self.mesh.shape.items())})"
         elif self.fsdp:
             self.name = "mesh (fsdp)"
-        axes = tuple(self.mesh.axis_names)  # every axis carries batch
+        axes = batch_axes(self.mesh.axis_names, self.rules)  # (by default all but tensor)
         self.batch_axes = axes
-        rows = axes[0] if len(axes) == 1 else axes
+        rows = None if not axes else axes[0] if len(axes) == 1 else axes
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P(rows))
         self.stack_sharding = NamedSharding(self.mesh, P(None, rows))  # [K, rows, T]: rows over the batch axes
@@ -262,10 +264,9 @@ class MeshRunner:
         self._step = self._steps = self._eval = None  # jitted on first use, when the state's structure is known
 
     def state_shardings(self, state):
-        """Per leaf: replicated, or with an fsdp axis its largest dimension divisible by its size sharded."""
-        if not self.fsdp:
-            return tree_map(lambda _: self.replicated, state)
-        return tree_map(lambda x: NamedSharding(self.mesh, fsdp_spec(tuple(x.shape), self.fsdp_size)), state)
+        """Per leaf, by the rules table: each parameter (and each optimizer leaf that mirrors one) by its
+        logical axes; any other leaf split over fsdp along its largest dimension the fsdp size divides."""
+        return tree_shardings(state, self.config, self.mesh, self.rules)
 
     def abstract_state(self, make_state: Callable, *args):
         """ShapeDtypeStructs of `make_state(*args)` laid out as this runner keeps it: a restore target."""
@@ -331,17 +332,23 @@ class MeshRunner:
         return tree_map(_local_value, tree)
 
 
+def _rules(table: RulesLike):
+    return table if isinstance(table, dict) else rules(table)
+
+
 def make_runner(kind: str, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, fsdp: bool = False,
-                backend: Optional[Backend] = None, mesh: str = "", loss_chunk: int = 0):
-    """A PmapRunner or MeshRunner by name ('pmap' | 'mesh'); `fsdp` and `mesh` (a train.mesh string, which
-    means 'mesh' whatever `kind` says) apply to the mesh only; `loss_chunk` (train.loss_chunk) to both. The
-    backend (default `resolve(config)`) is chosen here, once, for every program the runner compiles."""
+                backend: Optional[Backend] = None, mesh: str = "", loss_chunk: int = 0, rules: RulesLike = None):
+    """A PmapRunner or MeshRunner by name ('pmap' | 'mesh'); `fsdp`, `mesh` (a train.mesh string, which
+    means 'mesh' whatever `kind` says) and `rules` (train.logical_axis_rules) apply to the mesh only;
+    `loss_chunk` (train.loss_chunk) to both. The backend (default `resolve(config)`) is chosen here, once,
+    for every program the runner compiles."""
     backend = backend or resolve(config)
     backend.setup()
     if mesh:
         if fsdp:
             raise ValueError("train.fsdp and train.mesh both set: put an fsdp axis in train.mesh instead")
-        return MeshRunner(config, optimizer, grad_accum, schedule, backend=backend, mesh=mesh, loss_chunk=loss_chunk)
+        return MeshRunner(config, optimizer, grad_accum, schedule, backend=backend, mesh=mesh, loss_chunk=loss_chunk,
+                          rules=rules)
     if kind == "pmap":
         if fsdp:
             raise ValueError("train.fsdp needs train.parallel='mesh' (pmap keeps a full copy per device)")
@@ -351,5 +358,6 @@ def make_runner(kind: str, config: GPTConfig, optimizer, grad_accum: int = 1, sc
             return runner
         return PmapRunner(config, optimizer, grad_accum, schedule, backend=backend, loss_chunk=loss_chunk)
     if kind == "mesh":
-        return MeshRunner(config, optimizer, grad_accum, schedule, fsdp=fsdp, backend=backend, loss_chunk=loss_chunk)
+        return MeshRunner(config, optimizer, grad_accum, schedule, fsdp=fsdp, backend=backend, loss_chunk=loss_chunk,
+                          rules=rules)
     raise ValueError(f"train.parallel must be one of ['mesh', 'pmap'], got {kind!r}")
