@@ -275,6 +275,35 @@ def test_cpu_cached_attention_equals_the_reference(t, s, kv_heads):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+# one query (a decode step) and several (a speculative step), grouped queries, head sizes 16..128, rows of
+# one filled position up to the whole buffer, a buffer length off the kernel's 16-float vectors
+@pytest.mark.parametrize("b,t,n,kh,s,h", [(3, 1, 4, 4, 50, 64), (2, 5, 8, 2, 37, 32), (4, 1, 6, 1, 19, 16),
+                                          (1, 16, 2, 1, 40, 128), (2, 3, 3, 3, 33, 48)])
+def test_native_cached_attention_equals_the_reference_and_reads_only_the_visible_positions(native_kernel, b, t, n,
+                                                                                           kh, s, h):
+    kq, kk, kv, kl = jax.random.split(jax.random.key(b * s + h), 4)
+    q = jax.random.normal(kq, (b, t, n, h))
+    k, v = jax.random.normal(kk, (b, kh, s, h)), jax.random.normal(kv, (b, kh, s, h))
+    lengths = jnp.concatenate([jnp.array([t, s], jnp.int32), jax.random.randint(kl, (b,), t, s + 1)])[:b]
+    positions = lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+    got = jax.jit(native.cached_attention)(q, k, v, positions, lengths)
+    np.testing.assert_allclose(got, einsum_attention(q, k, v, positions, lengths), rtol=1e-5, atol=1e-5)
+    past = jnp.arange(s)[None, None, :, None] >= lengths[:, None, None, None]  # positions no query sees
+    noisy = [jnp.where(past, jnp.nan, a) for a in (k, v)]
+    np.testing.assert_array_equal(jax.jit(native.cached_attention)(q, *noisy, positions, lengths), got)
+
+
+def test_the_cpu_backends_decode_step_attends_through_the_native_kernel_only_when_it_is_on(native_cpu, monkeypatch):
+    q, k, v = jnp.ones((2, 1, 4, 32)), jnp.ones((2, 2, 24, 32)), jnp.ones((2, 2, 24, 32))
+    lengths = jnp.array([3, 24], jnp.int32)
+    for on in (True, False):
+        _native(monkeypatch, on)
+        attend = backends.cpu_backend().attention("dot_product")
+        text = jax.jit(lambda q, k, v, p, n: attend(q, k, v, p, n)).lower(q, k, v, lengths[:, None] - 1,
+                                                                          lengths).as_text()
+        assert ("jaxgpt_cached_attention" in text) == on
+
+
 def test_cpu_attention_keeps_scores_in_float32_for_bf16():
     from tests.test_attention import float32_softmax_case
 

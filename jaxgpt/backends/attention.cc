@@ -30,33 +30,8 @@ constexpr int64_t MB = 64;  // queries per block
 constexpr int64_t RT = 8;   // score rows per abt tile
 constexpr int64_t CT = 32;  // score columns per abt tile (two vectors)
 
-typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
-
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-v16 splat(float x) { return v16{} + x; }
-
-// e^x lane by lane for x <= 0 (below -87 it gives e^-87, callers zero the masked lanes): x = n ln2 + r with
-// |r| <= ln2/2, e^r by its Taylor polynomial to r^7 (relative error below 1e-8), 2^n built in the exponent.
-v16 exp_nonpositive(v16 x) {
-  x = x < splat(-87.f) ? splat(-87.f) : x;
-  const v16 t = x * 1.44269504088896341f;
-  const i16v n = __builtin_convertvector(t - 0.5f, i16v);  // t <= 0: rounds to nearest (truncation toward 0)
-  const v16 nf = __builtin_convertvector(n, v16);
-  const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;  // ln2 in two parts: r is exact to float
-  v16 p = splat(1.f / 5040);
-  p = p * r + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const i16v bits = (n + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // s[0..RT)[c0..c0+CT) = a[0..RT)[0..H) . bt[0..H)[c0..c0+CT): a's rows contiguous (H floats), bt row h
 // holds column h of every key (stride ldb), s rows of stride lds.

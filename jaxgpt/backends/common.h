@@ -21,6 +21,32 @@ static inline v16 load16(const float* p) {
 
 static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
+typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
+
+static inline v16 splat(float x) { return v16{} + x; }
+
+// e^x lane by lane for x <= 0 (below -87 it gives e^-87, callers zero the masked lanes): x = n ln2 + r with
+// |r| <= ln2/2, e^r by its Taylor polynomial to r^7 (relative error below 1e-8), 2^n built in the exponent.
+static inline v16 exp_nonpositive(v16 x) {
+  x = x < splat(-87.f) ? splat(-87.f) : x;
+  const v16 t = x * 1.44269504088896341f;
+  const i16v n = __builtin_convertvector(t - 0.5f, i16v);  // t <= 0: rounds to nearest (truncation toward 0)
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;  // ln2 in two parts: r is exact to float
+  v16 p = splat(1.f / 5040);
+  p = p * r + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i16v bits = (n + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 // Runs work(lo, hi) over [0, n) in two halves: the calling thread takes the first, a task on XLA's intra-op
 // pool the second, and whichever of the two comes to the second half first computes it (so a busy pool, or
 // two of these calls waiting on each other, never stalls it).

@@ -265,6 +265,11 @@ def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None,
     if q_positions_BxT is not None or kv_lengths_B is not None:
         if q_positions_BxT is None:
             q_positions_BxT = jnp.arange(q_BxTxNxH.shape[1], dtype=jnp.int32)[None, :]
+        if (native_attention and kv_lengths_B is not None
+                and native.cached_attention_supported(q_BxTxNxH.shape, k_BxKxSxH.shape, k_BxKxSxH.dtype)):
+            # a decode step: only each row's filled positions are read (XLA's form reads every position)
+            return native.cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT,
+                                           kv_lengths_B).astype(q_BxTxNxH.dtype)
         return cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
     b, t, n, h = q_BxTxNxH.shape
     kh = k_BxKxSxH.shape[1]

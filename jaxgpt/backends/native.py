@@ -1,6 +1,7 @@
 """Native CPU kernels, XLA FFI calls compiled from C++ on first use: the decode step's matmul at 1..16 rows
-(rows.cc, over weights packed in panels of 16 outputs by `pack`, float32 or int8 with scales) and causal self-attention for training,
-forward and backward (attention.cc).
+(rows.cc, over weights packed in panels of 16 outputs by `pack`, float32 or int8 with scales), causal
+self-attention for training, forward and backward (attention.cc), and a decode step's attention over the KV
+cache, reading only each row's filled positions (cached_attention.cc).
 
 The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`, `-march=native`) against the
 installed jaxlib's FFI headers into `kernels/` of `$JAXGPT_CACHE` (default `~/.cache/jaxgpt`), once per
@@ -42,8 +43,10 @@ INT8_PANEL = 64  # outputs per int8 panel: one cache line per input
 ATTENTION_TARGET = "jaxgpt_causal_attention"
 ATTENTION_BWD_TARGET = "jaxgpt_causal_attention_bwd"
 ATTENTION_BWD_FUSED_TARGET = "jaxgpt_causal_attention_bwd_fused"
+CACHED_ATTENTION_TARGET = "jaxgpt_cached_attention"
+MAX_CACHED_QUERIES = 16  # queries per row that cached_attention takes (decode steps; longer chunks use XLA)
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = tuple(os.path.join(_HERE, f) for f in ("rows.cc", "attention.cc"))
+SOURCES = tuple(os.path.join(_HERE, f) for f in ("rows.cc", "attention.cc", "cached_attention.cc"))
 HEADERS = (os.path.join(_HERE, "common.h"),)
 
 _lock = threading.Lock()
@@ -160,6 +163,8 @@ def available() -> bool:
                                             jax.ffi.pycapsule(lib.JaxgptCausalAttentionBackward), platform="cpu")
                 jax.ffi.register_ffi_target(ATTENTION_BWD_FUSED_TARGET,
                                             jax.ffi.pycapsule(lib.JaxgptCausalAttentionBackwardFused), platform="cpu")
+                jax.ffi.register_ffi_target(CACHED_ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxgptCachedAttention),
+                                            platform="cpu")
                 _state.update(ok=True, lib=lib)
             except Exception as e:  # no compiler, no headers, a failed build: decode through XLA instead
                 _state.update(ok=False, why=str(e))
@@ -249,6 +254,30 @@ def attention_supported(q_shape, k_shape) -> bool:
     h = q_shape[-1]
     return (len(q_shape) == len(k_shape) == 4 and h % 16 == 0 and 16 <= h <= 128 and k_shape[-1] == h
             and q_shape[2] % k_shape[2] == 0 and available())
+
+
+def cached_attention_supported(q_shape, k_shape, dtype) -> bool:
+    """Whether `cached_attention` takes q [B, T, N, H] over a float32 cache k [B, K, S, H]: T up to
+    MAX_CACHED_QUERIES, head sizes 16..128 in steps of 16, N a multiple of K, the kernels built."""
+    h = q_shape[-1]
+    return (len(q_shape) == len(k_shape) == 4 and q_shape[1] <= MAX_CACHED_QUERIES and h % 16 == 0
+            and 16 <= h <= 128 and k_shape[-1] == h and q_shape[2] % k_shape[1] == 0
+            and jnp.dtype(dtype) == jnp.float32 and available())
+
+
+def cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B) -> jax.Array:
+    """Attention of q [B, T, N, H] over a cache's keys and values [B, K, S, H] (float32): query (b, t) sees
+    positions s <= q_positions[b, t] and s < kv_lengths[b], scores scaled by 1/sqrt(H) (cached_attention.cc).
+    Reads only the visible positions of each row. Check `cached_attention_supported` first."""
+    _require()
+    b, t, n, h = q_BxTxNxH.shape
+    kh, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
+    call = jax.ffi.ffi_call(CACHED_ATTENTION_TARGET, jax.ShapeDtypeStruct((b, t, n * h), jnp.float32),
+                            vmap_method="sequential")
+    out = call(q_BxTxNxH.reshape(b, t, n * h).astype(jnp.float32), k_BxKxSxH.reshape(b * kh, s, h),
+               v_BxKxSxH.reshape(b * kh, s, h), jnp.broadcast_to(q_positions_BxT, (b, t)).astype(jnp.int32),
+               kv_lengths_B.astype(jnp.int32), heads=np.int64(n), kv_heads=np.int64(kh))
+    return out.reshape(b, t, n, h)
 
 
 def _require() -> None:
