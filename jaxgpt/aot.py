@@ -538,10 +538,15 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
     formula = (flops_per_token(gcfg, block) + recompute_flops_per_token(gcfg, block)) * rows * block * k / n
     extra = {"parallel": runner.name if on_mesh else "pmap (compiled as its per-device step under shard_map)",
              "batch_size": rows, "seq_len": block, "grad_accum": t.grad_accum, "steps_per_call": k,
-             "per_device_batch": rows // n, "remat": gcfg.remat, "scan_layers": gcfg.scan_layers,
+             "per_device_batch": rows // _batch_split(runner) if on_mesh else rows // n, "remat": gcfg.remat, "scan_layers": gcfg.scan_layers,
              "dtype": gcfg.dtype, "kernels": backend.name, "attention": gcfg.attention, "loss_chunk": loss_chunk}
     return _report("train step", compiled, seconds, devs, formula, extra, loop_trips=t.grad_accum * k,
                    layer_loop=gcfg.scan_layers, loss_loop=bool(loss_chunk))
+
+
+def _batch_split(runner) -> int:
+    """How many devices a mesh runner splits the batch's rows over (its batch axes: not tensor)."""
+    return math.prod(runner.mesh.shape[a] for a in runner.batch_axes)
 
 
 def _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, grad_accum: int, k: int, state,
@@ -567,11 +572,14 @@ def _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, grad_accum: i
 
 def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optional[int] = None,
                      prompt_len: Optional[int] = None, max_new_tokens: Optional[int] = None,
-                     progress: bool = True) -> dict:
+                     progress: bool = True, mesh: str = "") -> dict:
     """Compile `jaxgpt.generate`'s program (prefill + lax.scan decode) for the target; a dict of figures.
 
-    Parameters are replicated on every device; the prompt rows are split over the devices when their
-    count divides (default: one row per device). Defaults: a prompt of half the context, the rest new.
+    Without `mesh` the parameters are replicated on every device and the prompt rows split over the
+    devices when their count divides (default: one row per device). With `mesh` (a train.mesh string such
+    as "tensor=8") the parameters are placed by the rules table (train.logical_axis_rules; tensor splits
+    heads, the MLP and the vocabulary) and the rows split over its batch axes when their count divides
+    (default: one row per batch device). Defaults: a prompt of half the context, the rest new.
     """
     import jax
     import numpy as np
@@ -580,6 +588,9 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     from jaxgpt import sampling
 
     gcfg, backend = model_config(config, vocab_size, devs.target.platform)
+    if mesh:
+        return _compile_generate_on_mesh(config, gcfg, backend, devs, mesh, batch_size, prompt_len, max_new_tokens,
+                                         progress)
     n = len(devs.devices)
     b = n if batch_size is None else batch_size
     p = max(1, gcfg.block_size // 2) if prompt_len is None else prompt_len
@@ -597,6 +608,58 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     compiled, seconds = _compile("generate program", lower, devs, progress)
     extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": backend.name,
              "attention": gcfg.attention}
+    return _report("generate program", compiled, seconds, devs, None, extra)
+
+
+def _compile_generate_on_mesh(config, gcfg, backend, devs: Devices, mesh: str, batch_size, prompt_len, new,
+                              progress: bool) -> dict:
+    """compile_generate over `mesh` (a train.mesh string), the weights placed by the rules table."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxgpt import sampling
+    from jaxgpt.backends import DecodeWeights
+    from jaxgpt.backends.base import cast_floats
+    from jaxgpt.model import abstract_params
+    from jaxgpt.sharding import batch_axes, rules, tree_shardings
+    from jaxgpt.training.mesh import build_mesh
+
+    try:
+        table = rules(config.train.get("logical_axis_rules", ""))
+        grid = build_mesh(mesh, devs.devices)
+    except ValueError as e:
+        raise AotError(f"--gen_mesh: {e}") from None
+    rows_over = batch_axes(grid.axis_names, table)
+    n_rows = math.prod(grid.shape[a] for a in rows_over)
+    b = n_rows if batch_size is None else batch_size
+    p = max(1, gcfg.block_size // 2) if prompt_len is None else prompt_len
+    new = gcfg.block_size - p if new is None else new
+    if b < 1 or p < 1 or new < 1 or p + new > gcfg.block_size:
+        raise AotError(f"generate needs batch >= 1, prompt >= 1, new tokens >= 1 and prompt + new <= block_size "
+                       f"({gcfg.block_size}); got {b}, {p}, {new}")
+    cfg = gcfg.replace(remat="none")
+    params = abstract_params(cfg)
+    prepared = jax.eval_shape(lambda w: backend.prepare_decode(cast_floats(w, cfg.compute_dtype), b, cfg.compute_dtype,
+                                                               cfg.tie_embeddings, config=cfg), params)
+    weights = DecodeWeights(params, prepared)
+    weights = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), weights,
+                           tree_shardings(weights, cfg, grid, table))
+    replicated = NamedSharding(grid, P())
+    rows = NamedSharding(grid, P(rows_over)) if rows_over and b % n_rows == 0 else replicated
+    prompts = jax.ShapeDtypeStruct((b, p), np.int32, sharding=rows)
+    lengths = jax.ShapeDtypeStruct((b,), np.int32, sharding=rows)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+    sampler = sampling.Sampler(1.0, None, None, None, 0)
+
+    def lower():  # (sampling.lower_generate places every weight on one sharding: this lowers its program)
+        return sampling._generate.lower(weights, prompts, lengths, rng, config=cfg, backend=backend,
+                                        max_new_tokens=new, sampler=sampler)
+
+    compiled, seconds = _compile("generate program", lower, devs, progress)
+    extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": backend.name,
+             "attention": gcfg.attention, "mesh": ", ".join(f"{a}={s}" for a, s in grid.shape.items())}
     return _report("generate program", compiled, seconds, devs, None, extra)
 
 
@@ -748,7 +811,7 @@ def format_result(result: dict) -> str:
                     f"{_gib(p['prefill'].get('peak_bytes'))}")
         else:
             head = (f"generate: batch {p['batch_size']}, prompt {p['prompt_len']}, {p['max_new_tokens']} new tokens, "
-                    f"dtype {p['dtype']}, kernels {p['kernels']}")
+                    f"dtype {p['dtype']}, kernels {p['kernels']}" + (f", mesh {p['mesh']}" if p.get("mesh") else ""))
         lines.append(head)
         lines.append(f"  compiled in {p['compile_s']:.1f}s; per device: arguments {_gib(p['argument_bytes'])}, outputs "
                      f"{_gib(p['output_bytes'])} (aliased {_gib(p['alias_bytes'])}), temporaries {_gib(p['temp_bytes'])}; "

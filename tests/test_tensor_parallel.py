@@ -158,3 +158,20 @@ def test_params_placed_by_the_rules_give_one_devices_tokens_under_tensor_2():
         [dict(prompt=[3, 1, 4, 1, 5], max_tokens=6, **settings), dict(prompt=[2, 7], max_tokens=6)])
         for p in (params, placed)]
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+
+
+def test_jaxgpt_aot_compiles_a_tensor_mesh_train_step_and_generate_at_tensor_4():
+    from jaxgpt import aot
+    if aot.missing_extra() is not None:
+        pytest.skip(f"aot extra: {aot.missing_extra()}")
+    aot.prepare_environment()
+    c = default_config()
+    c.data.tokenizer, c.train.batch_size, c.train.mesh = "byte", 8, "fsdp=2,tensor=2"
+    c.model.block_size, c.model.n_layer, c.model.n_head, c.model.n_embd = 64, 2, 4, 64
+    r = aot.compile_for_target(c, aot.parse_target("tpu:v5e:2x2"), progress=False,
+                               generate_args={"prompt_len": 8, "max_new_tokens": 8, "mesh": "tensor=4"})
+    train, gen = r["programs"]["train"], r["programs"]["generate"]
+    assert r["fits"] and train["parallel"] == "mesh (fsdp=2, tensor=2)" and train["per_device_batch"] == 4
+    assert gen["mesh"] == "tensor=4" and gen["batch_size"] == 1  # no batch axis: one row
+    assert train["collectives"]["all-reduce"] > 0 and gen["collectives"]["all-reduce"] > 0  # the partial sums
+    assert "mesh tensor=4" in aot.format_result(r)

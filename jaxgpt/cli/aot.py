@@ -37,6 +37,9 @@ flags.DEFINE_string("kv_dtype", None, "engine: the KV cache's dtype: int8 (a flo
 flags.DEFINE_integer("gen_batch", None, "generate: prompt rows (default one per device)")
 flags.DEFINE_integer("gen_prompt_len", None, "generate: prompt length (default half the context)")
 flags.DEFINE_integer("gen_new_tokens", None, "generate: new tokens (default the rest of the context)")
+flags.DEFINE_string("gen_mesh", None, "generate: a mesh to decode over, e.g. tensor=8 (the parameters placed by the "
+                    "rules table, train.logical_axis_rules; the rows over its batch axes); default the rows over "
+                    "every device, the parameters replicated")
 
 FLAGS = flags.FLAGS
 EXIT_ERROR = 2
@@ -135,7 +138,8 @@ def _run(argv) -> None:
     except ValueError as e:
         _fail(e)
     aot.prepare_environment()
-    gen = {"batch_size": FLAGS.gen_batch, "prompt_len": FLAGS.gen_prompt_len, "max_new_tokens": FLAGS.gen_new_tokens}
+    gen = {"batch_size": FLAGS.gen_batch, "prompt_len": FLAGS.gen_prompt_len, "max_new_tokens": FLAGS.gen_new_tokens,
+           "mesh": FLAGS.gen_mesh or ""}
     result, error = None, None
     with _FilteredStderr():
         try:
