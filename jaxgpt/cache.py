@@ -153,6 +153,13 @@ class KVCache:
         return tuple(dequantize_kv(read(q[i], b), self.layout.read_scale(s[i], b), dtype or jnp.float32)
                      for q, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
+    def layer_int8(self, i) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """An int8 cache's layer i as stored: keys and values int8 [B, K, S, H] and their scales float32
+        [B, K, S] (value = int8 * scale)."""
+        b, read = self.batch_size, self.layout.read
+        return (read(self.k[i], b), read(self.v[i], b), self.layout.read_scale(self.k_scale[i], b),
+                self.layout.read_scale(self.v_scale[i], b))
+
     def first(self, n: int) -> "KVCache":
         """The first n rows as a cache of their own (a copy of those rows only); `merge_first` writes them
         back. (A view of the shared buffers, sliced after each layer's write, made XLA:CPU fuse the write

@@ -293,6 +293,33 @@ def test_native_cached_attention_equals_the_reference_and_reads_only_the_visible
     np.testing.assert_array_equal(jax.jit(native.cached_attention)(q, *noisy, positions, lengths), got)
 
 
+@pytest.mark.parametrize("b,t,n,kh,s,h", [(3, 1, 4, 4, 50, 64), (2, 5, 8, 2, 37, 32)])
+def test_native_int8_cached_attention_equals_the_reference_over_the_dequantized_cache(native_kernel, b, t, n, kh, s,
+                                                                                       h):
+    from jaxgpt.cache import dequantize_kv, quantize_kv
+
+    kq, kk, kv = jax.random.split(jax.random.key(s), 3)
+    q = jax.random.normal(kq, (b, t, n, h))
+    (k8, ks), (v8, vs) = (quantize_kv(jax.random.normal(key, (b, kh, s, h))) for key in (kk, kv))
+    lengths = jnp.array([s, t, s // 2][:b], jnp.int32)
+    positions = lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+    got = jax.jit(native.cached_attention_int8)(q, k8, v8, ks, vs, positions, lengths)
+    want = einsum_attention(q, dequantize_kv(k8, ks), dequantize_kv(v8, vs), positions, lengths)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_int8_cache_is_attended_as_stored_by_the_native_kernel_only_when_it_is_on(native_cpu, monkeypatch):
+    cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=64)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jnp.ones((2, 1), jnp.int32)
+    for on in (True, False):
+        _native(monkeypatch, on)
+        backend = backends.cpu_backend()
+        cache = KVCache.create(cfg, 2, 16, dtype="int8", layout=backend.cache_layout)
+        fn = jax.jit(lambda p, c: GPT(cfg, backend).apply({"params": p}, tokens, c))
+        assert ("jaxgpt_cached_attention_int8" in fn.lower(params, cache).as_text()) == on
+
+
 def test_the_cpu_backends_decode_step_attends_through_the_native_kernel_only_when_it_is_on(native_cpu, monkeypatch):
     q, k, v = jnp.ones((2, 1, 4, 32)), jnp.ones((2, 2, 24, 32)), jnp.ones((2, 2, 24, 32))
     lengths = jnp.array([3, 24], jnp.int32)

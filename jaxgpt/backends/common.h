@@ -1,4 +1,5 @@
-// What the native kernels (rows.cc, attention.cc) share: the 16-float vector and the two-thread split.
+// What the native kernels (rows.cc, attention.cc, cached_attention.cc) share: the 16-float vector, its loads
+// and exponential, and the two-thread split.
 #pragma once
 
 #include <atomic>
@@ -7,6 +8,9 @@
 #include <memory>
 
 #include "xla/ffi/api/ffi.h"
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -20,6 +24,27 @@ static inline v16 load16(const float* p) {
 }
 
 static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// 16 consecutive floats, or int8 values widened to floats (int8 weights, an int8 KV cache). For int8, GCC 12
+// widens a generic vector element by element (__builtin_convertvector), so the AVX-512 and AVX2 widening
+// instructions are named.
+static inline v16 weights16(const float* p) { return load16(p); }
+static inline v16 weights16(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  v16 v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+#else
+  v16 v;
+  for (int j = 0; j < 16; ++j) v[j] = static_cast<float>(p[j]);
+  return v;
+#endif
+}
 
 typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
 

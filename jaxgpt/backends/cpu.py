@@ -265,7 +265,7 @@ def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None,
     if q_positions_BxT is not None or kv_lengths_B is not None:
         if q_positions_BxT is None:
             q_positions_BxT = jnp.arange(q_BxTxNxH.shape[1], dtype=jnp.int32)[None, :]
-        if (native_attention and kv_lengths_B is not None
+        if (native_attention and kv_lengths_B is not None and k_BxKxSxH.dtype == jnp.float32
                 and native.cached_attention_supported(q_BxTxNxH.shape, k_BxKxSxH.shape, k_BxKxSxH.dtype)):
             # a decode step: only each row's filled positions are read (XLA's form reads every position)
             return native.cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT,
@@ -281,6 +281,15 @@ def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None,
                                v_BxKxSxH.swapaxes(1, 2).reshape(b, t, kh * h)], axis=-1)
         return native.causal_attention_qkv(qkv, n, kh).reshape(b, t, n, h)
     return blocked_causal_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH)
+
+
+def native_int8_cache_attention(q_BxTxNxH, k8, v8, k_scale, v_scale, q_positions_BxT, kv_lengths_B):
+    """Attention over an int8 cache in the native kernel, which widens keys and values in registers (XLA
+    would write the whole cache out dequantized first); None where the kernel does not take the shapes."""
+    if not native.cached_attention_supported(q_BxTxNxH.shape, k8.shape, jnp.int8):
+        return None
+    return native.cached_attention_int8(q_BxTxNxH, k8, v8, k_scale, v_scale, q_positions_BxT,
+                                        kv_lengths_B).astype(q_BxTxNxH.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -342,4 +351,5 @@ def make_backend(native_decode: bool, native_attention: bool, fast_bf16: bool = 
         float32_activations=True,  # XLA:CPU has no bf16 arithmetic outside matmuls: converts cost the gain
         fast_bf16=fast_bf16,
         run_once_options=(("xla_backend_optimization_level", 0),),  # halves the init's compile time
-        setup=tune_allocator)
+        setup=tune_allocator,
+        int8_cache_attention=native_int8_cache_attention if native_attention else None)

@@ -44,6 +44,7 @@ ATTENTION_TARGET = "jaxgpt_causal_attention"
 ATTENTION_BWD_TARGET = "jaxgpt_causal_attention_bwd"
 ATTENTION_BWD_FUSED_TARGET = "jaxgpt_causal_attention_bwd_fused"
 CACHED_ATTENTION_TARGET = "jaxgpt_cached_attention"
+CACHED_ATTENTION_INT8_TARGET = "jaxgpt_cached_attention_int8"
 MAX_CACHED_QUERIES = 16  # queries per row that cached_attention takes (decode steps; longer chunks use XLA)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = tuple(os.path.join(_HERE, f) for f in ("rows.cc", "attention.cc", "cached_attention.cc"))
@@ -165,6 +166,8 @@ def available() -> bool:
                                             jax.ffi.pycapsule(lib.JaxgptCausalAttentionBackwardFused), platform="cpu")
                 jax.ffi.register_ffi_target(CACHED_ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxgptCachedAttention),
                                             platform="cpu")
+                jax.ffi.register_ffi_target(CACHED_ATTENTION_INT8_TARGET,
+                                            jax.ffi.pycapsule(lib.JaxgptCachedAttentionInt8), platform="cpu")
                 _state.update(ok=True, lib=lib)
             except Exception as e:  # no compiler, no headers, a failed build: decode through XLA instead
                 _state.update(ok=False, why=str(e))
@@ -257,12 +260,13 @@ def attention_supported(q_shape, k_shape) -> bool:
 
 
 def cached_attention_supported(q_shape, k_shape, dtype) -> bool:
-    """Whether `cached_attention` takes q [B, T, N, H] over a float32 cache k [B, K, S, H]: T up to
-    MAX_CACHED_QUERIES, head sizes 16..128 in steps of 16, N a multiple of K, the kernels built."""
+    """Whether `cached_attention` (a float32 cache) or `cached_attention_int8` (an int8 one) takes q
+    [B, T, N, H] over a cache k [B, K, S, H] of `dtype`: T up to MAX_CACHED_QUERIES, head sizes 16..128 in
+    steps of 16, N a multiple of K, the kernels built."""
     h = q_shape[-1]
     return (len(q_shape) == len(k_shape) == 4 and q_shape[1] <= MAX_CACHED_QUERIES and h % 16 == 0
             and 16 <= h <= 128 and k_shape[-1] == h and q_shape[2] % k_shape[1] == 0
-            and jnp.dtype(dtype) == jnp.float32 and available())
+            and jnp.dtype(dtype) in (jnp.float32, jnp.int8) and available())
 
 
 def cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B) -> jax.Array:
@@ -277,6 +281,23 @@ def cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_length
     out = call(q_BxTxNxH.reshape(b, t, n * h).astype(jnp.float32), k_BxKxSxH.reshape(b * kh, s, h),
                v_BxKxSxH.reshape(b * kh, s, h), jnp.broadcast_to(q_positions_BxT, (b, t)).astype(jnp.int32),
                kv_lengths_B.astype(jnp.int32), heads=np.int64(n), kv_heads=np.int64(kh))
+    return out.reshape(b, t, n, h)
+
+
+def cached_attention_int8(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, k_scale_BxKxS, v_scale_BxKxS, q_positions_BxT,
+                          kv_lengths_B) -> jax.Array:
+    """`cached_attention` over an int8 cache (keys and values int8 [B, K, S, H], each position's value
+    int8 * scale [B, K, S]): the int8 bytes are read and widened in registers."""
+    _require()
+    b, t, n, h = q_BxTxNxH.shape
+    kh, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
+    call = jax.ffi.ffi_call(CACHED_ATTENTION_INT8_TARGET, jax.ShapeDtypeStruct((b, t, n * h), jnp.float32),
+                            vmap_method="sequential")
+    out = call(q_BxTxNxH.reshape(b, t, n * h).astype(jnp.float32), k_BxKxSxH.reshape(b * kh, s, h),
+               v_BxKxSxH.reshape(b * kh, s, h), k_scale_BxKxS.reshape(b * kh, s).astype(jnp.float32),
+               v_scale_BxKxS.reshape(b * kh, s).astype(jnp.float32),
+               jnp.broadcast_to(q_positions_BxT, (b, t)).astype(jnp.int32), kv_lengths_B.astype(jnp.int32),
+               heads=np.int64(n), kv_heads=np.int64(kh))
     return out.reshape(b, t, n, h)
 
 

@@ -15,31 +15,9 @@
 
 #include <cstdint>
 #include <cstring>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include "common.h"
 
-// 16 consecutive weights of a panel as floats. For int8, GCC 12 widens a generic vector element by element
-// (__builtin_convertvector), so the AVX-512 and AVX2 widening instructions are named.
-static inline v16 weights16(const float* p) { return load16(p); }
-static inline v16 weights16(const int8_t* p) {
-#if defined(__AVX512F__)
-  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-  v16 v;
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
-#else
-  v16 v;
-  for (int j = 0; j < 16; ++j) v[j] = static_cast<float>(p[j]);
-  return v;
-#endif
-}
 
 // Panels [lo, hi), P at a time: P x R accumulators stay in registers for the whole `in` loop. With
 // `scale` (int8 panels), output o of every row is multiplied by scale[o] at the end.
