@@ -273,29 +273,25 @@ def cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_length
     """Attention of q [B, T, N, H] over a cache's keys and values [B, K, S, H] (float32): query (b, t) sees
     positions s <= q_positions[b, t] and s < kv_lengths[b], scores scaled by 1/sqrt(H) (cached_attention.cc).
     Reads only the visible positions of each row. Check `cached_attention_supported` first."""
-    _require()
-    b, t, n, h = q_BxTxNxH.shape
-    kh, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
-    call = jax.ffi.ffi_call(CACHED_ATTENTION_TARGET, jax.ShapeDtypeStruct((b, t, n * h), jnp.float32),
-                            vmap_method="sequential")
-    out = call(q_BxTxNxH.reshape(b, t, n * h).astype(jnp.float32), k_BxKxSxH.reshape(b * kh, s, h),
-               v_BxKxSxH.reshape(b * kh, s, h), jnp.broadcast_to(q_positions_BxT, (b, t)).astype(jnp.int32),
-               kv_lengths_B.astype(jnp.int32), heads=np.int64(n), kv_heads=np.int64(kh))
-    return out.reshape(b, t, n, h)
+    return _cached(CACHED_ATTENTION_TARGET, q_BxTxNxH, (k_BxKxSxH, v_BxKxSxH), (), q_positions_BxT, kv_lengths_B)
 
 
 def cached_attention_int8(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, k_scale_BxKxS, v_scale_BxKxS, q_positions_BxT,
                           kv_lengths_B) -> jax.Array:
     """`cached_attention` over an int8 cache (keys and values int8 [B, K, S, H], each position's value
     int8 * scale [B, K, S]): the int8 bytes are read and widened in registers."""
+    return _cached(CACHED_ATTENTION_INT8_TARGET, q_BxTxNxH, (k_BxKxSxH, v_BxKxSxH), (k_scale_BxKxS, v_scale_BxKxS),
+                   q_positions_BxT, kv_lengths_B)
+
+
+def _cached(target: str, q_BxTxNxH, kv: tuple, scales: tuple, q_positions_BxT, kv_lengths_B) -> jax.Array:
+    """The FFI call of either cached-attention kernel: keys and values (and scales) as [B K, S, ...]."""
     _require()
     b, t, n, h = q_BxTxNxH.shape
-    kh, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
-    call = jax.ffi.ffi_call(CACHED_ATTENTION_INT8_TARGET, jax.ShapeDtypeStruct((b, t, n * h), jnp.float32),
-                            vmap_method="sequential")
-    out = call(q_BxTxNxH.reshape(b, t, n * h).astype(jnp.float32), k_BxKxSxH.reshape(b * kh, s, h),
-               v_BxKxSxH.reshape(b * kh, s, h), k_scale_BxKxS.reshape(b * kh, s).astype(jnp.float32),
-               v_scale_BxKxS.reshape(b * kh, s).astype(jnp.float32),
+    kh, s = kv[0].shape[1], kv[0].shape[2]
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((b, t, n * h), jnp.float32), vmap_method="sequential")
+    out = call(q_BxTxNxH.reshape(b, t, n * h).astype(jnp.float32), *(a.reshape(b * kh, s, h) for a in kv),
+               *(a.reshape(b * kh, s).astype(jnp.float32) for a in scales),
                jnp.broadcast_to(q_positions_BxT, (b, t)).astype(jnp.int32), kv_lengths_B.astype(jnp.int32),
                heads=np.int64(n), kv_heads=np.int64(kh))
     return out.reshape(b, t, n, h)
