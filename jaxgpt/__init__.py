@@ -10,6 +10,7 @@ from jaxgpt.pretrained import from_pretrained, save_pretrained
 from jaxgpt.sampling import (Decoder, GenerateOutput, generate, generate_stream, sample_logits, top_k_filter,
                              top_p_filter)
 from jaxgpt.schema import ParamInfo, param_schema
+from jaxgpt.sharding import shard_params
 from jaxgpt.speculative import Speculative
 
 __version__ = "0.1.0"
@@ -19,5 +20,5 @@ __all__ = [
     "convert_layers", "count_params", "flops_per_token", "from_pretrained", "generate", "generate_stream",
     "init_params", "num_params", "ParamInfo", "param_schema", "register_attention", "register_block", "Request",
     "resolve", "sample_logits",
-    "save_pretrained", "Speculative", "top_k_filter", "top_p_filter",
+    "save_pretrained", "shard_params", "Speculative", "top_k_filter", "top_p_filter",
 ]

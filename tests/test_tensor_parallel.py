@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxgpt import Engine, GPTConfig, generate, init_params
+from jaxgpt import Engine, GPTConfig, generate, init_params, shard_params
 from jaxgpt.aot import count_collectives
-from jaxgpt.sharding import DEFAULT_RULES, batch_axes, logical_spec, rules, shard_params, tree_specs
-from jaxgpt.training import MeshRunner, create_train_state, make_optimizer
+from jaxgpt.checkpoint import Checkpointer, abstract_like
+from jaxgpt.sharding import DEFAULT_RULES, batch_axes, logical_spec, rules, tree_specs
+from jaxgpt.training import MeshRunner, create_train_state, make_optimizer, train
 from jaxgpt.training.config import batch_devices, default_config, validate_config
 from jaxgpt.training.mesh import build_mesh, parse_mesh
 from jaxgpt.training.parallel import fsdp_spec
-from tests.helpers import assert_same_training
+from tests.helpers import assert_same_training, tiny_config
 
 # four heads of 8, two kv heads (GQA), SwiGLU and RoPE: what a Llama-style model splits
 CFG = GPTConfig(vocab_size=48, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bias=False,
@@ -131,6 +132,32 @@ def test_a_tensor_mesh_trains_as_one_device_with_the_state_split_over_tensor(one
     held = {(32, 32)} if mesh.startswith("data") else {(16, 32)}
     assert {s.data.shape for s in c_fc.addressable_shards} == held
     assert state.step.sharding.is_fully_replicated
+
+
+def test_a_checkpoint_from_a_tensor_mesh_restores_on_one_device_and_on_another_mesh(tmp_path):
+    runner = MeshRunner(CFG, OPT, mesh="fsdp=2,tensor=2")
+    _, state = _run(runner, steps=1)
+    ck = Checkpointer(str(tmp_path))
+    ck.save(1, runner.get_state(state), {"step": 1})
+    ck.wait()
+    one, _ = ck.restore(abstract_like(jax.eval_shape(_state)))
+    other = MeshRunner(CFG, OPT, mesh="data=2,tensor=2")
+    onto, _ = ck.restore(other.abstract_state(_state))
+    ck.close()
+    assert onto.params["h_0"]["mlp"]["c_fc"]["kernel"].sharding.spec == P(None, "tensor")
+    for a, b, c in zip(*(jax.tree.leaves(jax.tree.map(np.asarray, s.params)) for s in (state, one, onto))):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+
+
+def test_train_mesh_and_the_rules_run_through_train(tmp_path):
+    c = tiny_config(tmp_path, max_steps=2, eval_interval=100, checkpoint_interval=100, log_interval=1,
+                    mesh="fsdp=2,tensor=2", logical_axis_rules="qkv=tensor+fsdp")
+    c.model.n_layer = 1
+    s = train(c)
+    params = s["state"].params["h_0"]
+    assert s["steps"] == 2 and params["attn"]["c_attn"]["kernel"].sharding.spec == P("fsdp", "tensor")
+    assert params["mlp"]["c_fc"]["kernel"].sharding.spec == P("fsdp", "tensor")
 
 
 def test_the_tensor_parallel_step_all_reduces():
