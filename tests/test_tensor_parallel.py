@@ -202,3 +202,15 @@ def test_jaxgpt_aot_compiles_a_tensor_mesh_train_step_and_generate_at_tensor_4()
     assert gen["mesh"] == "tensor=4" and gen["batch_size"] == 1  # no batch axis: one row
     assert train["collectives"]["all-reduce"] > 0 and gen["collectives"]["all-reduce"] > 0  # the partial sums
     assert "mesh tensor=4" in aot.format_result(r)
+
+
+def test_a_mesh_that_gives_several_processes_the_same_rows_is_refused():
+    from jaxgpt import aot
+    if aot.missing_extra() is not None:
+        pytest.skip(f"aot extra: {aot.missing_extra()}")
+    aot.prepare_environment()
+    devices = aot.target_devices(aot.parse_target("tpu:v5e:4x4")).devices  # two hosts of 8 chips
+    assert len({d.process_index for d in devices}) == 2
+    MeshRunner(CFG, OPT, devices=devices, mesh="data=2,tensor=8")  # data spans the hosts: each its own rows
+    with pytest.raises(ValueError, match="config.train.mesh: the mesh \\(tensor=16\\) puts the same batch rows"):
+        MeshRunner(CFG, OPT, devices=devices, mesh="tensor=16")

@@ -19,6 +19,7 @@ each process hands its runner only its own rows of the global batch, and the sta
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import jax
@@ -255,6 +256,7 @@ class MeshRunner:
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P(rows))
         self.stack_sharding = NamedSharding(self.mesh, P(None, rows))  # [K, rows, T]: rows over the batch axes
+        _check_rows_per_process(self.batch_sharding, math.prod(self.mesh.shape[a] for a in axes))
         backend = (backend or resolve(config)).on_mesh(self.mesh, axes)  # (splash runs per batch shard)
         self.backend = backend
         self._train_step = make_train_step(config, optimizer, grad_accum, axis_name=None, schedule=schedule,
@@ -330,6 +332,19 @@ class MeshRunner:
     def to_host(self, tree):
         """Replicated outputs (metrics) as host values, read from a local device."""
         return tree_map(_local_value, tree)
+
+
+def _check_rows_per_process(batch_sharding: NamedSharding, shards: int) -> None:
+    """ValueError when two processes would hold the same rows of a batch (an axis that carries no batch,
+    such as tensor, spanning processes): each process feeds only its own rows of every batch."""
+    owners: dict = {}
+    for device, index in batch_sharding.devices_indices_map((shards,)).items():
+        owners.setdefault(index[0].start or 0, set()).add(device.process_index)
+    if any(len(p) > 1 for p in owners.values()):
+        axes = ", ".join(f"{a}={s}" for a, s in batch_sharding.mesh.shape.items())
+        raise ValueError(f"config.train.mesh: the mesh ({axes}) puts the same batch rows on several processes (an "
+                         f"axis that carries no batch spans them); make the batch axes (dcn, data, fsdp) span the "
+                         f"processes, e.g. with dcn or data as large as the process count, tensor within a host")
 
 
 def _rules(table: RulesLike):
