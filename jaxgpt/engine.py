@@ -483,9 +483,20 @@ class Engine:
             live = self._waiting.popleft()
             prompt, cap = live.req.prompt, self._reusable(live.req)
             free = [s for s in range(self.slots) if self._live[s] is None]
-            # the free slot holding the longest part of the prompt, else the lowest (decode steps cover
-            # the first slots up to the highest busy one)
-            s = max(free, key=lambda s: (min(_common_prefix(self._cached[s], prompt), cap), -s))
+            # decode steps cover the first slots up to the highest busy one (a power of two of them): a free
+            # slot among those costs no extra rows; among them the one holding the longest part of the
+            # prompt, else the lowest. (Preferring any slot with a longer common prefix spread 8 requests
+            # over 32 slots and made every step decode all 32 rows.)
+            busy = [s for s in range(self.slots) if self._live[s] is not None]
+            covered = next(n for n in decode_sizes(self.slots) if n > max(busy, default=0))
+            near = [s for s in free if s < covered] or free
+            held = {s: min(_common_prefix(self._cached[s], prompt), cap) for s in free}
+            s = max(near, key=lambda s: (held[s], -s))
+            far = max(free, key=lambda t: (held[t], -t))
+            if held[far] > held[s]:  # a free slot past them holds more of it: copied into the near one now
+                self.cache = _copy(self.cache, np.int32(far), np.int32(s))
+                self._cached[s] = list(self._cached[far])
+                self.stats["copies"] += 1
             own = min(_common_prefix(self._cached[s], prompt), cap)
             best, src = own, None
             for t, other in enumerate(self._live):  # a running request's prompt, cached or on its way in

@@ -2,6 +2,8 @@
 prompt chunks or slot reuse; logprobs equal the full forward's log-softmax; scoring with prefix reuse; a
 bounded set of programs; per-row sampling equal to `sample_logits`."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,6 +125,24 @@ def test_many_pairs_sharing_contexts_through_few_slots(params):
     for (ctx, end), (lp, _) in zip(pairs, got):
         rows = _log_softmax(params, CFG, ctx + end)[len(ctx) - 1:-1]
         np.testing.assert_allclose(lp, rows[np.arange(len(end)), end].sum(), atol=1e-4)
+
+
+def test_a_request_takes_a_low_slot_and_a_prefix_held_by_a_free_high_one_is_copied_into_it(params):
+    """Decode steps cover the slots up to the highest busy one: a new request goes to a low free slot (not
+    to a high one because it shares a token or two with that slot's old text), and a free high slot that
+    holds more of its prompt is copied into the low one."""
+    eng = Engine(params, CFG, slots=4, max_len=64, prefill_chunk=16)
+    prompts = _prompts(40, (10, 12, 14, 16))
+    eng.run([dict(prompt=p, max_tokens=3, temperature=0.0) for p in prompts])  # slots 0..3, all free again
+    before = collections.Counter(eng.stats)
+    s, events = dict(temperature=0.7, top_k=20, seed=9), []
+    rid = eng.submit(prompts[3] + [5, 6], max_tokens=6, callback=events.append, **s)
+    eng.step()
+    assert [live.rid if live else None for live in eng._live] == [rid, None, None, None]
+    assert eng.stats["copies"] == before["copies"] + 1 and eng.stats["reused_tokens"] >= before["reused_tokens"] + 16
+    while eng.has_work():
+        eng.step()
+    assert [e.token.id for e in events if e.token] == _alone(params, CFG, prompts[3] + [5, 6], 6, s)
 
 
 def test_no_program_is_compiled_for_new_settings_lengths_or_counts(params):
