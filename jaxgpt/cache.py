@@ -96,6 +96,9 @@ class KVCache:
     layout: CacheLayout = struct.field(pytree_node=False, default=CacheLayout())
     k_scale: Any = None
     v_scale: Any = None
+    # a view of the first batch_size rows of buffers that hold `buffer_rows` rows (`view_first`); None: the
+    # buffers hold exactly batch_size rows
+    buffer_rows: Optional[int] = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(cls, config: GPTConfig, batch_size: int, max_len: int, dtype=None,
@@ -146,19 +149,32 @@ class KVCache:
 
     def layer(self, i, dtype=None) -> tuple[jax.Array, jax.Array]:
         """Layer i's keys and values, each [B, K, S, H]: as stored, or an int8 cache's dequantized, in
-        `dtype` (default float32)."""
-        b, read = self.batch_size, self.layout.read
+        `dtype` (default float32). (A view's rows are sliced out of its buffers: a copy.)"""
+        b, rows = self.batch_size, self.buffer_rows or self.batch_size
+
+        def read(buf):
+            out = self.layout.read(buf, rows)
+            return out if rows == b else out[:b]
+
+        def read_scale(buf):
+            out = self.layout.read_scale(buf, rows)
+            return out if rows == b else out[:b]
+
         if not self.quantized:
-            return read(self.k[i], b), read(self.v[i], b)
-        return tuple(dequantize_kv(read(q[i], b), self.layout.read_scale(s[i], b), dtype or jnp.float32)
+            return read(self.k[i]), read(self.v[i])
+        return tuple(dequantize_kv(read(q[i]), read_scale(s[i]), dtype or jnp.float32)
                      for q, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
-    def layer_int8(self, i) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """An int8 cache's layer i as stored: keys and values int8 [B, K, S, H] and their scales float32
-        [B, K, S] (value = int8 * scale)."""
-        b, read = self.batch_size, self.layout.read
-        return (read(self.k[i], b), read(self.v[i], b), self.layout.read_scale(self.k_scale[i], b),
-                self.layout.read_scale(self.v_scale[i], b))
+    def view_first(self, n: int) -> "KVCache":
+        """The first n rows as a cache of batch n over the same buffers (no copy): writes go to those rows
+        of the buffers; a backend's `cache_attention` reads them in place, `layer` copies them out.
+        `merge_view` gives the whole cache back."""
+        return self.replace(lengths=self.lengths[:n], buffer_rows=self.buffer_rows or self.batch_size)
+
+    def merge_view(self, view: "KVCache") -> "KVCache":
+        """This cache with a `view_first` view's buffers and lengths."""
+        return view.replace(lengths=jax.lax.dynamic_update_slice_in_dim(self.lengths, view.lengths, 0, 0),
+                            buffer_rows=self.buffer_rows)
 
     def first(self, n: int) -> "KVCache":
         """The first n rows as a cache of their own (a copy of those rows only); `merge_first` writes them

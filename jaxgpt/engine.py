@@ -165,8 +165,19 @@ def _decode(weights: DecodeWeights, cache: KVCache, tokens_S, active_S, rows: Ro
     if s == cache.batch_size:
         cache, out = _decode_rows(weights, cache, tokens_S, active_S, rows, config, backend, n_logprobs)
         return cache, out
-    first, out = _decode_rows(weights, cache.first(s), tokens_S, active_S, rows, config, backend, n_logprobs)
-    return cache.merge_first(first), out
+    first, out = _decode_rows(weights, _first(cache, s, backend), tokens_S, active_S, rows, config, backend,
+                              n_logprobs)
+    return _merge_first(cache, first, backend), out
+
+
+def _first(cache: KVCache, s: int, backend: Backend) -> KVCache:
+    """The first s slots as a cache: a view of the buffers where the backend attends over a cache as
+    stored (no copy), else a copy of those rows (reading a view through XLA copies the whole buffers)."""
+    return cache.view_first(s) if backend.cache_attention is not None else cache.first(s)
+
+
+def _merge_first(cache: KVCache, first: KVCache, backend: Backend) -> KVCache:
+    return cache.merge_view(first) if backend.cache_attention is not None else cache.merge_first(first)
 
 
 def _decode_rows(weights, cache, tokens_S, active_S, rows, config, backend, n_logprobs):
@@ -197,9 +208,9 @@ def _verify(weights: DecodeWeights, cache: KVCache, tokens_SxW, n_prop_S, active
     s = tokens_SxW.shape[0]
     if s == cache.batch_size:
         return _verify_rows(weights, cache, tokens_SxW, n_prop_S, active_S, rows, config, backend, n_logprobs)
-    first, out = _verify_rows(weights, cache.first(s), tokens_SxW, n_prop_S, active_S, rows, config, backend,
-                              n_logprobs)
-    return cache.merge_first(first), out
+    first, out = _verify_rows(weights, _first(cache, s, backend), tokens_SxW, n_prop_S, active_S, rows, config,
+                              backend, n_logprobs)
+    return _merge_first(cache, first, backend), out
 
 
 def _verify_rows(weights, cache, tokens_SxW, n_prop_S, active_S, rows, config, backend, n_logprobs):

@@ -161,10 +161,10 @@ class CausalSelfAttention(nn.Module):
             return attend(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, None, None), None
         kv_lengths_B = cache.lengths + q_BxTxNxH.shape[1]
         cache = cache.write(layer, k_BxKxTxH, v_BxKxTxH)
-        own = self.backend.int8_cache_attention
-        if cache.quantized and own is not None and attend is self.backend.attention("dot_product"):
-            out = own(q_BxTxNxH, *cache.layer_int8(layer), positions_BxT, kv_lengths_B)
-            if out is not None:  # the backend reads the int8 keys and values as they are stored
+        own = self.backend.cache_attention
+        if own is not None and attend is self.backend.attention("dot_product"):
+            out = own(q_BxTxNxH, cache, layer, positions_BxT, kv_lengths_B)
+            if out is not None:  # the backend reads the keys and values as they are stored
                 return out, cache
         # a cache kept in another dtype is read in the compute dtype
         k_BxKxSxH, v_BxKxSxH = (a.astype(q_BxTxNxH.dtype) for a in cache.layer(layer))

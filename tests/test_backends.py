@@ -308,27 +308,42 @@ def test_native_int8_cached_attention_equals_the_reference_over_the_dequantized_
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_an_int8_cache_is_attended_as_stored_by_the_native_kernel_only_when_it_is_on(native_cpu, monkeypatch):
+@pytest.mark.parametrize("dtype,target", [("float32", "jaxgpt_cached_attention"),
+                                          ("int8", "jaxgpt_cached_attention_int8")])
+def test_a_cache_is_attended_as_stored_by_the_native_kernel_only_when_it_is_on(native_cpu, monkeypatch, dtype, target):
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=64)
     params = init_params(cfg, jax.random.key(0))
     tokens = jnp.ones((2, 1), jnp.int32)
     for on in (True, False):
         _native(monkeypatch, on)
         backend = backends.cpu_backend()
-        cache = KVCache.create(cfg, 2, 16, dtype="int8", layout=backend.cache_layout)
-        fn = jax.jit(lambda p, c: GPT(cfg, backend).apply({"params": p}, tokens, c))
-        assert ("jaxgpt_cached_attention_int8" in fn.lower(params, cache).as_text()) == on
+        cache = KVCache.create(cfg, 4, 16, dtype=dtype, layout=backend.cache_layout)
+        for c in (cache.view_first(2), cache.first(2)):  # a view of 4 rows' buffers, and 2 rows of their own
+            fn = jax.jit(lambda p, c: GPT(cfg, backend).apply({"params": p}, tokens, c))
+            assert (f"@{target}(" in fn.lower(params, c).as_text()) == on
 
 
-def test_the_cpu_backends_decode_step_attends_through_the_native_kernel_only_when_it_is_on(native_cpu, monkeypatch):
-    q, k, v = jnp.ones((2, 1, 4, 32)), jnp.ones((2, 2, 24, 32)), jnp.ones((2, 2, 24, 32))
-    lengths = jnp.array([3, 24], jnp.int32)
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_decoding_the_first_rows_through_a_view_equals_decoding_them_alone(native_cpu, monkeypatch, dtype):
+    """A view of the first rows over the whole cache's buffers (as the engine decodes its first slots):
+    the same logits as those rows in a cache of their own, with the kernels on and off; the other rows'
+    keys and values untouched."""
+    cfg = GPTConfig(vocab_size=32, block_size=24, n_layer=2, n_head=4, n_embd=64, n_kv_head=2)
+    params = varied_params(cfg)
+    prompts = jax.random.randint(jax.random.key(1), (4, 6), 0, 32)
     for on in (True, False):
         _native(monkeypatch, on)
-        attend = backends.cpu_backend().attention("dot_product")
-        text = jax.jit(lambda q, k, v, p, n: attend(q, k, v, p, n)).lower(q, k, v, lengths[:, None] - 1,
-                                                                          lengths).as_text()
-        assert ("jaxgpt_cached_attention" in text) == on
+        model = GPT(cfg, backends.cpu_backend())
+        cache = KVCache.create(cfg, 4, 24, dtype=dtype, layout=model.backend.cache_layout)
+        _, cache = jax.jit(model.apply)({"params": params}, prompts, cache)
+        nxt = jnp.array([[3], [7]], jnp.int32)
+        got, view = jax.jit(model.apply)({"params": params}, nxt, cache.view_first(2))
+        alone, _ = jax.jit(model.apply)({"params": params}, nxt, cache.first(2))
+        np.testing.assert_allclose(got, alone, rtol=1e-5, atol=1e-5)
+        merged = cache.merge_view(view)
+        assert merged.batch_size == 4 and merged.lengths.tolist() == [7, 7, 6, 6]
+        for a, b in zip(jax.tree.leaves(merged.slot(2, 2)), jax.tree.leaves(cache.slot(2, 2))):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_cpu_attention_keeps_scores_in_float32_for_bf16():

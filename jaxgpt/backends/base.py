@@ -67,9 +67,10 @@ class Backend:
       kernels): under jit over a mesh whose axes shard the batch they run per batch shard in shard_map.
     - `batch_mesh`: (mesh, batch axes) of the jit the programs run under, set by `on_mesh` (MeshRunner);
       None: no mesh, or one device.
-    - `int8_cache_attention(q, k8, v8, k_scale, v_scale, q_positions, kv_lengths)`: its built-in
-      "dot_product" attention over an int8 cache read as stored (`KVCache.layer_int8`), or None where it
-      does not take those shapes; unset: the cache is dequantized and attended like a float one.
+    - `cache_attention(q, cache, layer, q_positions, kv_lengths)`: its built-in "dot_product" attention
+      over layer `layer` of a KV cache read as stored (float or int8, a `KVCache.view_first` included:
+      its buffers hold more rows than q), or None where it does not take the cache; unset or None: the
+      layer is read as [B, K, S, H] floats (`KVCache.layer`) and attended by the attention function.
     """
 
     name: str
@@ -83,7 +84,7 @@ class Backend:
     setup: Callable[[], None] = _nothing
     per_shard_attention: bool = False
     batch_mesh: Optional[tuple] = None
-    int8_cache_attention: Optional[Callable] = None
+    cache_attention: Optional[Callable] = None
 
     def attention(self, name: str) -> AttentionFn:
         """The function that computes the registered attention `name` on this backend. A backend's own

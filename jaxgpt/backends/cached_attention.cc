@@ -1,7 +1,8 @@
 // Attention of a few new queries over a KV cache, for decoding under the CPU kernels (see native.py).
 //
 // q [B, T, N H] (T small: one token per step, or a speculative step's k + 1); the cache's keys and values
-// [B K, S, H] as the CPU backend stores them (cpu.RowsCacheLayout: row b's kv head j at b K + j); each
+// [R K, S, H] as the CPU backend stores them (cpu.RowsCacheLayout: row b's kv head j at b K + j; R >= B, the
+// rows past B unread: a decode step over the first B slots reads the whole cache's buffers in place); each
 // query's absolute position q_pos [B, T] and each row's filled length kv_len [B]. Query (b, t) of head n sees
 // keys s <= q_pos[b, t] and s < kv_len[b] of kv head n / (N / K), scores scaled by 1/sqrt(H) -> out [B, T, N H].
 //
@@ -24,9 +25,9 @@
 namespace {
 
 constexpr const char* kUsage =
-    "jaxgpt_cached_attention(_int8): q [B, T, N H], k and v [B K, S, H] (float32, or int8 with scales "
-    "[B K, S]), q_pos [B, T] int32, kv_len [B] int32 -> out [B, T, N H]; H a multiple of 16 up to 128, N a "
-    "multiple of K";
+    "jaxgpt_cached_attention(_int8): q [B, T, N H], k and v [R K, S, H] with R >= B (float32, or int8 with "
+    "scales [R K, S]), q_pos [B, T] int32, kv_len [B] int32 -> out [B, T, N H]; H a multiple of 16 up to 128, "
+    "N a multiple of K";
 
 static inline float hsum(v16 x) {
   float s = 0.f;
@@ -121,7 +122,7 @@ static ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const ffi
   if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || pd.size() != 2 || kv_len.dimensions().size() != 1)
     return ffi::Error::InvalidArgument(kUsage);
   const int64_t B = qd[0], T = qd[1], N = heads, K = kv_heads, S = kd[1], H = kd[2];
-  if (N < 1 || K < 1 || N % K != 0 || qd[2] != N * H || kd[0] != B * K || vd[0] != kd[0] || vd[1] != S ||
+  if (N < 1 || K < 1 || N % K != 0 || qd[2] != N * H || kd[0] < B * K || kd[0] % K != 0 || vd[0] != kd[0] || vd[1] != S ||
       vd[2] != H || pd[0] != B || pd[1] != T || kv_len.dimensions()[0] != B ||
       out->element_count() != static_cast<size_t>(B * T * N * H))
     return ffi::Error::InvalidArgument(kUsage);

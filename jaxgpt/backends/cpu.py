@@ -265,11 +265,6 @@ def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None,
     if q_positions_BxT is not None or kv_lengths_B is not None:
         if q_positions_BxT is None:
             q_positions_BxT = jnp.arange(q_BxTxNxH.shape[1], dtype=jnp.int32)[None, :]
-        if (native_attention and kv_lengths_B is not None and k_BxKxSxH.dtype == jnp.float32
-                and native.cached_attention_supported(q_BxTxNxH.shape, k_BxKxSxH.shape, k_BxKxSxH.dtype)):
-            # a decode step: only each row's filled positions are read (XLA's form reads every position)
-            return native.cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT,
-                                           kv_lengths_B).astype(q_BxTxNxH.dtype)
         return cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
     b, t, n, h = q_BxTxNxH.shape
     kh = k_BxKxSxH.shape[1]
@@ -283,13 +278,24 @@ def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None,
     return blocked_causal_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH)
 
 
-def native_int8_cache_attention(q_BxTxNxH, k8, v8, k_scale, v_scale, q_positions_BxT, kv_lengths_B):
-    """Attention over an int8 cache in the native kernel, which widens keys and values in registers (XLA
-    would write the whole cache out dequantized first); None where the kernel does not take the shapes."""
-    if not native.cached_attention_supported(q_BxTxNxH.shape, k8.shape, jnp.int8):
+def native_cache_attention(q_BxTxNxH, cache, layer, q_positions_BxT, kv_lengths_B):
+    """Attention over a KV cache in its stored form (RowsCacheLayout's [rows K, S, H] buffers, float32 or
+    int8 with scales; a view's buffers may hold more rows than q) by the native kernel, which reads only
+    each row's filled positions; None where the kernel does not take it (then XLA's form runs)."""
+    if not isinstance(cache.layout, RowsCacheLayout):
         return None
-    return native.cached_attention_int8(q_BxTxNxH, k8, v8, k_scale, v_scale, q_positions_BxT,
-                                        kv_lengths_B).astype(q_BxTxNxH.dtype)
+    k, v = cache.k[layer], cache.v[layer]
+    b, t, n, h = q_BxTxNxH.shape
+    kh = k.shape[0] // cache.buffer_rows if cache.buffer_rows else k.shape[0] // b
+    shape = (b, t, n, h)
+    if not native.cached_attention_supported(shape, (b, kh, k.shape[1], k.shape[2]), k.dtype):
+        return None
+    if cache.quantized:
+        out = native.cached_attention_int8(q_BxTxNxH, k, v, cache.k_scale[layer], cache.v_scale[layer],
+                                           q_positions_BxT, kv_lengths_B, kv_heads=kh)
+    else:
+        out = native.cached_attention(q_BxTxNxH, k, v, q_positions_BxT, kv_lengths_B, kv_heads=kh)
+    return out.astype(q_BxTxNxH.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -352,4 +358,4 @@ def make_backend(native_decode: bool, native_attention: bool, fast_bf16: bool = 
         fast_bf16=fast_bf16,
         run_once_options=(("xla_backend_optimization_level", 0),),  # halves the init's compile time
         setup=tune_allocator,
-        int8_cache_attention=native_int8_cache_attention if native_attention else None)
+        cache_attention=native_cache_attention if native_attention else None)

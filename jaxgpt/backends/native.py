@@ -269,31 +269,35 @@ def cached_attention_supported(q_shape, k_shape, dtype) -> bool:
             and jnp.dtype(dtype) in (jnp.float32, jnp.int8) and available())
 
 
-def cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B) -> jax.Array:
-    """Attention of q [B, T, N, H] over a cache's keys and values [B, K, S, H] (float32): query (b, t) sees
-    positions s <= q_positions[b, t] and s < kv_lengths[b], scores scaled by 1/sqrt(H) (cached_attention.cc).
-    Reads only the visible positions of each row. Check `cached_attention_supported` first."""
-    return _cached(CACHED_ATTENTION_TARGET, q_BxTxNxH, (k_BxKxSxH, v_BxKxSxH), (), q_positions_BxT, kv_lengths_B)
+def cached_attention(q_BxTxNxH, k, v, q_positions_BxT, kv_lengths_B, kv_heads=None) -> jax.Array:
+    """Attention of q [B, T, N, H] over a cache's keys and values (float32): [B, K, S, H], or as the CPU
+    backend stores them, [R K, S, H] with `kv_heads` K and R >= B rows (rows past B unread). Query (b, t)
+    sees positions s <= q_positions[b, t] and s < kv_lengths[b], scores scaled by 1/sqrt(H)
+    (cached_attention.cc); only those positions are read. Check `cached_attention_supported` first."""
+    return _cached(CACHED_ATTENTION_TARGET, q_BxTxNxH, (k, v), (), q_positions_BxT, kv_lengths_B, kv_heads)
 
 
-def cached_attention_int8(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, k_scale_BxKxS, v_scale_BxKxS, q_positions_BxT,
-                          kv_lengths_B) -> jax.Array:
-    """`cached_attention` over an int8 cache (keys and values int8 [B, K, S, H], each position's value
-    int8 * scale [B, K, S]): the int8 bytes are read and widened in registers."""
-    return _cached(CACHED_ATTENTION_INT8_TARGET, q_BxTxNxH, (k_BxKxSxH, v_BxKxSxH), (k_scale_BxKxS, v_scale_BxKxS),
-                   q_positions_BxT, kv_lengths_B)
+def cached_attention_int8(q_BxTxNxH, k, v, k_scale, v_scale, q_positions_BxT, kv_lengths_B,
+                          kv_heads=None) -> jax.Array:
+    """`cached_attention` over an int8 cache (keys and values int8, [B, K, S, H] or [R K, S, H]; each
+    position's value int8 * scale, scales [B, K, S] or [R K, S]): the int8 bytes are read and widened in
+    registers."""
+    return _cached(CACHED_ATTENTION_INT8_TARGET, q_BxTxNxH, (k, v), (k_scale, v_scale), q_positions_BxT,
+                   kv_lengths_B, kv_heads)
 
 
-def _cached(target: str, q_BxTxNxH, kv: tuple, scales: tuple, q_positions_BxT, kv_lengths_B) -> jax.Array:
-    """The FFI call of either cached-attention kernel: keys and values (and scales) as [B K, S, ...]."""
+def _cached(target: str, q_BxTxNxH, kv: tuple, scales: tuple, q_positions_BxT, kv_lengths_B, kv_heads) -> jax.Array:
+    """The FFI call of either cached-attention kernel, keys and values (and scales) as [R K, S, ...]."""
     _require()
     b, t, n, h = q_BxTxNxH.shape
-    kh, s = kv[0].shape[1], kv[0].shape[2]
+    if kv[0].ndim == 4:
+        kv_heads = kv[0].shape[1]
+    s = kv[0].shape[-2]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((b, t, n * h), jnp.float32), vmap_method="sequential")
-    out = call(q_BxTxNxH.reshape(b, t, n * h).astype(jnp.float32), *(a.reshape(b * kh, s, h) for a in kv),
-               *(a.reshape(b * kh, s).astype(jnp.float32) for a in scales),
+    out = call(q_BxTxNxH.reshape(b, t, n * h).astype(jnp.float32), *(a.reshape(-1, s, h) for a in kv),
+               *(a.reshape(-1, s).astype(jnp.float32) for a in scales),
                jnp.broadcast_to(q_positions_BxT, (b, t)).astype(jnp.int32), kv_lengths_B.astype(jnp.int32),
-               heads=np.int64(n), kv_heads=np.int64(kh))
+               heads=np.int64(n), kv_heads=np.int64(kv_heads))
     return out.reshape(b, t, n, h)
 
 
