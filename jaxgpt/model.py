@@ -162,7 +162,8 @@ class CausalSelfAttention(nn.Module):
         kv_lengths_B = cache.lengths + q_BxTxNxH.shape[1]
         cache = cache.write(layer, k_BxKxTxH, v_BxKxTxH)
         own = self.backend.cache_attention
-        if own is not None and attend is self.backend.attention("dot_product"):
+        # (only for the backend's own built-in: a replaced "dot_product" runs as written)
+        if own is not None and attend is dict(self.backend.attention_kernels).get("dot_product"):
             out = own(q_BxTxNxH, cache, layer, positions_BxT, kv_lengths_B)
             if out is not None:  # the backend reads the keys and values as they are stored
                 return out, cache
