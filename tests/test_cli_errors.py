@@ -143,7 +143,8 @@ def test_a_short_run_of_the_cpu_config_just_works_is_quiet_and_times_each_call(t
     assert not INFO_LINE.search(r.stdout + r.stderr)  # orbax's and JAX's INFO logs are off by default
     # (a CPU without AVX512_BF16 or AMX adds the line that says this bf16 config computes in float32 there)
     kinds = ("jaxgpt: warning: train.warmup_steps", "jaxgpt: 0.81M parameters", "step ", "eval ", "jaxgpt-train: done",
-             "jaxgpt: model.dtype=bfloat16, but this CPU")
+             "jaxgpt: model.dtype=bfloat16, but this CPU",
+             "jaxgpt: MFU now against")  # the peak was timed while the test worker beside held the cores
     lines = (r.stdout + r.stderr).splitlines()
     assert all(line.startswith(kinds) for line in lines) and len(lines) <= 10, lines
     assert [line.split()[0] for line in r.stdout.splitlines() if line.startswith(("step ", "eval "))] == \
@@ -151,8 +152,8 @@ def test_a_short_run_of_the_cpu_config_just_works_is_quiet_and_times_each_call(t
     logged = [rec for rec in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
               if "tokens_per_s" in rec]
     assert [rec["step"] for rec in logged] == [2, 4, 6, 8]
-    for rec in logged:  # an honest MFU is below 100%; a near-zero interval gives millions of percent
-        assert 0 < rec["mfu"] < 1, rec
+    for rec in logged:  # an honest MFU is at most 100%; a near-zero interval gives millions of percent
+        assert 0 < rec["mfu"] <= 1, rec
     seconds = [rec["elapsed_s"] for rec in logged]
     assert seconds == sorted(seconds)
     resume = run + ["--config.init_from=resume"]  # at max_steps already: restores, says so, exits

@@ -178,6 +178,39 @@ def test_unknown_config_key_rejected():
         validate_config(c)
 
 
+def test_a_peak_measured_while_the_cores_were_busy_is_raised_never_an_mfu_above_100_percent(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """A CPU's peak is a matmul timed at the start; timed while another process held the cores, it is too
+    low and the run's MFU went past 100% (CI: 124%, a test worker beside it). The run measures again and
+    keeps the higher of that and its own attained rate, and says so once."""
+    from jaxgpt.training import loop
+
+    calls = []
+
+    def low_peak(dtype, override=None, devices=None, matmul_shape=(1024, 1024, 1024)):
+        calls.append(tuple(matmul_shape))
+        return 1e6, "measured float32 matmul, while busy"  # 1 MFLOP/s: any real step beats it
+
+    monkeypatch.setattr(loop, "peak_flops", low_peak)
+    c = tiny_config(tmp_path, max_steps=6, log_interval=2, eval_interval=6)
+    train(c)
+    logged = [r for r in _metrics(c.out_dir) if "mfu" in r]
+    assert [r["step"] for r in logged] == [2, 4, 6]
+    for r in logged:
+        assert 0 < r["mfu"] <= 1, r
+    out = capsys.readouterr().out
+    assert out.count("jaxgpt: MFU now against") == 1 and "above the 0 measured at the start" in out
+    rows = c.train.batch_size // jax.local_device_count() * c.model.block_size  # one device's rows
+    assert calls == [(rows, c.model.n_embd, 4 * c.model.n_embd)]  # measured once, at the start
+
+    # a peak the user gave is theirs: an MFU above 100% then says that figure is wrong, and stays
+    monkeypatch.setattr(loop, "peak_flops", lambda *a, **kw: (1e6, "train.peak_flops"))
+    c.overwrite = True
+    train(c)
+    assert all(r["mfu"] > 1 for r in _metrics(c.out_dir) if "mfu" in r)
+    assert "MFU now against" not in capsys.readouterr().out
+
+
 def test_train_reduces_loss_and_writes_metrics(tmp_path):
     c = tiny_config(tmp_path, max_steps=40, eval_interval=20)
     s = train(c)
@@ -188,7 +221,7 @@ def test_train_reduces_loss_and_writes_metrics(tmp_path):
     assert [l["step"] for l in evals] == [20, 40]
     for l in steps:
         assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "elapsed_s"} <= set(l)
-        assert l["tokens_per_s"] > 0 and 0 < l["mfu"] < 1.5
+        assert l["tokens_per_s"] > 0 and 0 < l["mfu"] <= 1
     assert {"train_loss", "val_ppl", "val_bpb", "best_val_loss"} <= set(evals[0])
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
     assert evals[-1]["val_loss"] < np.log(s["state"].params["wte"]["embedding"].shape[0])
@@ -289,7 +322,7 @@ def test_throughput_with_several_steps_per_call_is_each_calls_own(tmp_path):
     tokens_per_step = c.train.batch_size * c.model.block_size
     for r in lines:
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0, r
-        assert 0 < r["mfu"] < 1, r  # an honest MFU is below 100%
+        assert 0 < r["mfu"] <= 1, r  # an honest MFU is at most 100% (_Run._remeasure_peak)
     for call in range(4):  # steps 1-5, 6-10, ...: one call each, whose steps share its rate
         rates = [r["tokens_per_s"] for r in lines[5 * call:5 * call + 5]]
         np.testing.assert_allclose(rates, rates[0], rtol=1e-2)  # (time.time()'s rounding: ~1e-7 s)

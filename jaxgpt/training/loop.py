@@ -24,7 +24,7 @@ from jaxgpt.model import convert_layers, flops_per_token, init_params, num_param
 from jaxgpt.report import warn
 from jaxgpt.training import run_dir
 from jaxgpt.training.config import model_config_from, parallel_mode, validate_config
-from jaxgpt.training.metrics import MetricsLog, peak_flops
+from jaxgpt.training.metrics import MetricsLog, measured_matmul_flops, peak_flops
 from jaxgpt.training.parallel import make_runner
 from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
 from jaxgpt.user_modules import recorded_imports
@@ -144,6 +144,7 @@ class _Run:
         self.resume = config.init_from == "resume"
         self.bar = None
         self.start_step, self.best_val = 0, math.inf
+        self.peak_noted = False  # whether the measured peak has been raised (_Run._remeasure_peak)
 
     def note(self, msg: str) -> None:
         """A line from process 0 (above the progress bar once there is one)."""
@@ -286,10 +287,11 @@ class _Run:
         self.tokens_per_step = cfg_t.batch_size * gcfg.block_size
         self.flops_per_token = flops_per_token(gcfg, gcfg.block_size)
         rows = cfg_t.batch_size // (cfg_t.grad_accum * self.n_devices) * gcfg.block_size  # one device's rows
-        self.peak, peak_source = peak_flops(gcfg.dtype, cfg_t.peak_flops,
-                                            matmul_shape=(rows, gcfg.n_embd, gcfg.mlp_hidden))
+        self.peak_shape = (rows, gcfg.n_embd, gcfg.mlp_hidden)
+        self.peak, peak_source = peak_flops(gcfg.dtype, cfg_t.peak_flops, matmul_shape=self.peak_shape)
         if self.peak is not None:
             self.peak *= self.process_count  # peak_flops counts this process's devices, tokens/s all of them
+        self.peak_measured = peak_source.startswith("measured")
         procs = f" on {self.process_count} processes" if self.multiprocess else ""
         self.note(f"jaxgpt: {num_params(gcfg, non_embedding=False) / 1e6:.2f}M parameters, {self.n_devices} "
                   f"device(s) via {self.runner.name}{procs}, tokens/step {self.tokens_per_step}, vocab "
@@ -460,11 +462,28 @@ class _Run:
             last_time, last_step = self.last_log
             tok_s = self.tokens_per_step * (s - last_step) / max(now - last_time, 1e-9)
             mfu = None if self.peak is None else self.flops_per_token * tok_s / self.peak
+            if mfu is not None and mfu > 1 and self.peak_measured:
+                mfu = self.flops_per_token * tok_s / self._remeasure_peak(self.flops_per_token * tok_s)
             self.last_log = (now, s)
             self.log.write({"step": s, **m, "tokens_per_s": tok_s, "mfu": mfu, "elapsed_s": now - self.t0})
             self.note(f"step {s:6d} | loss {m['loss']:.4f} | lr {m.get('lr', 0):.2e} | grad norm "
                       f"{m['grad_norm']:.3f} | {tok_s:,.0f} tok/s | MFU "
                       f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'} | {now - self.t0:.1f}s")
+
+    def _remeasure_peak(self, attained: float) -> float:
+        """The run went faster than the CPU's measured peak, so that matmul was timed while something else
+        held the cores (another process, a test worker beside it). Measures it again and keeps the higher of
+        the two and the rate the run itself attained, the true peak's best lower bound: an MFU never above
+        100%. Says so once."""
+        before = self.peak
+        again = measured_matmul_flops.__wrapped__(self.gcfg.dtype, self.peak_shape) * self.process_count
+        self.peak = max(self.peak, again, attained)
+        if not self.peak_noted:
+            self.peak_noted = True
+            self.note(f"jaxgpt: MFU now against {self.peak / 1e9:.0f} GFLOP/s: this run attained "
+                      f"{attained / 1e9:.0f}, above the {before / 1e9:.0f} measured at the start (the cores were "
+                      f"busy then; measured again: {again / 1e9:.0f})")
+        return self.peak
 
 
 def _is_ready(tree) -> bool:
