@@ -87,10 +87,9 @@ def test_lm_eval_local_completions_equals_the_engine_in_process(tmp_path):
 
     # in process: lm_eval's acc picks the choice whose " " + choice has the highest summed logprob
     mc = _mc_items(rng)
-    # one item (4 pairs, as many as the slots) per call: more requests than slots that share contexts
-    # deadlock the engine's prefix copies today (a request waits on a slot whose source has left)
-    scores = [s for it in mc for s in engine.score([TOK.encode(it["question"])] * 4,
-                                                   [TOK.encode(" " + c) for c in it["choices"]])]
+    # every pair in one call: more requests than slots, four at a time sharing a context
+    scores = engine.score([TOK.encode(it["question"]) for it in mc for _ in it["choices"]],
+                          [TOK.encode(" " + c) for it in mc for c in it["choices"]])
     lls = np.array([s[0] for s in scores]).reshape(len(mc), 4)
     acc = [float(np.argmax(row) == it["label"]) for row, it in zip(lls, mc)]
     top2 = np.sort(lls, axis=1)[:, -2:]
