@@ -1,6 +1,7 @@
 """Engine benchmark: c concurrent requests served by jaxgpt.Engine or by Decoder.generate in fixed batches.
 
-python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-prompt 16] [--max-prompt 256] [--tiny]
+python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-prompt 16] [--max-prompt 256]
+                       [--decode-steps 4] [--tiny]
 
 GPT-2 124M shape, random float32 weights. Each request: a prompt of 16 to 256 random tokens (uniform), 128
 new tokens (no stop), top-k 50 sampling with its own seed. At concurrency c a client keeps c requests in
@@ -54,9 +55,10 @@ def step_time(engine: Engine, new_tokens: int, k: int = 8) -> float:
     engine.step()  # prefill and the first decode
     times = []
     for _ in range(k):
+        before = engine.stats["decode_steps"]
         t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+        engine.step()  # (with decode_steps > 1, several steps in one call)
+        times.append((time.perf_counter() - t0) / max(1, engine.stats["decode_steps"] - before))
     while engine.has_work():
         engine.step()
     return float(np.median(times))
@@ -120,27 +122,30 @@ def replay_fixed(decoder, prompts, c: int, new_tokens: int, stagger: float) -> d
     return {"seconds": total, "tokens_per_s": tokens / total, "ttft_s": ttft}
 
 
-def lone_decode(params, cfg, slots: int, new_tokens: int) -> dict:
-    """Decode tokens/s of one request: the engine (`slots` slots, one busy) and Decoder.generate at batch 1,
-    both from a 16-token prompt, prefill excluded (time for new_tokens minus time for 1)."""
+def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps: int) -> dict:
+    """Decode tokens/s of one request: the engine (`slots` slots, one busy; `decode_steps` per call, and
+    one) and Decoder.generate at batch 1, all from a 16-token prompt, prefill excluded (time for new_tokens
+    minus time for 1)."""
     prompt = workload(cfg, 1, 16, 16, seed=1)[0]
     decoder = jaxgpt.Decoder(params, cfg)
 
     def gen(n):
         decoder.generate(np.array([prompt]), n, jax.random.key(0), temperature=1.0, top_k=50).tokens.block_until_ready()
 
-    engine = Engine(params, cfg, slots=slots, max_len=16 + new_tokens, prefill_chunk=16)
+    engines = {name: Engine(params, cfg, slots=slots, max_len=16 + new_tokens, prefill_chunk=16, decode_steps=k)
+               for name, k in (("engine", decode_steps), ("engine_1_step", 1))}
 
-    def eng(n):
-        engine.run([dict(prompt=prompt, max_tokens=n, temperature=1.0, top_k=50)])
+    def runner(engine):
+        return lambda n: engine.run([dict(prompt=prompt, max_tokens=n, temperature=1.0, top_k=50)])
 
-    out = {}
-    for name, fn in (("generate", gen), ("engine", eng)):
+    out = {"decode_steps": decode_steps}
+    for name, fn in (("generate", gen),) + tuple((name, runner(e)) for name, e in engines.items()):
         fn(1), fn(new_tokens)  # compile
         t_all, _ = median_time(lambda: fn(new_tokens), 3)
         t_one, _ = median_time(lambda: fn(1), 3)
         out[name + "_tokens_per_s"] = (new_tokens - 1) / (t_all - t_one)
     out["engine_over_generate"] = out["engine_tokens_per_s"] / out["generate_tokens_per_s"]
+    out["engine_1_step_over_generate"] = out["engine_1_step_tokens_per_s"] / out["generate_tokens_per_s"]
     return out
 
 
@@ -151,6 +156,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=4,
+                    help="the engine's decode steps per call (Engine(decode_steps=...), jaxgpt-serve's default 4)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short runs (the smoke test)")
     ap.add_argument("--out", default=None, help="results file name (default engine.json, tiny: not written)")
     args = ap.parse_args(argv)
@@ -163,7 +170,8 @@ def main(argv=None) -> dict:
                "prompt_range": [args.min_prompt, args.max_prompt], "runs": []}
     decoder = jaxgpt.Decoder(params, cfg)
     for c in args.concurrency:
-        engine = Engine(params, cfg, slots=c, max_len=max_len, prefill_chunk=args.prefill_chunk)
+        engine = Engine(params, cfg, slots=c, max_len=max_len, prefill_chunk=args.prefill_chunk,
+                        decode_steps=args.decode_steps)
         t0 = time.perf_counter()
         programs = engine.warmup(prompt_logprobs=False)
         warm = time.perf_counter() - t0
@@ -186,11 +194,13 @@ def main(argv=None) -> dict:
               f"  p99 past prefill {run['engine_ttft_past_prefill_p99_steps']:.2f} steps"
               f"  ({programs} programs, warm-up {warm:.1f} s)", flush=True)
     for slots in sorted({1, max(args.concurrency)}):
-        lone = lone_decode(params, cfg, slots, args.new_tokens)
+        lone = lone_decode(params, cfg, slots, args.new_tokens, args.decode_steps)
         results[f"lone_request_slots_{slots}"] = lone
-        print(f"lone request, engine of {slots} slot(s): {lone['engine_tokens_per_s']:.1f} tok/s, "
+        print(f"lone request, engine of {slots} slot(s): {lone['engine_tokens_per_s']:.1f} tok/s "
+              f"({args.decode_steps} steps a call; one: {lone['engine_1_step_tokens_per_s']:.1f}), "
               f"Decoder.generate batch 1: {lone['generate_tokens_per_s']:.1f} tok/s "
-              f"(x{lone['engine_over_generate']:.2f})", flush=True)
+              f"(x{lone['engine_over_generate']:.2f}; one step a call x{lone['engine_1_step_over_generate']:.2f})",
+              flush=True)
     if args.out or not args.tiny:
         print("wrote", write_results(args.out or "engine", results))
     return results

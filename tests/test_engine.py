@@ -162,6 +162,60 @@ def test_no_program_is_compiled_for_new_settings_lengths_or_counts(params):
     assert eng.warmup() == 0
 
 
+def test_several_decode_steps_per_call_give_the_single_steps_tokens(params):
+    """decode_steps=4: while every request in a slot is generating with 4 tokens to go, one call decodes 4
+    steps. Tokens, logprobs, alternatives and finish reasons equal single
+    steps', with stop tokens mid-call, lengths that are not multiples of 4, a request arriving while others
+    decode, slot reuse and a cancel."""
+    prompts = _prompts(50, (5, 20, 9, 33, 3, 12))
+    settings = [SETTINGS[1], SETTINGS[0]] + SETTINGS[2:]
+    free = Engine(params, CFG, slots=1, max_len=64).run([dict(prompt=prompts[0], max_tokens=12,
+                                                              **settings[0])])[0].token_ids
+    at = next(i for i in range(5, 12) if free[i] not in free[:i])  # a token first drawn mid-call
+    stops = [(free[at],), (), (1, 2, 3), (), tuple(range(40, 49)), ()]
+    reqs = [dict(prompt=p, max_tokens=n, logprobs=2, stop_token_ids=st, **s)
+            for p, n, st, s in zip(prompts, (12, 20, 15, 6, 11, 13), stops, settings)]
+
+    def serve(decode_steps):
+        eng = Engine(params, CFG, slots=3, max_len=64, prefill_chunk=16, decode_steps=decode_steps)
+        ids = [eng.submit(**r) for r in reqs[:4]]
+        outs = {}
+        for i in range(200):
+            if i == 5:  # one arrives while the others decode
+                ids.append(eng.submit(**reqs[4]))
+            if i == 6:
+                ids.append(eng.submit(**reqs[5]))
+            if i == 4:
+                assert eng.cancel(ids[1])  # (20 tokens: still going)
+            for e in eng.step():
+                if e.finish_reason is not None:
+                    outs[e.request_id] = e.completion
+            if not eng.has_work() and i > 6:
+                break
+        return [outs.get(rid) for rid in ids], eng.stats
+
+    single, one_stats = serve(1)
+    several, stats = serve(4)
+    assert stats["decode_calls"] < stats["decode_steps"] and one_stats["decode_calls"] == one_stats["decode_steps"]
+    assert single[0].finish_reason == "stop" and single[0].token_ids == free[:at + 1]
+    assert single[1] is several[1] is None  # (a cancelled request's callback-less events are not kept)
+    for a, b in zip(single, several):
+        if a is None or a.finish_reason == "cancelled":
+            continue
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
+        np.testing.assert_allclose([t.logprob for t in b.tokens], [t.logprob for t in a.tokens], atol=1e-5)
+        assert [[i for i, _ in t.top] for t in b.tokens] == [[i for i, _ in t.top] for t in a.tokens]
+    for p, r, o in zip(prompts, reqs, several):  # and each equals generate alone, up to its stop
+        if o is not None and o.finish_reason != "cancelled":
+            s = {k: r[k] for k in ("temperature", "top_k", "top_p", "seed") if k in r}
+            assert o.token_ids == _alone(params, CFG, p, r["max_tokens"], s)[:len(o.token_ids)]
+    # its programs: the single-step ones and one several-step decode per count of leading slots
+    eng = Engine(params, CFG, slots=3, max_len=46, prefill_chunk=8, decode_steps=4)  # a shape no other test uses
+    assert eng.warmup() == 2 * len(engine_mod.chunk_lengths(8)) + 2 * len(engine_mod.decode_sizes(3)) + 1
+    with pytest.raises(ValueError, match="decode_steps"):
+        Engine(params, CFG, slots=3, decode_steps=0)
+
+
 @pytest.mark.parametrize("kernels", ["portable", "cpu", "tpu", "gpu"])
 def test_every_backend_runs_the_engine(params, kernels):
     cfg = CFG.replace(kernels=kernels)

@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_len", type=int, default=None,
                    help="positions per slot: prompt + completion (default: the model's block_size)")
     p.add_argument("--prefill_chunk", type=int, default=256, help="prompt tokens prefilled per engine step")
+    p.add_argument("--decode_steps", type=int, default=4,
+                   help="decode steps per compiled call while no prompt is entering (default 4): the same tokens "
+                        "with less fixed cost per token; a request that arrives meanwhile waits up to that many "
+                        "steps, and tokens stream that many at a time (1: a call per token; ignored with "
+                        "--speculative)")
     p.add_argument("--max_logprobs", type=int, default=20, help="most alternatives a request may ask logprobs for")
     p.add_argument("--max_waiting", type=int, default=256,
                    help="requests that may wait for a slot; past it the server answers 429 at once")
@@ -129,7 +134,7 @@ def main(argv=None) -> int:
     try:
         config, params, tok, name, template = _load(args)
         engine = Engine(params, config, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                        max_logprobs=min(args.max_logprobs, config.vocab_size),
+                        max_logprobs=min(args.max_logprobs, config.vocab_size), decode_steps=args.decode_steps,
                         quantize=None if args.quantize == "none" else args.quantize,
                         kv_dtype=None if args.kv_dtype == "none" else args.kv_dtype,
                         speculative=None if args.speculative == "none" else
