@@ -212,7 +212,7 @@ def _decode_rows(weights, cache, tokens_S, active_S, rows, config, backend, n_lo
     logits_Sx1xV, cache = model.apply(variables, tokens_S[:, None], cache, token_lengths=active_S.astype(jnp.int32))
     cache = cache.replace(lengths=jnp.where(active_S, cache.lengths, lengths))
     tok = sample_rows(logits_Sx1xV[:, 0], rows)
-    lp, ids, lps = token_logprobs(logits_Sx1xV[:, 0], tok, n_logprobs)
+    lp, ids, lps = token_logprobs(logits_Sx1xV[:, 0], tok, n_logprobs, rows.top_wanted)
     return cache, dict(token=tok, logprob=lp, top_ids=ids, top_lps=lps)
 
 
@@ -248,7 +248,7 @@ def _verify_rows(weights, cache, tokens_SxW, n_prop_S, active_S, rows, config, b
     at = RowSettings(each(rows.temperature), each(rows.top_k), each(rows.top_p), each(rows.key_data),
                      (rows.index[:, None] + jnp.arange(w, dtype=rows.index.dtype)[None, :]).reshape(-1))
     tok = sample_rows(flat, at)
-    lp, ids, lps = token_logprobs(flat, tok, n_logprobs)
+    lp, ids, lps = token_logprobs(flat, tok, n_logprobs, rows.top_wanted)
     tok_SxW = tok.reshape(s, w)
     match = (tokens_SxW[:, 1:] == tok_SxW[:, :-1]) & (jnp.arange(w - 1)[None, :] < n_prop_S[:, None])
     n_acc = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
@@ -725,7 +725,8 @@ class Engine:
             top_k=col(lambda x: x.req.top_k or 0, np.int32),
             top_p=np.array([1.0 if x is None or x.req.top_p is None else x.req.top_p for x in lives], np.float32),
             key_data=np.stack([x.key_data if x is not None else np.zeros(2, np.uint32) for x in lives]),
-            index=col(lambda x: len(x.out.tokens), np.int32))
+            index=col(lambda x: len(x.out.tokens), np.int32),
+            top_wanted=np.array(any(x is not None and bool(x.req.logprobs) for x in lives)))
 
     def _emit(self, s: int, live: _Live, tok, lp, top_ids, top_lps, events: list) -> None:
         """Record one generated token (if the request wants one) and end the request when it is done."""
@@ -849,7 +850,7 @@ def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, bac
 
     def rows(n):
         return RowSettings(arr((n,), jnp.float32), arr((n,), jnp.int32), arr((n,), jnp.float32),
-                           arr((n, 2), jnp.uint32), arr((n,), jnp.int32))
+                           arr((n, 2), jnp.uint32), arr((n,), jnp.int32), arr((), jnp.bool_))
 
     static = dict(config=config, backend=backend, n_logprobs=max_logprobs)
     weights, cache = place(DecodeWeights(params, prepared)), place(cache)

@@ -76,13 +76,15 @@ TOP_K_FAST = 64  # a row's top_k up to this is drawn among lax.top_k's candidate
 class RowSettings(NamedTuple):
     """Each row's sampler settings as arrays [S], traced (no value is part of a program's key):
     temperature (0 = greedy), top_k (0 = off), top_p (1 = off), the row's PRNG key data uint32 [S, 2]
-    and the index of the token being drawn (it is folded into the key)."""
+    and the index of the token being drawn (it is folded into the key); `top_wanted`, a bool scalar,
+    whether any row asks for its top logprobs (None: computed always)."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     key_data: jax.Array
     index: jax.Array
+    top_wanted: Optional[jax.Array] = None
 
 
 def _draw(key, logits_V, keep_V):
@@ -146,13 +148,23 @@ def sample_rows(logits_SxV: jax.Array, rows: RowSettings) -> jax.Array:
     return jnp.where(greedy, jnp.argmax(logits_SxV, axis=-1).astype(jnp.int32), tok)
 
 
-def token_logprobs(logits_SxV: jax.Array, tokens_S: jax.Array, n: int):
+def token_logprobs(logits_SxV: jax.Array, tokens_S: jax.Array, n: int, wanted: Optional[jax.Array] = None):
     """log-softmax of float32 logits: each row's token's logprob [S] and the n most likely tokens' ids and
-    logprobs [S, n] (ties by index)."""
+    logprobs [S, n] (ties by index). With `wanted` (a traced bool) False, the n most likely are zeros and
+    cost nothing (a top-n over the vocabulary is a tenth of a CPU decode step's sampling and logprobs)."""
     logp = jax.nn.log_softmax(logits_SxV.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, tokens_S[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, n)
-    return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def top():
+        top_lp, top_ids = jax.lax.top_k(logp, n)
+        return top_ids.astype(jnp.int32), top_lp
+
+    if wanted is None:
+        top_ids, top_lp = top()
+    else:
+        top_ids, top_lp = jax.lax.cond(wanted, top, lambda: (jnp.zeros(logp.shape[:-1] + (n,), jnp.int32),
+                                                             jnp.zeros(logp.shape[:-1] + (n,), jnp.float32)))
+    return chosen, top_ids, top_lp
 
 
 class GenerateOutput(NamedTuple):
