@@ -3,8 +3,8 @@
 JAX compiles for devices that are described rather than attached: libtpu gives compile-only TPU devices
 for any topology name (`jax.experimental.topologies.get_topology_desc`), and the CUDA plugin gives
 compile-only GPUs from a `GpuTargetConfigProto` (written here from datasheet figures). The programs
-compiled are the ones `jaxgpt-train` and `jaxgpt.generate` run: the same GPTConfig, optimizer, schedule and
-MeshRunner step, lowered with ShapeDtypeStructs, so the memory and collectives reported are the vendor
+compiled are the ones `jaxgpt-train` and `jaxgpt.generate` run: the same GPTConfig, optimizer, schedule, initial
+state and runner step, lowered with ShapeDtypeStructs, so the memory and collectives reported are the vendor
 compilers' own. Nothing here touches a device or reads a corpus.
 
 Needs the `aot` extra (libtpu and the CUDA plugin, no CUDA libraries): `pip install -e ".[aot]"`.
@@ -13,6 +13,7 @@ Needs the `aot` extra (libtpu and the CUDA plugin, no CUDA libraries): `pip inst
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -487,20 +488,22 @@ def _report(program: str, compiled, seconds: float, devs: Devices, formula_flops
 def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = True) -> dict:
     """Compile the step jaxgpt-train runs for `config` on the target's devices; a dict of figures.
 
+    The runner is the one the loop makes (jaxgpt.training.parallel.make_runner, over the target's
+    devices), and the state the one it starts from (jaxgpt.training.step.init_train_state, as shapes).
     With train.parallel=mesh the step is MeshRunner's (jit over train.mesh's mesh, by default a 1-D mesh,
     FSDP when train.fsdp; the tpu backend's splash kernel runs in it per batch shard); with
     train.steps_per_call=K the K-step program that the loop calls. pmap has no compile-only path: a pmap
-    config compiles as what pmap is built on, its per-device step under shard_map over the same mesh
-    (replicated state, batch rows over the devices, gradients averaged with pmean).
+    config compiles PmapRunner's per-device step under shard_map over its devices (PmapRunner.jitted_step:
+    replicated state, batch rows over the devices, gradients averaged with pmean).
     """
     import jax
     import numpy as np
 
+    from jaxgpt.lora import LoraSpec
+    from jaxgpt.model import flops_per_token, recompute_flops_per_token
     from jaxgpt.training.config import parallel_mode, validate_config
-    from jaxgpt.lora import LoraSpec, init_adapters
-    from jaxgpt.model import abstract_params, flops_per_token, recompute_flops_per_token
-    from jaxgpt.training.parallel import MeshRunner
-    from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
+    from jaxgpt.training.parallel import PmapRunner, make_runner
+    from jaxgpt.training.step import init_train_state, make_optimizer, make_schedule
 
     n = len(devs.devices)
     try:
@@ -511,63 +514,33 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
     gcfg, backend = model_config(config, vocab_size, devs.target.platform)
     optimizer, schedule = make_optimizer(t, gcfg), make_schedule(t)
     loss_chunk = t.get("loss_chunk", 0)
-    runner = MeshRunner(gcfg, optimizer, t.grad_accum, schedule, devices=devs.devices, fsdp=t.fsdp, backend=backend,
-                        mesh=t.mesh, loss_chunk=loss_chunk, rules=t.get("logical_axis_rules", ""))
-    on_mesh = parallel_mode(t) == "mesh"
-    lora = LoraSpec.from_config(t.lora)
-    seed = config.seed
-
-    def make_state():
-        p = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), abstract_params(gcfg))
-        if lora is not None:
-            adapters = init_adapters(p, gcfg, lora, jax.random.key(seed + 2))
-            return create_train_state(adapters, optimizer, jax.random.key(seed + 1), frozen=p)
-        return create_train_state(p, optimizer, jax.random.key(seed + 1))
-
-    state = runner.abstract_state(make_state)
+    runner = make_runner(parallel_mode(t), gcfg, optimizer, t.grad_accum, schedule, fsdp=t.fsdp, backend=backend,
+                         mesh=t.mesh, loss_chunk=loss_chunk, rules=t.get("logical_axis_rules", ""),
+                         devices=devs.devices)
+    state = runner.abstract_state(functools.partial(init_train_state, gcfg, optimizer, config.seed,
+                                                    LoraSpec.from_config(t.lora)))
     k = t.steps_per_call
     rows, block = t.batch_size, gcfg.block_size
     if k > 1:
         batch = jax.ShapeDtypeStruct((k, rows, block), np.int32, sharding=runner.stack_sharding)
     else:
         batch = jax.ShapeDtypeStruct((rows, block), np.int32, sharding=runner.batch_sharding)
-    step = runner.jitted_step(state, many=k > 1) if on_mesh else \
-        _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, t.grad_accum, k, state, loss_chunk)
+    step = runner.jitted_step(state, many=k > 1)
     compiled, seconds = _compile("train step", lambda: step.lower(state, batch, batch), devs, progress)
     # the formula's work plus what remat recomputes (the compiler counts the recomputed forward too)
     formula = (flops_per_token(gcfg, block) + recompute_flops_per_token(gcfg, block)) * rows * block * k / n
-    extra = {"parallel": runner.name if on_mesh else "pmap (compiled as its per-device step under shard_map)",
+    pmap = isinstance(runner, PmapRunner)
+    extra = {"parallel": "pmap (compiled as its per-device step under shard_map)" if pmap else runner.name,
              "batch_size": rows, "seq_len": block, "grad_accum": t.grad_accum, "steps_per_call": k,
-             "per_device_batch": rows // _batch_split(runner) if on_mesh else rows // n, "remat": gcfg.remat, "scan_layers": gcfg.scan_layers,
+             "per_device_batch": rows // _batch_split(runner), "remat": gcfg.remat, "scan_layers": gcfg.scan_layers,
              "dtype": gcfg.dtype, "kernels": backend.name, "attention": gcfg.attention, "loss_chunk": loss_chunk}
     return _report("train step", compiled, seconds, devs, formula, extra, loop_trips=t.grad_accum * k,
                    layer_loop=gcfg.scan_layers, loss_loop=bool(loss_chunk))
 
 
 def _batch_split(runner) -> int:
-    """How many devices a mesh runner splits the batch's rows over (its batch axes: not tensor)."""
+    """How many devices a runner splits the batch's rows over (its mesh's batch axes: not tensor)."""
     return math.prod(runner.mesh.shape[a] for a in runner.batch_axes)
-
-
-def _pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, grad_accum: int, k: int, state,
-                       loss_chunk: int = 0):
-    """The jitted per-device step of PmapRunner (axis "data", pmean of gradients) under shard_map."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from jaxgpt.training.parallel import AXIS
-    from jaxgpt.training.step import make_train_step, repeat_steps
-
-    step = make_train_step(gcfg, optimizer, grad_accum, axis_name=AXIS, schedule=schedule, backend=backend,
-                           loss_chunk=loss_chunk)
-    step = repeat_steps(step) if k > 1 else step
-    rows = P(None, AXIS) if k > 1 else P(AXIS)
-    mapped = jax.shard_map(step, mesh=runner.mesh, in_specs=(P(), rows, rows), out_specs=(P(), P()),
-                           check_vma=False)  # (pmap's semantics: the pmean inside does the averaging)
-    batch = runner.stack_sharding if k > 1 else runner.batch_sharding
-    shardings = runner.state_shardings(state)
-    return jax.jit(mapped, in_shardings=(shardings, batch, batch), out_shardings=(shardings, runner.replicated),
-                   donate_argnums=(0,))
 
 
 def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optional[int] = None,

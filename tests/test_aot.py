@@ -12,7 +12,6 @@ import pytest
 
 from jaxgpt import aot
 from jaxgpt.training.config import default_config
-from tests.helpers import assert_same_training
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -214,34 +213,6 @@ def test_cudnn_attention_for_a_gpu_target_is_one_line_or_compiles(tmp_path):
     else:
         errors = [line for line in r.stderr.splitlines() if "error" in line]
         assert r.returncode == 2 and len(errors) == 1 and "needs cuDNN" in errors[0], r.stderr
-
-
-def test_a_pmap_config_compiles_as_the_same_update():
-    """The shard_map step jaxgpt-aot compiles for a pmap config gives the mesh step's update (4 CPU devices)."""
-    import jax
-    import numpy as np
-
-    from jaxgpt.backends import resolve
-    from jaxgpt.model import init_params
-    from jaxgpt.training.config import model_config_from
-    from jaxgpt.training.parallel import MeshRunner
-    from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
-
-    c = _tiny()
-    c.model.kernels = "portable"
-    gcfg = model_config_from(c, 256)
-    backend, optimizer, schedule = resolve(gcfg), make_optimizer(c.train), make_schedule(c.train)
-    runner = MeshRunner(gcfg, optimizer, 1, schedule, devices=jax.devices()[:4], backend=backend)
-    state = runner.init_state(lambda: create_train_state(init_params(gcfg, jax.random.key(0)), optimizer,
-                                                         jax.random.key(1)))
-    x = np.random.default_rng(0).integers(0, 256, (8, 64)).astype(np.int32)
-    xs, ys = runner.put_batch(x), runner.put_batch(np.roll(x, -1, axis=1))
-    copy = jax.tree.map(lambda v: v.copy(), state)  # (both steps donate their state)
-    mapped = aot._pmap_as_shard_map(runner, gcfg, optimizer, schedule, backend, 1, 1, state)
-    (a, ma), (b, mb) = mapped(state, xs, ys), runner.jitted_step(copy)(copy, xs, ys)
-    np.testing.assert_allclose(float(ma["loss"]), float(mb["loss"]), rtol=1e-6)
-    # gradients everywhere, parameters where Adam's normalisation does not magnify rounding (tests/helpers.py)
-    assert_same_training(a, b, atol=1e-6, what="shard_map vs mesh")
 
 
 @needs_aot

@@ -19,14 +19,14 @@ from jaxgpt import compile_cache, loading
 from jaxgpt.backends import resolve
 from jaxgpt.backends.cpu import cpu_dispatch
 from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset, tokenizer_difference, tokenizer_fingerprint
-from jaxgpt.lora import LoraSpec, init_adapters
-from jaxgpt.model import convert_layers, flops_per_token, init_params, num_params
+from jaxgpt.lora import LoraSpec
+from jaxgpt.model import convert_layers, flops_per_token, num_params
 from jaxgpt.report import warn
 from jaxgpt.training import run_dir
 from jaxgpt.training.config import model_config_from, parallel_mode, validate_config
 from jaxgpt.training.metrics import MetricsLog, measured_matmul_flops, peak_flops
 from jaxgpt.training.parallel import make_runner
-from jaxgpt.training.step import create_train_state, make_optimizer, make_schedule
+from jaxgpt.training.step import init_train_state, make_optimizer, make_schedule
 from jaxgpt.user_modules import recorded_imports
 
 
@@ -210,12 +210,7 @@ class _Run:
 
     def make_state(self, *pretrained):
         """A step-0 TrainState: fresh or given params, or LoRA adapters over them (the base frozen)."""
-        seed, gcfg = self.config.seed, self.gcfg
-        p = pretrained[0] if pretrained else init_params(gcfg, jax.random.key(seed))
-        if self.lora_spec is not None:
-            adapters = init_adapters(p, gcfg, self.lora_spec, jax.random.key(seed + 2))
-            return create_train_state(adapters, self.optimizer, jax.random.key(seed + 1), frozen=p)
-        return create_train_state(p, self.optimizer, jax.random.key(seed + 1))
+        return init_train_state(self.gcfg, self.optimizer, self.config.seed, self.lora_spec, *pretrained)
 
     def restore_or_init(self) -> Optional[dict]:
         """The state, restored from the newest readable checkpoint or initialised; a summary instead when

@@ -6,7 +6,8 @@ each process hands its runner only its own rows of the global batch, and the sta
 
 - `PmapRunner`: data parallel with `jax.pmap` over this process's devices; the axis spans all
   processes' devices, so `pmean` averages over the whole global batch. State is replicated with a
-  leading local-device axis.
+  leading local-device axis. Its `jitted_step` is the same per-device step under `jax.shard_map` (one
+  jitted program, which can be lowered for compile-only devices: what jaxgpt.aot compiles).
 - `MeshRunner`: `jax.jit` over a `Mesh` of all global devices with axes dcn, data, fsdp and tensor
   (jaxgpt.training.mesh; `train.mesh`), laid out by the rules table (jaxgpt.sharding;
   `train.logical_axis_rules`): by default the batch sharded over dcn, data and fsdp; the state
@@ -114,6 +115,13 @@ def _per_device(fn: Callable, arrays: list[list]) -> list[list]:
     return out
 
 
+def _jit_step(fn: Callable, state_shardings, batch_sharding: NamedSharding, replicated: NamedSharding):
+    """`fn(state, x, y) -> (state, metrics)` jitted as both runners' jitted_step lay it out: the state in
+    and out in `state_shardings` (donated), x and y in `batch_sharding`, the metrics `replicated`."""
+    return jax.jit(fn, in_shardings=(state_shardings, batch_sharding, batch_sharding),
+                   out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+
+
 def _abstract(state, shardings):
     return tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
 
@@ -136,14 +144,22 @@ class PmapRunner:
         self.devices = list(devices) if devices is not None else jax.local_devices()
         self.n = len(self.devices)
         all_devices = self.devices if devices is not None else jax.devices()
+        # the devices the pmap axis spans, as a 1-D mesh: the saved layout's, and the shard_map form's
+        self.mesh = Mesh(np.array(all_devices), (AXIS,))
+        self.batch_axes = (AXIS,)
         # the saved ("unreplicated") layout: one value replicated on every device of every process
-        self.replicated = NamedSharding(Mesh(np.array(all_devices), (AXIS,)), P())
+        self.replicated = NamedSharding(self.mesh, P())
+        # the shard_map form's batches (jitted_step): rows [b, T] or [K, b, T] split over the devices
+        self.batch_sharding = NamedSharding(self.mesh, P(AXIS))
+        self.stack_sharding = NamedSharding(self.mesh, P(None, AXIS))
         # the layout pmap returns: one copy per local device along the leading axis
         self._layout = NamedSharding(Mesh(np.array(self.devices), (AXIS,)), P(AXIS))
         kw = {} if devices is None else {"devices": self.devices}
         backend = backend or resolve(config)
-        step = make_train_step(config, optimizer, grad_accum, axis_name=AXIS, schedule=schedule, backend=backend,
-                               loss_chunk=loss_chunk)
+        # the per-device step, built once: pmap maps it (step, steps), shard_map wraps it (jitted_step)
+        self._train_step = make_train_step(config, optimizer, grad_accum, axis_name=AXIS, schedule=schedule,
+                                           backend=backend, loss_chunk=loss_chunk)
+        self._train_steps = repeat_steps(self._train_step)
         self._once = backend.compile_once_options()  # for init_state
         self._impls = None  # the key implementation of each state leaf (None: not a key), from put_state
 
@@ -153,8 +169,10 @@ class PmapRunner:
                 return _split_keys(state), metrics
             return run
 
-        self._step = jax.pmap(raw(step), axis_name=AXIS, donate_argnums=(0,), **kw)
-        self._steps = jax.pmap(raw(repeat_steps(step)), axis_name=AXIS, donate_argnums=(0,), **kw)
+        # (jax.pmap only wraps here: nothing touches a device until the first call, so a runner over
+        # compile-only devices, jaxgpt.aot's, can be built and lowered through jitted_step)
+        self._step = jax.pmap(raw(self._train_step), axis_name=AXIS, donate_argnums=(0,), **kw)
+        self._steps = jax.pmap(raw(self._train_steps), axis_name=AXIS, donate_argnums=(0,), **kw)
         evals = map_batches(make_eval_step(config, axis_name=AXIS, backend=backend, loss_chunk=loss_chunk))
         self._eval = jax.pmap(evals, axis_name=AXIS, **kw)
 
@@ -211,6 +229,19 @@ class PmapRunner:
 
     def step(self, state, x, y):
         return self._step(state, self.put_batch(x), self.put_batch(y))
+
+    def jitted_step(self, state, many: bool = False):
+        """The per-device step that `step` (with `many`: `steps`) pmaps, as one jitted program over `mesh`:
+        under jax.shard_map, state in the saved layout (replicated, as get_state returns it; arrays or
+        ShapeDtypeStructs), x, y [b, T] global arrays in `batch_sharding` (with `many` [K, b, T] in
+        `stack_sharding`), each device its rows; the pmean inside averages as under pmap. pmap has no
+        compile-only path: this is what jaxgpt.aot lowers for a pmap config."""
+        rows = P(None, AXIS) if many else P(AXIS)
+        # check_vma=False: pmap's semantics, the step's own pmean makes the outputs the same on every device
+        mapped = jax.shard_map(self._train_steps if many else self._train_step, mesh=self.mesh,
+                               in_specs=(P(), rows, rows), out_specs=(P(), P()), check_vma=False)
+        return _jit_step(mapped, self.state_shardings(state), self.stack_sharding if many else self.batch_sharding,
+                         self.replicated)
 
     def _put_stack(self, a: np.ndarray):
         """[K, b, T] -> [local devices, K, b / local devices, T]."""
@@ -298,11 +329,9 @@ class MeshRunner:
         """The jitted step for states shaped like `state` (arrays or ShapeDtypeStructs): x, y [b, T], or
         with `many` the K-step program over xs, ys [K, b, T]. What `step`/`steps` call, and what
         jaxgpt.aot lowers for a target's devices."""
-        shardings = self.state_shardings(state)
-        batch = self.stack_sharding if many else self.batch_sharding
         fn = repeat_steps(self._train_step) if many else self._train_step
-        return jax.jit(fn, in_shardings=(shardings, batch, batch), out_shardings=(shardings, self.replicated),
-                       donate_argnums=(0,))
+        return _jit_step(fn, self.state_shardings(state), self.stack_sharding if many else self.batch_sharding,
+                         self.replicated)
 
     def step(self, state, x, y):
         if self._step is None:
@@ -352,27 +381,32 @@ def _rules(table: RulesLike):
 
 
 def make_runner(kind: str, config: GPTConfig, optimizer, grad_accum: int = 1, schedule=None, fsdp: bool = False,
-                backend: Optional[Backend] = None, mesh: str = "", loss_chunk: int = 0, rules: RulesLike = None):
+                backend: Optional[Backend] = None, mesh: str = "", loss_chunk: int = 0, rules: RulesLike = None,
+                devices=None):
     """A PmapRunner or MeshRunner by name ('pmap' | 'mesh'); `fsdp`, `mesh` (a train.mesh string, which
     means 'mesh' whatever `kind` says) and `rules` (train.logical_axis_rules) apply to the mesh only;
     `loss_chunk` (train.loss_chunk) to both. The backend (default `resolve(config)`) is chosen here, once,
-    for every program the runner compiles."""
+    for every program the runner compiles. `devices`: all of JAX's by default; jaxgpt.aot passes a
+    target's compile-only devices."""
     backend = backend or resolve(config)
     backend.setup()
     if mesh:
         if fsdp:
             raise ValueError("train.fsdp and train.mesh both set: put an fsdp axis in train.mesh instead")
-        return MeshRunner(config, optimizer, grad_accum, schedule, backend=backend, mesh=mesh, loss_chunk=loss_chunk,
-                          rules=rules)
+        return MeshRunner(config, optimizer, grad_accum, schedule, devices=devices, backend=backend, mesh=mesh,
+                          loss_chunk=loss_chunk, rules=rules)
     if kind == "pmap":
         if fsdp:
             raise ValueError("train.fsdp needs train.parallel='mesh' (pmap keeps a full copy per device)")
-        if jax.device_count() == 1:  # nothing to map over: plain jit skips pmap's per-call overhead
-            runner = MeshRunner(config, optimizer, grad_accum, schedule, backend=backend, loss_chunk=loss_chunk)
+        if (jax.device_count() if devices is None else len(devices)) == 1:
+            # nothing to map over: plain jit skips pmap's per-call overhead
+            runner = MeshRunner(config, optimizer, grad_accum, schedule, devices=devices, backend=backend,
+                                loss_chunk=loss_chunk)
             runner.name = "pmap (one device: jit)"
             return runner
-        return PmapRunner(config, optimizer, grad_accum, schedule, backend=backend, loss_chunk=loss_chunk)
+        return PmapRunner(config, optimizer, grad_accum, schedule, devices=devices, backend=backend,
+                          loss_chunk=loss_chunk)
     if kind == "mesh":
-        return MeshRunner(config, optimizer, grad_accum, schedule, fsdp=fsdp, backend=backend, loss_chunk=loss_chunk,
-                          rules=rules)
+        return MeshRunner(config, optimizer, grad_accum, schedule, devices=devices, fsdp=fsdp, backend=backend,
+                          loss_chunk=loss_chunk, rules=rules)
     raise ValueError(f"train.parallel must be one of ['mesh', 'pmap'], got {kind!r}")

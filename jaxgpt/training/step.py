@@ -1,4 +1,4 @@
-"""The pure training step: loss, optimizer, TrainState, train_step and eval_step."""
+"""The pure training step: loss, optimizer, TrainState and the step-0 state, train_step and eval_step."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding
 from jaxgpt.backends import Backend, resolve
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
-from jaxgpt.lora import adapter_decay_mask, trainable_labels
-from jaxgpt.model import GPT
+from jaxgpt.lora import LoraSpec, adapter_decay_mask, init_adapters, trainable_labels
+from jaxgpt.model import GPT, init_params
 from jaxgpt.schema import map_params
 
 
@@ -168,6 +168,18 @@ def create_train_state(params, optimizer: optax.GradientTransformation, rng: jax
     """A step-0 state: `params` are what trains (LoRA adapters, with the base model as `frozen`)."""
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=jax.jit(optimizer.init)(params),
                       rng=rng, frozen=frozen)
+
+
+def init_train_state(config: GPTConfig, optimizer: optax.GradientTransformation, seed: int,
+                     lora: Optional[LoraSpec] = None, params=None) -> TrainState:
+    """The step-0 state a run starts from: `params` (default: fresh from key(seed)), or with `lora` adapters
+    over them from key(seed + 2), the params frozen; the dropout rng key(seed + 1). The one builder: the
+    loop initialises and restores through it, jaxgpt.aot lowers the step for its shapes."""
+    p = init_params(config, jax.random.key(seed)) if params is None else params
+    if lora is None:
+        return create_train_state(p, optimizer, jax.random.key(seed + 1))
+    adapters = init_adapters(p, config, lora, jax.random.key(seed + 2))
+    return create_train_state(adapters, optimizer, jax.random.key(seed + 1), frozen=p)
 
 
 def model_variables(params, frozen=None) -> dict:
