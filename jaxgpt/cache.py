@@ -27,6 +27,11 @@ class CacheLayout:
     def shape(self, batch: int, kv_heads: int, max_len: int, head_dim: int) -> tuple[int, ...]:
         return (batch, kv_heads, max_len, head_dim)
 
+    def heads_axis(self) -> Optional[int]:
+        """The axis of `shape`'s (and `scale_shape`'s) form that holds only the kv heads, which a tensor
+        mesh axis may split; None where heads share an axis with other things."""
+        return 1
+
     def read(self, buf: jax.Array, batch: int) -> jax.Array:
         """A stored buffer as [B, K, S, H]."""
         return buf
@@ -164,6 +169,26 @@ class KVCache:
             return read(self.k[i]), read(self.v[i])
         return tuple(dequantize_kv(read(q[i]), read_scale(s[i]), dtype or jnp.float32)
                      for q, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
+
+    def on_mesh(self, mesh, axis: str = "tensor") -> "KVCache":
+        """This cache placed on `mesh`: keys and values (and an int8 cache's scales) split by kv head over
+        mesh axis `axis`, as tensor parallelism splits attention's heads, where the layout keeps the heads
+        on an axis of their own and the axis's size divides them; replicated otherwise (lengths always)."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        size = dict(mesh.shape).get(axis, 1)
+        at = self.layout.heads_axis()
+        stacked = not isinstance(self.k, tuple)
+
+        def place(buf):
+            parts = [None] * buf.ndim
+            if at is not None and size > 1 and buf.shape[at + stacked] % size == 0:
+                parts[at + stacked] = axis
+            return jax.device_put(buf, NamedSharding(mesh, P(*parts)))
+
+        return self.replace(k=jax.tree.map(place, self.k), v=jax.tree.map(place, self.v),
+                            k_scale=jax.tree.map(place, self.k_scale), v_scale=jax.tree.map(place, self.v_scale),
+                            lengths=jax.device_put(self.lengths, NamedSharding(mesh, P())))
 
     def view_first(self, n: int) -> "KVCache":
         """The first n rows as a cache of batch n over the same buffers (no copy): writes go to those rows

@@ -292,6 +292,15 @@ def _check_speculative(speculative):
     return speculative
 
 
+def _params_mesh(params):
+    """The mesh that params placed by `jaxgpt.shard_params` lie on (None: one device)."""
+    for x in jax.tree.leaves(params):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
+            return sharding.mesh
+    return None
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -325,6 +334,8 @@ class Engine:
     and has k tokens to go: the same tokens, without a call's fixed cost per token (about 3 ms of a 17 ms
     step, GPT-2 124M on 2 CPU cores); a request that arrives meanwhile waits up to k steps, and tokens
     stream k at a time. Not with `speculative`.
+    Params placed on a mesh by `jaxgpt.shard_params` (say tensor=8) decode there, the KV cache split by kv
+    head over `tensor` where the backend's layout allows (`KVCache.on_mesh`); `mesh` says which.
     """
 
     def __init__(self, params, config: GPTConfig, *, slots: int = 8, max_len: Optional[int] = None,
@@ -359,6 +370,9 @@ class Engine:
         self.weights = self._decode_weights(sizes + tuple(n * self.width for n in sizes))
         self.cache = KVCache.create(self.config, self.slots, self.max_len, dtype=self.kv_dtype,
                                     layout=self.backend.cache_layout)
+        self.mesh = _params_mesh(params)
+        if self.mesh is not None:  # params placed by the rules (jaxgpt.shard_params): the cache by kv head
+            self.cache = self.cache.on_mesh(self.mesh)
         self._static = dict(config=self.config, backend=self.backend)
         self._live: list[Optional[_Live]] = [None] * self.slots
         self._cached: list[list] = [[] for _ in range(self.slots)]  # token ids whose k, v each slot holds
@@ -426,7 +440,7 @@ class Engine:
                                         n_logprobs=self.max_logprobs, **self._static)
         self.cache = _copy(self.cache, np.int32(0), np.int32(0))
         self._cached = [[] for _ in range(self.slots)]
-        self.cache = self.cache.replace(lengths=jnp.zeros((self.slots,), jnp.int32))
+        self.cache = self.cache.replace(lengths=jnp.zeros_like(self.cache.lengths))
         return sum(TRACES.values()) - before
 
     # -- requests -----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ the params placed by the rules, equal to one device."""
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxgpt import Engine, GPTConfig, generate, init_params, shard_params
 from jaxgpt.aot import count_collectives
@@ -185,6 +185,34 @@ def test_params_placed_by_the_rules_give_one_devices_tokens_under_tensor_2():
         [dict(prompt=[3, 1, 4, 1, 5], max_tokens=6, **settings), dict(prompt=[2, 7], max_tokens=6)])
         for p in (params, placed)]
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_the_engine_splits_its_kv_cache_by_kv_head_under_tensor_2(kv_dtype):
+    """Params placed by the rules on a tensor=2 mesh: the engine's cache (portable layout, [B, K, S, H])
+    lies split by kv head over tensor, stays so through prefill, decode steps and slot copies, and the
+    engine's tokens are one device's. (The CPU backend's [B*K, S, H] layout stays whole.)"""
+    from jaxgpt.backends import resolve
+
+    cfg = CFG.replace(kernels="portable")
+    params = init_params(cfg, jax.random.key(4))
+    mesh = build_mesh("tensor=2", jax.devices()[:2])
+    placed = shard_params(params, cfg, mesh)
+    reqs = [dict(prompt=[3, 1, 4, 1, 5], max_tokens=6, temperature=0.9, top_k=20, seed=5),
+            dict(prompt=[3, 1, 4, 1, 5, 9], max_tokens=5, temperature=0.0),  # (a prefix copied from slot 0)
+            dict(prompt=[2, 7], max_tokens=6, temperature=0.0)]
+    one = Engine(params, cfg, slots=2, max_len=16, prefill_chunk=4, kv_dtype=kv_dtype)
+    split = Engine(placed, cfg, slots=2, max_len=16, prefill_chunk=4, kv_dtype=kv_dtype, decode_steps=2)
+    assert one.mesh is None and split.mesh is mesh
+    want = NamedSharding(mesh, P(None, "tensor"))
+    assert split.cache.k[0].sharding.is_equivalent_to(want, 4)
+    assert [o.token_ids for o in split.run(reqs)] == [o.token_ids for o in one.run(reqs)]
+    assert split.stats["copies"] >= 1
+    for buf in split.cache.k + split.cache.v + (split.cache.k_scale or ()):
+        assert buf.sharding.is_equivalent_to(want, buf.ndim), buf.sharding
+        assert buf.addressable_shards[0].data.shape[1] == cfg.n_kv_head // 2
+    whole = Engine(placed, CFG, slots=2, max_len=16, backend=resolve(CFG.replace(kernels="cpu")))
+    assert whole.cache.k[0].sharding.is_fully_replicated  # rows and heads share an axis there
 
 
 def test_jaxgpt_aot_compiles_a_tensor_mesh_train_step_and_generate_at_tensor_4():

@@ -310,6 +310,9 @@ class RowsCacheLayout(CacheLayout):
     def shape(self, batch, kv_heads, max_len, head_dim):
         return (batch * kv_heads, max_len, head_dim)
 
+    def heads_axis(self):
+        return None  # (rows and heads share the first axis: a tensor mesh keeps this cache whole)
+
     def read(self, buf, batch):
         return buf.reshape(batch, -1, *buf.shape[1:])
 
