@@ -78,6 +78,25 @@ def test_prefill_in_chunks_keeps_the_decoding_rows_pace(params):
         assert [e.request_id for e in eng.step() if e.token is not None].count(first) == 1
 
 
+def test_a_prompt_enters_in_pieces_that_pad_little_within_one_step(params):
+    """A chunk is padded by at most an eighth of its length: 9 tokens run as 8 + 1 (not 16 with 7 padded),
+    15 as 16; the pieces run in one step while the budget lasts, and the tokens are generate's."""
+    eng = Engine(params, CFG, slots=1, max_len=64, prefill_chunk=16)
+    # (16 prompt tokens a step: 37 enters as 16, 16, then 5 as 4 + 1)
+    for n, calls, padding in ((9, 2, 0), (15, 1, 1), (37, 4, 0)):
+        prompt = _prompts(60 + n, (n,))[0]
+        before = collections.Counter(eng.stats)
+        rid = eng.submit(prompt, max_tokens=4, temperature=0.0)
+        first = eng.step()
+        assert (rid in [e.request_id for e in first if e.token]) == (n <= 16)  # its first token in one step
+        while eng.has_work():
+            eng.step()
+        got = eng.stats - before
+        assert (got["prefill_calls"], got["prefill_padding"]) == (calls, padding), (n, got)
+        out = eng.run([dict(prompt=prompt, max_tokens=4, temperature=0.0)])  # (reuses all but the last token)
+        assert out[0].token_ids == _alone(params, CFG, prompt, 4, dict(temperature=0.0))
+
+
 def test_stop_tokens_cancel_and_stream(params):
     eng = Engine(params, CFG, slots=2, max_len=64, prefill_chunk=16)
     prompt = _prompts(5, (6,))[0]
