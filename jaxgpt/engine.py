@@ -595,16 +595,12 @@ class Engine:
         return True
 
     def _chunk(self, start: int, remaining: int, budget: int) -> tuple[int, int]:
-        """(tokens, program length) of the next chunk: a power of two (or prefill_chunk) that fits the
-        slot's remaining positions without padding past them. A padded position costs what a token costs
-        (about a millisecond, GPT-2 124M on 2 CPU cores) and another call a read of every weight (about 15
-        ms): a chunk is padded by at most an eighth of its length, else the longest length that fits runs
-        full and the rest follows (136 tokens: 128 + 8, not 256)."""
+        """(tokens, program length) of the next chunk: the shortest power of two (or prefill_chunk) that
+        holds them, fitting the slot's remaining positions without padding past them. (Splitting instead,
+        136 tokens as 128 + 8 rather than 256 with 120 padded, was slower: 16 prompts of 16-256 tokens,
+        GPT-2 124M on 2 CPU cores, 3.7 s against 2.9 s; padding at most a quarter, 3.1 s.)"""
         n = min(remaining, budget, self.prefill_chunk)
-        lengths = chunk_lengths(self.prefill_chunk)
-        c = next(c for c in lengths if c >= n)
-        if c - n > c // 8:
-            c = n = max(c for c in lengths if c <= n)
+        c = next(c for c in chunk_lengths(self.prefill_chunk) if c >= n)
         if start + c > self.max_len:  # the padding would not fit: a shorter chunk with none
             c = 1 << int(math.log2(min(n, self.max_len - start)))
             n = c
