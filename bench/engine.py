@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxgpt  # noqa: E402
-from bench.common import machine, median_time, write_results  # noqa: E402
+from bench.common import machine, write_results  # noqa: E402
 from jaxgpt.engine import Engine  # noqa: E402
 
 
@@ -125,7 +125,7 @@ def replay_fixed(decoder, prompts, c: int, new_tokens: int, stagger: float) -> d
 def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps: int) -> dict:
     """Decode tokens/s of one request: the engine (`slots` slots, one busy; `decode_steps` per call, and
     one) and Decoder.generate at batch 1, all from a 16-token prompt, prefill excluded (time for new_tokens
-    minus time for 1)."""
+    minus time for 1), the three interleaved over 4 repetitions (medians)."""
     prompt = workload(cfg, 1, 16, 16, seed=1)[0]
     decoder = jaxgpt.Decoder(params, cfg)
 
@@ -139,11 +139,19 @@ def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps: int) -> 
         return lambda n: engine.run([dict(prompt=prompt, max_tokens=n, temperature=1.0, top_k=50)])
 
     out = {"decode_steps": decode_steps}
-    for name, fn in (("generate", gen),) + tuple((name, runner(e)) for name, e in engines.items()):
+    fns = {"generate": gen, **{name: runner(e) for name, e in engines.items()}}
+    for fn in fns.values():
         fn(1), fn(new_tokens)  # compile
-        t_all, _ = median_time(lambda: fn(new_tokens), 3)
-        t_one, _ = median_time(lambda: fn(1), 3)
-        out[name + "_tokens_per_s"] = (new_tokens - 1) / (t_all - t_one)
+    per_token = {name: [] for name in fns}
+    for _ in range(4):  # interleaved: the machine's drift falls on all three alike
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn(new_tokens)
+            t1 = time.perf_counter()
+            fn(1)
+            per_token[name].append((t1 - t0 - (time.perf_counter() - t1)) / (new_tokens - 1))
+    for name, times in per_token.items():
+        out[name + "_tokens_per_s"] = 1.0 / float(np.median(times))
     out["engine_over_generate"] = out["engine_tokens_per_s"] / out["generate_tokens_per_s"]
     out["engine_1_step_over_generate"] = out["engine_1_step_tokens_per_s"] / out["generate_tokens_per_s"]
     return out
