@@ -532,7 +532,7 @@ class Engine:
             if live.wait_for is not None and not self._copy_prefix(s, live):
                 continue
             while budget > 0 and self._live[s] is live and live.cursor < len(live.req.prompt):
-                budget -= self._prefill_chunk(s, live, budget, events)  # (a prompt's pieces, while the budget lasts)
+                budget -= self._prefill_chunk(s, live, budget, events)  # (twice where the slot's end cut a chunk)
         self._decode_step(events)
         return events
 
