@@ -170,25 +170,27 @@ class KVCache:
         return tuple(dequantize_kv(read(q[i]), read_scale(s[i]), dtype or jnp.float32)
                      for q, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
-    def on_mesh(self, mesh, axis: str = "tensor") -> "KVCache":
+    def on_mesh(self, mesh, axis: str = "tensor", *, inside_jit: bool = False) -> "KVCache":
         """This cache placed on `mesh`: keys and values (and an int8 cache's scales) split by kv head over
         mesh axis `axis`, as tensor parallelism splits attention's heads, where the layout keeps the heads
-        on an axis of their own and the axis's size divides them; replicated otherwise (lengths always)."""
+        on an axis of their own and the axis's size divides them; replicated otherwise (lengths always).
+        `inside_jit`: as sharding constraints in a traced program (a cache that a program allocates)."""
         from jax.sharding import NamedSharding, PartitionSpec as P
 
         size = dict(mesh.shape).get(axis, 1)
         at = self.layout.heads_axis()
         stacked = not isinstance(self.k, tuple)
+        put = jax.lax.with_sharding_constraint if inside_jit else jax.device_put
 
         def place(buf):
             parts = [None] * buf.ndim
             if at is not None and size > 1 and buf.shape[at + stacked] % size == 0:
                 parts[at + stacked] = axis
-            return jax.device_put(buf, NamedSharding(mesh, P(*parts)))
+            return put(buf, NamedSharding(mesh, P(*parts)))
 
         return self.replace(k=jax.tree.map(place, self.k), v=jax.tree.map(place, self.v),
                             k_scale=jax.tree.map(place, self.k_scale), v_scale=jax.tree.map(place, self.v_scale),
-                            lengths=jax.device_put(self.lengths, NamedSharding(mesh, P())))
+                            lengths=put(self.lengths, NamedSharding(mesh, P())))
 
     def view_first(self, n: int) -> "KVCache":
         """The first n rows as a cache of batch n over the same buffers (no copy): writes go to those rows

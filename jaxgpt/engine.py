@@ -33,7 +33,8 @@ from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
 from jaxgpt.quantize import check_kv_dtype, check_quantize
-from jaxgpt.sampling import RowSettings, _check_rng, _dequantized_jit, sample_rows, token_logprobs, validate_sampler
+from jaxgpt.sampling import (RowSettings, _check_rng, _dequantized_jit, params_mesh, sample_rows, token_logprobs,
+                             validate_sampler)
 from jaxgpt.speculative import Speculative, ngram_lookup
 
 # Traces of the engine's programs, by kind; `Engine.programs_compiled` reads it.
@@ -292,15 +293,6 @@ def _check_speculative(speculative):
     return speculative
 
 
-def _params_mesh(params):
-    """The mesh that params placed by `jaxgpt.shard_params` lie on (None: one device)."""
-    for x in jax.tree.leaves(params):
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
-            return sharding.mesh
-    return None
-
-
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -370,7 +362,7 @@ class Engine:
         self.weights = self._decode_weights(sizes + tuple(n * self.width for n in sizes))
         self.cache = KVCache.create(self.config, self.slots, self.max_len, dtype=self.kv_dtype,
                                     layout=self.backend.cache_layout)
-        self.mesh = _params_mesh(params)
+        self.mesh = params_mesh(params)
         if self.mesh is not None:  # params placed by the rules (jaxgpt.shard_params): the cache by kv head
             self.cache = self.cache.on_mesh(self.mesh)
         self._static = dict(config=self.config, backend=self.backend)

@@ -265,11 +265,24 @@ class DecodeState(NamedTuple):
     step: jax.Array
 
 
-def _prefill(model: GPT, params, prompts_BxP, prompt_lengths_B, max_len: int, kv_dtype=None) -> DecodeState:
+def params_mesh(params):
+    """The mesh that params placed by `jaxgpt.shard_params` lie on (None: one device)."""
+    for x in jax.tree.leaves(params):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.size > 1:
+            return sharding.mesh
+    return None
+
+
+def _prefill(model: GPT, params, prompts_BxP, prompt_lengths_B, max_len: int, kv_dtype=None,
+             mesh=None) -> DecodeState:
     """The whole (padded) prompt at once, logits only at each row's last prompt token; the cache in
-    `kv_dtype` (default: the compute dtype; "int8": int8 with scales, jaxgpt/cache.py)."""
+    `kv_dtype` (default: the compute dtype; "int8": int8 with scales, jaxgpt/cache.py), split by kv head
+    over `mesh`'s tensor axis when a mesh is given (KVCache.on_mesh)."""
     b = prompts_BxP.shape[0]
     cache = KVCache.create(model.config, b, max_len, dtype=kv_dtype, layout=model.backend.cache_layout)
+    if mesh is not None:
+        cache = cache.on_mesh(mesh, inside_jit=True)
     logits, cache = model.apply({"params": params}, prompts_BxP, cache, token_lengths=prompt_lengths_B,
                                 logits_index=prompt_lengths_B - 1)
     return DecodeState(cache, logits[:, 0], prompt_lengths_B, jnp.zeros((b,), bool), jnp.zeros((), jnp.int32))
@@ -307,14 +320,14 @@ def _cast(weights: DecodeWeights, config: GPTConfig) -> DecodeWeights:
 TRACE_COUNT = 0
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "max_new_tokens", "sampler", "kv_dtype"))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "max_new_tokens", "sampler", "kv_dtype", "mesh"))
 def _generate(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, rng, *, config: GPTConfig, backend: Backend,
-              max_new_tokens: int, sampler: Sampler, kv_dtype=None) -> GenerateOutput:
+              max_new_tokens: int, sampler: Sampler, kv_dtype=None, mesh=None) -> GenerateOutput:
     global TRACE_COUNT
     TRACE_COUNT += 1
     b, p = prompts_BxP.shape
     model, weights = GPT(config, backend), _cast(weights, config)
-    state = _prefill(model, weights.params, prompts_BxP, prompt_lengths_B, p + max_new_tokens, kv_dtype)
+    state = _prefill(model, weights.params, prompts_BxP, prompt_lengths_B, p + max_new_tokens, kv_dtype, mesh)
     state, new_BxN = _decode(model, weights.variables(), state, rng, max_new_tokens, sampler, last=True)
     # row b's new tokens go right after its prompt (ragged rows: over the padding)
     tokens = jnp.concatenate([prompts_BxP, jnp.full((b, max_new_tokens), sampler.pad_id, jnp.int32)], axis=1)
@@ -323,10 +336,10 @@ def _generate(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, rng, *, con
     return GenerateOutput(tokens, state.lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "max_len", "kv_dtype"))
-def _prefill_jit(params, prompts_BxP, prompt_lengths_B, *, config, backend, max_len, kv_dtype=None):
+@functools.partial(jax.jit, static_argnames=("config", "backend", "max_len", "kv_dtype", "mesh"))
+def _prefill_jit(params, prompts_BxP, prompt_lengths_B, *, config, backend, max_len, kv_dtype=None, mesh=None):
     return _prefill(GPT(config, backend), cast_floats(params, config.compute_dtype), prompts_BxP, prompt_lengths_B,
-                    max_len, kv_dtype)
+                    max_len, kv_dtype, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "n", "sampler", "last"), donate_argnums=(1,))
@@ -378,6 +391,7 @@ class Decoder:
         self.speculative = speculative
         self.last_speculative_stats = None  # rounds, proposed, accepted, acceptance of the latest call
         self.draft = None if speculative is None else speculative.draft_decoder(self)  # the draft model's
+        self.mesh = params_mesh(params)  # params placed on a mesh: the cache split by kv head there
 
     def weights(self, batch_size: int) -> DecodeWeights:
         """The decode steps' weights for `batch_size` rows (the backend's prepared forms, made once)."""
@@ -398,7 +412,7 @@ class Decoder:
             return self.speculative.generate_with(self, prompts, prompt_lengths, n, rng, sampler)
         return _generate(self.weights(prompts.shape[0]), jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng,
                          config=self.config, backend=self.backend, max_new_tokens=n, sampler=sampler,
-                         kv_dtype=self.kv_dtype)
+                         kv_dtype=self.kv_dtype, mesh=self.mesh)
 
     def stream(self, prompts, max_new_tokens: int, rng: jax.Array, *, chunk_size: int = 32, prompt_lengths=None,
                temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
@@ -414,7 +428,7 @@ class Decoder:
         sampler = Sampler.of(temperature, top_k, top_p, eos_id, pad_id)
         static = dict(config=self.config, backend=self.backend)
         state = _prefill_jit(self.params, jnp.asarray(prompts), jnp.asarray(prompt_lengths),
-                             max_len=prompts.shape[1] + total, kv_dtype=self.kv_dtype, **static)
+                             max_len=prompts.shape[1] + total, kv_dtype=self.kv_dtype, mesh=self.mesh, **static)
         weights, done = self.weights(prompts.shape[0]), 0
         while done < total:
             n = min(chunk_size, total - done)
@@ -454,10 +468,11 @@ def generate_stream(params, config: GPTConfig, prompts, max_new_tokens: int, rng
 
 def lower_generate(config: GPTConfig, batch_size: int, prompt_len: int, max_new_tokens: int, *,
                    backend: Optional[Backend] = None, sampler: Optional[Sampler] = None, sharding=None,
-                   row_sharding=None, params=None):
+                   row_sharding=None, params=None, mesh=None):
     """`generate`'s program lowered for abstract inputs (nothing allocated): `.compile()` it to check it
     ahead of time, e.g. for another platform's devices: `sharding` for the weights and rng, `row_sharding`
-    for the prompts and their lengths (default `sharding`). `params` default: the config's abstract ones."""
+    for the prompts and their lengths (default `sharding`). `params` default: the config's abstract ones.
+    `mesh`: the cache split by kv head over its tensor axis, as `Decoder` does for params on a mesh."""
     backend = backend or resolve(config)
     config = config.replace(remat="none")
     sampler = sampler or Sampler(1.0, None, None, None, 0)
@@ -475,4 +490,4 @@ def lower_generate(config: GPTConfig, batch_size: int, prompt_len: int, max_new_
     lengths = place(jax.ShapeDtypeStruct((batch_size,), jnp.int32), rows)
     rng = place(jax.eval_shape(lambda: jax.random.key(0)))
     return _generate.lower(weights, prompts, lengths, rng, config=config, backend=backend,
-                           max_new_tokens=max_new_tokens, sampler=sampler)
+                           max_new_tokens=max_new_tokens, sampler=sampler, mesh=mesh)

@@ -215,6 +215,43 @@ def test_the_engine_splits_its_kv_cache_by_kv_head_under_tensor_2(kv_dtype):
     assert whole.cache.k[0].sharding.is_fully_replicated  # rows and heads share an axis there
 
 
+def test_generate_splits_the_cache_it_allocates_by_kv_head_under_tensor_2(monkeypatch):
+    """generate's cache lives inside its program: for params on a mesh, Decoder constrains it to split by kv
+    head over tensor (what jaxgpt-aot --gen_mesh lowers too); the tokens stay one device's."""
+    from jaxgpt import Decoder, sampling
+    from jaxgpt.backends import resolve
+
+    cfg = CFG.replace(kernels="portable")
+    params = init_params(cfg, jax.random.key(6))
+    mesh = build_mesh("tensor=2", jax.devices()[:2])
+    placed = shard_params(params, cfg, mesh)
+    decoder = Decoder(placed, cfg)
+    assert decoder.mesh is mesh and Decoder(params, cfg).mesh is None
+    prompts, lengths = np.array([[3, 1, 4, 1, 5], [2, 7, 1, 8, 0]], np.int32), np.array([5, 4], np.int32)
+    state = sampling._prefill_jit(placed, prompts, lengths, config=cfg, backend=decoder.backend, max_len=12,
+                                  mesh=mesh)
+    for buf in state.cache.k + state.cache.v:
+        assert buf.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tensor")), 4), buf.sharding
+    meshes, prefill = [], sampling._prefill
+
+    def spy(*args):  # (called while generate's program is traced)
+        meshes.append(args[-1])
+        return prefill(*args)
+
+    monkeypatch.setattr(sampling, "_prefill", spy)
+    for kw in [dict(temperature=0.0), dict(temperature=0.8, top_k=10)]:
+        one = generate(params, cfg, prompts, 7, jax.random.key(2), prompt_lengths=lengths, **kw)
+        split = decoder.generate(prompts, 7, jax.random.key(2), prompt_lengths=lengths, **kw)
+        np.testing.assert_array_equal(np.asarray(split.tokens), np.asarray(one.tokens))
+    assert mesh in meshes  # the decoder of placed params traced generate with its mesh
+    text = sampling.lower_generate(cfg, 2, 5, 7, backend=resolve(cfg), sharding=NamedSharding(mesh, P()),
+                                   mesh=mesh).as_text()
+    # a constraint on each layer's [B, K, S, H] keys and values: heads over tensor (Shardy's or GSPMD's text)
+    split = [line for line in text.splitlines() if ("sharding_constraint" in line or "Sharding" in line)
+             and ('[{}, {"tensor"}, {}, {}]' in line or "devices=[1,2,1,1]" in line)]
+    assert len(split) >= 2 * cfg.n_layer, text[:3000]
+
+
 def test_jaxgpt_aot_compiles_a_tensor_mesh_train_step_and_generate_at_tensor_4():
     from jaxgpt import aot
     if aot.missing_extra() is not None:
