@@ -628,7 +628,7 @@ def _compile_generate_on_mesh(config, gcfg, backend, devs: Devices, mesh: str, b
 
     def lower():  # (sampling.lower_generate places every weight on one sharding: this lowers its program)
         return sampling._generate.lower(weights, prompts, lengths, rng, config=cfg, backend=backend,
-                                        max_new_tokens=new, sampler=sampler, mesh=grid)
+                                        max_new_tokens=new, sampler=sampler)
 
     compiled, seconds = _compile("generate program", lower, devs, progress)
     extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": backend.name,

@@ -326,14 +326,17 @@ class Engine:
     and has k tokens to go: the same tokens, without a call's fixed cost per token (about 3 ms of a 17 ms
     step, GPT-2 124M on 2 CPU cores); a request that arrives meanwhile waits up to k steps, and tokens
     stream k at a time. Not with `speculative`.
-    Params placed on a mesh by `jaxgpt.shard_params` (say tensor=8) decode there, the KV cache split by kv
-    head over `tensor` where the backend's layout allows (`KVCache.on_mesh`); `mesh` says which.
+    Params placed on a mesh by `jaxgpt.shard_params` (say tensor=8) decode there (`mesh` says which); with
+    `split_cache=True` the KV cache lies split by kv head over `tensor` where the backend's layout allows
+    (`KVCache.on_mesh`): a tensor-th of its bytes per device, but attention runs with every head on each
+    device under the default rules (c_attn's output is not split over tensor), so each step gathers the
+    cache's layers back: memory for traffic.
     """
 
     def __init__(self, params, config: GPTConfig, *, slots: int = 8, max_len: Optional[int] = None,
                  prefill_chunk: int = 256, max_logprobs: int = 20, backend: Optional[Backend] = None,
                  quantize: Optional[str] = None, kv_dtype: Optional[str] = None, speculative=None,
-                 decode_steps: int = 1):
+                 decode_steps: int = 1, split_cache: bool = False):
         self.quantize = check_quantize(quantize)
         self.speculative = _check_speculative(speculative)
         self.kv_dtype = check_kv_dtype(kv_dtype)
@@ -363,7 +366,7 @@ class Engine:
         self.cache = KVCache.create(self.config, self.slots, self.max_len, dtype=self.kv_dtype,
                                     layout=self.backend.cache_layout)
         self.mesh = params_mesh(params)
-        if self.mesh is not None:  # params placed by the rules (jaxgpt.shard_params): the cache by kv head
+        if self.mesh is not None and split_cache:  # params placed by shard_params: the cache by kv head
             self.cache = self.cache.on_mesh(self.mesh)
         self._static = dict(config=self.config, backend=self.backend)
         self._live: list[Optional[_Live]] = [None] * self.slots

@@ -189,8 +189,8 @@ def test_params_placed_by_the_rules_give_one_devices_tokens_under_tensor_2():
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_the_engine_splits_its_kv_cache_by_kv_head_under_tensor_2(kv_dtype):
-    """Params placed by the rules on a tensor=2 mesh: the engine's cache (portable layout, [B, K, S, H])
-    lies split by kv head over tensor, stays so through prefill, decode steps and slot copies, and the
+    """Params placed by the rules on a tensor=2 mesh, split_cache=True: the engine's cache (portable layout,
+    [B, K, S, H]) lies split by kv head over tensor, stays so through prefill, decode steps and slot copies, and the
     engine's tokens are one device's. (The CPU backend's [B*K, S, H] layout stays whole.)"""
     from jaxgpt.backends import resolve
 
@@ -202,8 +202,10 @@ def test_the_engine_splits_its_kv_cache_by_kv_head_under_tensor_2(kv_dtype):
             dict(prompt=[3, 1, 4, 1, 5, 9], max_tokens=5, temperature=0.0),  # (a prefix copied from slot 0)
             dict(prompt=[2, 7], max_tokens=6, temperature=0.0)]
     one = Engine(params, cfg, slots=2, max_len=16, prefill_chunk=4, kv_dtype=kv_dtype)
-    split = Engine(placed, cfg, slots=2, max_len=16, prefill_chunk=4, kv_dtype=kv_dtype, decode_steps=2)
+    split = Engine(placed, cfg, slots=2, max_len=16, prefill_chunk=4, kv_dtype=kv_dtype, decode_steps=2,
+                   split_cache=True)
     assert one.mesh is None and split.mesh is mesh
+    assert Engine(placed, cfg, slots=2, max_len=16).cache.k[0].sharding.is_fully_replicated  # (not asked)
     want = NamedSharding(mesh, P(None, "tensor"))
     assert split.cache.k[0].sharding.is_equivalent_to(want, 4)
     assert [o.token_ids for o in split.run(reqs)] == [o.token_ids for o in one.run(reqs)]
@@ -211,13 +213,14 @@ def test_the_engine_splits_its_kv_cache_by_kv_head_under_tensor_2(kv_dtype):
     for buf in split.cache.k + split.cache.v + (split.cache.k_scale or ()):
         assert buf.sharding.is_equivalent_to(want, buf.ndim), buf.sharding
         assert buf.addressable_shards[0].data.shape[1] == cfg.n_kv_head // 2
-    whole = Engine(placed, CFG, slots=2, max_len=16, backend=resolve(CFG.replace(kernels="cpu")))
+    whole = Engine(placed, CFG, slots=2, max_len=16, backend=resolve(CFG.replace(kernels="cpu")), split_cache=True)
     assert whole.cache.k[0].sharding.is_fully_replicated  # rows and heads share an axis there
 
 
 def test_generate_splits_the_cache_it_allocates_by_kv_head_under_tensor_2(monkeypatch):
-    """generate's cache lives inside its program: for params on a mesh, Decoder constrains it to split by kv
-    head over tensor (what jaxgpt-aot --gen_mesh lowers too); the tokens stay one device's."""
+    """generate's cache lives inside its program: for params on a mesh, Decoder(split_cache=True) constrains
+    it to split by kv head over tensor (what jaxgpt-aot --gen_mesh lowers too); the tokens stay one
+    device's."""
     from jaxgpt import Decoder, sampling
     from jaxgpt.backends import resolve
 
@@ -225,8 +228,9 @@ def test_generate_splits_the_cache_it_allocates_by_kv_head_under_tensor_2(monkey
     params = init_params(cfg, jax.random.key(6))
     mesh = build_mesh("tensor=2", jax.devices()[:2])
     placed = shard_params(params, cfg, mesh)
-    decoder = Decoder(placed, cfg)
-    assert decoder.mesh is mesh and Decoder(params, cfg).mesh is None
+    decoder = Decoder(placed, cfg, split_cache=True)
+    assert decoder.mesh is mesh and Decoder(params, cfg, split_cache=True).mesh is None
+    assert Decoder(placed, cfg).mesh is None  # (not asked)
     prompts, lengths = np.array([[3, 1, 4, 1, 5], [2, 7, 1, 8, 0]], np.int32), np.array([5, 4], np.int32)
     state = sampling._prefill_jit(placed, prompts, lengths, config=cfg, backend=decoder.backend, max_len=12,
                                   mesh=mesh)
