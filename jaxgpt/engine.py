@@ -8,7 +8,7 @@ finished slot is free at the next step. A request's randomness is its own key fo
 index, so its tokens depend only on its prompt, settings and seed, never on its neighbours.
 
 Programs: a decode step per power-of-two count of leading slots (up to all of them; with speculative
-decoding a k + 1 wide step per count too), one prefill per power-of-two chunk length (twice: with and
+decoding a k + 1 wide step per count too, with `decode_steps=k` a k-step one), one prefill per power-of-two chunk length (twice: with and
 without per-position logprobs), one slot copy, for one (slots, max_len). `warmup()` compiles them all.
 """
 
@@ -323,9 +323,9 @@ class Engine:
     that matched and one more (`_verify`). Its tokens are the plain engine's, greedy and seeded alike;
     `stats` counts the proposed and accepted tokens.
     `decode_steps=k` runs k decode steps in one compiled call while every request in a slot is generating
-    and has k tokens to go: the same tokens, without a call's fixed cost per token (about 3 ms of a 17 ms
-    step, GPT-2 124M on 2 CPU cores); a request that arrives meanwhile waits up to k steps, and tokens
-    stream k at a time. Not with `speculative`.
+    and has k tokens to go: the same tokens, without a call's fixed cost for each token (bench/README.md);
+    a request that arrives meanwhile waits up to k steps, and tokens stream k at a time. Not with
+    `speculative`.
     Params placed on a mesh by `jaxgpt.shard_params` (say tensor=8) decode there (`mesh` says which); with
     `split_cache=True` the KV cache lies split by kv head over `tensor` where the backend's layout allows
     (`KVCache.on_mesh`): a tensor-th of its bytes per device, but attention runs with every head on each
@@ -591,9 +591,8 @@ class Engine:
 
     def _chunk(self, start: int, remaining: int, budget: int) -> tuple[int, int]:
         """(tokens, program length) of the next chunk: the shortest power of two (or prefill_chunk) that
-        holds them, fitting the slot's remaining positions without padding past them. (Splitting instead,
-        136 tokens as 128 + 8 rather than 256 with 120 padded, was slower: 16 prompts of 16-256 tokens,
-        GPT-2 124M on 2 CPU cores, 3.7 s against 2.9 s; padding at most a quarter, 3.1 s.)"""
+        holds them, fitting the slot's remaining positions without padding past them. (Splitting a chunk
+        to pad less measured no faster on a CPU: bench/README.md.)"""
         n = min(remaining, budget, self.prefill_chunk)
         c = next(c for c in chunk_lengths(self.prefill_chunk) if c >= n)
         if start + c > self.max_len:  # the padding would not fit: a shorter chunk with none

@@ -151,7 +151,7 @@ def sample_rows(logits_SxV: jax.Array, rows: RowSettings) -> jax.Array:
 def token_logprobs(logits_SxV: jax.Array, tokens_S: jax.Array, n: int, wanted: Optional[jax.Array] = None):
     """log-softmax of float32 logits: each row's token's logprob [S] and the n most likely tokens' ids and
     logprobs [S, n] (ties by index). With `wanted` (a traced bool) False, the n most likely are zeros and
-    cost nothing (a top-n over the vocabulary is a tenth of a CPU decode step's sampling and logprobs)."""
+    their top-n over the vocabulary is skipped."""
     logp = jax.nn.log_softmax(logits_SxV.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, tokens_S[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
@@ -374,8 +374,7 @@ class Decoder:
 
     `split_cache=True`, for params placed on a mesh by `jaxgpt.shard_params`: the programs constrain the
     cache they allocate to split by kv head over `tensor` (`mesh` says which mesh). Attention still runs
-    with every head on each device under the default rules, and for jaxgpt-aot's Llama-8B generate at
-    tensor=8 the compiler kept the cache whole anyway (temporaries 4.15 GiB either way).
+    with every head on each device under the default rules, so this does not pay yet (docs/multihost.md).
 
     `quantize="int8"` decodes with int8 weights (jaxgpt/quantize.py): every dense kernel and the output
     head as int8 with a float scale per output, made once here. Its model is `quantize.dequantized(params)`
