@@ -33,8 +33,8 @@ from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
 from jaxgpt.quantize import check_kv_dtype, check_quantize
-from jaxgpt.sampling import (RowSettings, _check_rng, _dequantized_jit, params_mesh, sample_rows, token_logprobs,
-                             validate_sampler)
+from jaxgpt.sampling import (RowSettings, _check_rng, _dequantized_jit, argmax_last, params_mesh, sample_rows,
+                             token_logprobs, validate_sampler)
 from jaxgpt.speculative import Speculative, ngram_lookup
 
 # Traces of the engine's programs, by kind; `Engine.programs_compiled` reads it.
@@ -145,7 +145,7 @@ def _prefill(params, cache: KVCache, slot, start, tokens_1xC, n, targets_C, rows
         logits_1xCxV, one = model.apply(variables, tokens_1xC, one, token_lengths=n[None])
         lp_C, top_ids, top_lps = token_logprobs(logits_1xCxV[0], targets_C, n_logprobs)
         extra = dict(prompt_lp=lp_C, prompt_top_ids=top_ids, prompt_top_lps=top_lps,
-                     prompt_greedy=jnp.argmax(logits_1xCxV[0], axis=-1) == targets_C)
+                     prompt_greedy=argmax_last(logits_1xCxV[0]) == targets_C)
         last_1xV = jax.lax.dynamic_slice_in_dim(logits_1xCxV[0], n - 1, 1, axis=0)
     else:
         logits_1x1xV, one = model.apply(variables, tokens_1xC, one, token_lengths=n[None],

@@ -325,11 +325,12 @@ class GPT(nn.Module):
         if logits_index is not None:
             x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_index.astype(jnp.int32)[:, None, None], axis=1)
         h_BxTxD = norm(cfg, backend, "ln_f", "model.norm.weight")(x_BxTxD)
+        if cache is not None:  # an overflowing row's output is NaN (marked on [B, T, D], not on the logits)
+            h_BxTxD = jnp.where(overflow_B[:, None, None], jnp.nan, h_BxTxD)
         out = h_BxTxD if hidden else self.head(h_BxTxD)
         if cache is None:
             return out
-        cache = cache.advance(t if token_lengths is None else token_lengths)
-        return jnp.where(overflow_B[:, None, None], jnp.nan, out), cache
+        return out, cache.advance(t if token_lengths is None else token_lengths)
 
     def _embed(self, tokens_BxT, positions_BxT, backend: Backend, deterministic: bool, cached: bool):
         """Token (+ learned position) embeddings, after dropout."""

@@ -29,7 +29,7 @@ from jaxgpt.backends.base import cast_floats
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
-from jaxgpt.sampling import Decoder, GenerateOutput, _prefill, top_k_filter, top_p_filter
+from jaxgpt.sampling import Decoder, GenerateOutput, _prefill, argmax_last, top_k_filter, top_p_filter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,7 @@ def _filtered(logits, temperature, top_k, top_p):
 def _choose(key, logits, sampler):
     """One draw per row of logits [B, V] with the sampler's settings, and the log-probs it drew from."""
     if sampler.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return argmax_last(logits), None
     logp = _filtered(logits, sampler.temperature, sampler.top_k, sampler.top_p)
     return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32), logp
 
@@ -155,7 +155,7 @@ def _put_rows(buf, rows, at):
 def _accept_greedy(logits, d):
     """Greedy: proposals accepted while each is the target's argmax; then the target's own argmax."""
     k = d.shape[1]
-    g = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, k + 1]
+    g = argmax_last(logits)  # [B, k + 1]
     n_acc = jnp.sum(jnp.cumprod(d == g[:, :k], axis=1), axis=1)
     return n_acc, jnp.take_along_axis(g, n_acc[:, None], axis=1)[:, 0]
 

@@ -60,6 +60,43 @@ def test_filters_are_batched():
     np.testing.assert_array_equal(f, [[False, False, True], [True, False, False]])
 
 
+def test_argmax_last_is_argmax_with_ties_nans_and_infinities():
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, (64, 37)).astype(np.float32)  # many ties
+    x[5] = -np.inf
+    x[6, [4, 9]] = np.nan
+    x[7] = np.nan
+    x[8, 3] = np.inf
+    x[9, [2, 30]] = np.inf
+    x[10] = -0.0
+    x[10, 20] = 0.0
+    for a in (x, x[:, :1], x.reshape(8, 8, 37)):
+        got = jax.jit(sampling.argmax_last)(jnp.asarray(a))
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got), np.argmax(a, axis=-1))
+
+
+def test_sample_rows_mixed_rows_each_equal_sample_logits():
+    """One step's rows: greedy, top-k (the candidates' path), top-p alone (the sort) and no filter, each row
+    drawing what `sample_logits` draws for it alone; and greedy rows alone take argmax."""
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(4, 300)).astype(np.float32))
+    settings = [(0.0, 0, 1.0), (0.8, 20, 1.0), (1.3, 0, 0.7), (1.0, 0, 1.0)]
+    keys = jax.random.split(jax.random.key(3), 4)
+    rows = sampling.RowSettings(
+        temperature=jnp.asarray([t for t, _, _ in settings], jnp.float32),
+        top_k=jnp.asarray([k for _, k, _ in settings], jnp.int32),
+        top_p=jnp.asarray([p for _, _, p in settings], jnp.float32),
+        key_data=jax.vmap(jax.random.key_data)(keys), index=jnp.asarray([5, 6, 7, 8], jnp.int32))
+    got = np.asarray(sampling.sample_rows(logits, rows))
+    for s, (t, k, p) in enumerate(settings):
+        want = sample_logits(jax.random.fold_in(keys[s], 5 + s), logits[s:s + 1], t, k or None, p)
+        assert got[s] == int(want[0]), s
+    only_greedy = rows._replace(temperature=jnp.zeros(4, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(sampling.sample_rows(logits, only_greedy)),
+                                  np.argmax(np.asarray(logits), -1))
+
+
 def test_sample_logits_greedy_and_filters_match_argmax():
     logits = jax.random.normal(jax.random.key(0), (8, 40))
     greedy = np.asarray(jnp.argmax(logits, -1))
