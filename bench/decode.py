@@ -2,7 +2,7 @@
 
 python bench/decode.py [--batch 1 8] [--dtypes float32 bfloat16] [--kernels auto portable] [--reps 3]
                        [--quantize none int8] [--llama VENV] [--no-peer]
-                       [--speculative TARGET_RUN DRAFT_RUN] [--engine-speculative RUN] [--k 4]
+                       [--speculative TARGET_RUN DRAFT_RUN] [--engine-speculative RUN] [--k 4] [--out NAME]
 
 16-token prompt, 128 new tokens, top-k 50 sampling. Reports tokens/s (median of reps, compile excluded),
 compile time (first call minus a warm call), and the achieved bytes/s of weights plus KV cache read per
@@ -163,21 +163,26 @@ def run_speculative(target_dir: str, draft_dir: str, k: int, new_tokens: int, re
     for pname, ids in prompts.items():
         ids = np.array([ids[-(cfg.block_size - new_tokens - k):]], np.int32)
         decoders = {"plain": plain, **{name: jaxgpt.Decoder(params, cfg, speculative=s) for name, s in drafts.items()}}
-        base = None
-        for name, dec in decoders.items():
-            def call(dec=dec):
-                return dec.generate(ids, new_tokens, jax.random.key(0), temperature=0.0).tokens.block_until_ready()
-            first = np.asarray(call())
-            t, times = median_time(call, reps)
+        calls = {name: (lambda dec=dec: dec.generate(ids, new_tokens, jax.random.key(0),
+                                                     temperature=0.0).tokens.block_until_ready())
+                 for name, dec in decoders.items()}
+        firsts = {name: np.asarray(call()) for name, call in calls.items()}  # (compiles)
+        stats = {name: dec.last_speculative_stats for name, dec in decoders.items() if name != "plain"}
+        times = {name: [] for name in calls}
+        for _ in range(reps):  # interleaved: the machine's drift falls on all three alike
+            for name, call in calls.items():
+                t0 = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - t0)
+        base = float(np.median(times["plain"]))
+        for name in calls:
+            t = float(np.median(times[name]))
             row = {"name": f"{name} on the {pname} prompt", "tokens_per_s": new_tokens / t, "seconds": t,
-                   "all_seconds": times, "k": k, "same_as_plain": None}
-            if name == "plain":
-                base, base_tokens = t, first
-            else:
-                st = dec.last_speculative_stats
+                   "all_seconds": times[name], "k": k, "same_as_plain": None, "speedup": base / t}
+            if name != "plain":
+                st = stats[name]
                 row.update(acceptance=st["acceptance"], rounds=st["rounds"], tokens_per_round=new_tokens / st["rounds"],
-                           same_as_plain=bool((first == base_tokens).all()))
-            row["speedup"] = base / t
+                           same_as_plain=bool((firsts[name] == firsts["plain"]).all()))
             rows.append(row)
     return rows
 
@@ -243,6 +248,7 @@ def main():
     p.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     p.add_argument("--llama", default=None, metavar="VENV",
                    help="llama.cpp's venv (../shared/peers/install_llama_cpp.sh VENV): its f32 and q8_0 at batch 1")
+    p.add_argument("--out", default="decode", help="results file name under bench/results (without .json)")
     p.add_argument("--work", default=os.path.join("bench", "results", "decode-work"),
                    help="where the Hugging Face folder and the GGUF files for llama.cpp are written (reused)")
     args = p.parse_args()
@@ -258,7 +264,7 @@ def main():
         if r["batch"] in peers:
             r["peer_tokens_per_s"] = peers[r["batch"]]["tokens_per_s"]
             r["speedup_vs_peer"] = r["tokens_per_s"] / r["peer_tokens_per_s"]
-    path = write_results("decode", {"machine": machine(), "ceilings": ceil, "settings": vars(args), "runs": rows,
+    path = write_results(args.out, {"machine": machine(), "ceilings": ceil, "settings": vars(args), "runs": rows,
                                     "peer": list(peers.values()), "llama_cpp": llama,
                                     "speculative": spec})
     print(f"read bandwidth {ceil['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul "

@@ -139,3 +139,35 @@ def test_serve_benchmark_smoke(monkeypatch):
         assert r["completed"] == r["num_prompts"] and r["failed"] == 0
         assert r["total_output_tokens"] == 8 * r["num_prompts"]  # ignore_eos: every request runs to max_tokens
         assert r["output_throughput"] > 0 and 0 < r["median_ttft_ms"] <= r["p99_ttft_ms"]
+
+
+def test_distilled_draft_is_a_run_the_speculative_bench_takes(tmp_path):
+    """bench/distill_draft.py trains a draft on its target's greedy continuations and writes a run folder
+    (the draft's config and tokenizer, new params) that bench/decode.py's speculative comparison loads; the
+    speculative output equals plain greedy decoding's."""
+    import numpy as np
+
+    from bench import decode, distill_draft
+    from jaxgpt.loading import load_model
+    from jaxgpt.training import train
+    from tests.helpers import tiny_config
+
+    target = tiny_config(tmp_path / "target", max_steps=10)
+    draft = tiny_config(tmp_path / "draft", max_steps=10)
+    draft.model.n_layer, draft.model.n_embd = 1, 16
+    target.data.tokenizer = draft.data.tokenizer = "byte"  # (the bench's prompts are not in a char vocabulary)
+    train(target)
+    train(draft)
+    out = str(tmp_path / "distilled")
+    distill_draft.main([target.out_dir, draft.out_dir, out, "--prompts", "8", "--prompt-len", "4", "--steps", "6",
+                        "--batch", "4"])
+    d_cfg, d_params, d_tok, _ = load_model(draft.out_dir)
+    o_cfg, o_params, o_tok, meta = load_model(out)
+    assert o_cfg == d_cfg and o_tok.to_dict() == d_tok.to_dict() and meta["distilled"]["steps"] == 6
+    assert any(not np.array_equal(a, b) for a, b in zip(*(map(np.asarray, __import__("jax").tree.leaves(p))
+                                                        for p in (d_params, o_params))))
+    rows = decode.run_speculative(target.out_dir, out, k=2, new_tokens=4, reps=1)
+    assert len(rows) == 6 and all(r["same_as_plain"] for r in rows if r["same_as_plain"] is not None)
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    with pytest.raises(SystemExit, match="exists"):
+        distill_draft.main([target.out_dir, draft.out_dir, out])
