@@ -528,7 +528,7 @@ class Engine:
                 continue
             while budget > 0 and self._live[s] is live and live.cursor < len(live.req.prompt):
                 budget -= self._prefill_chunk(s, live, budget, events)  # (twice where the slot's end cut a chunk)
-        self._decode_step(events)
+        self._decode_step(events, arrivals=budget < self.prefill_chunk)
         return events
 
     def _admit(self) -> None:
@@ -637,7 +637,7 @@ class Engine:
                 res.prompt_top[i] = [(int(a), float(b)) for a, b in
                                      zip(out["prompt_top_ids"][j][:k], out["prompt_top_lps"][j][:k])]
 
-    def _decode_step(self, events: list) -> None:
+    def _decode_step(self, events: list, arrivals: bool = False) -> None:
         gen = [live is not None and live.cursor == len(live.req.prompt) and live.wait_for is None
                for live in self._live]
         if not any(gen):
@@ -646,7 +646,7 @@ class Engine:
         gen = gen[:n]
         if self.speculative is not None and self._speculative_step(n, gen, events):
             return
-        if self._several_steps_now(gen):
+        if not arrivals and self._several_steps_now(gen):
             self._several_steps(n, gen, events)
             return
         tokens = np.array([live.last if g else 0 for live, g in zip(self._live, gen)], np.int32)
@@ -666,7 +666,8 @@ class Engine:
     def _several_steps_now(self, gen: list) -> bool:
         """Whether this step may run `decode_steps` steps in one call: every request in a slot is generating
         (no prompt left to prefill, none waiting for a copy) and has at least that many tokens to go. A
-        request that arrives meanwhile waits for the call."""
+        request that arrives meanwhile waits for the call, so a step that prefilled one (arrivals come in
+        bursts) decodes a single step."""
         k = self.decode_steps
         return k > 1 and sum(gen) == self.num_running and all(
             live.req.max_tokens - len(live.out.tokens) >= k for live, g in zip(self._live, gen) if g)

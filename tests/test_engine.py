@@ -181,6 +181,23 @@ def test_no_program_is_compiled_for_new_settings_lengths_or_counts(params):
     assert eng.warmup() == 0
 
 
+def test_a_step_that_prefills_an_arrival_decodes_one_step(params):
+    """decode_steps=4 runs 4 steps a call while requests only decode; a step that prefilled a new request
+    (arrivals come in bursts, and the next one would wait for the whole call) decodes one."""
+    prompts = _prompts(51, (6, 7))
+    eng = Engine(params, CFG, slots=2, max_len=64, prefill_chunk=16, decode_steps=4)
+    eng.submit(prompts[0], max_tokens=30, temperature=0.0)
+    eng.step()  # its prefill and one decode step
+    assert eng.stats["decode_steps"] == 1
+    eng.step()
+    assert eng.stats["decode_steps"] == 5  # only decoding: four in one call
+    eng.submit(prompts[1], max_tokens=30, temperature=0.0)
+    eng.step()
+    assert eng.stats["decode_steps"] == 6 and eng.stats["prefill_calls"] == 2
+    eng.step()
+    assert eng.stats["decode_steps"] == 10
+
+
 def test_several_decode_steps_per_call_give_the_single_steps_tokens(params):
     """decode_steps=4: while every request in a slot is generating with 4 tokens to go, one call decodes 4
     steps. Tokens, logprobs, alternatives and finish reasons equal single
