@@ -20,27 +20,6 @@ from jaxgpt.quantize import check_kv_dtype, check_quantize, dequantized
 NEG_INF = -jnp.inf
 
 
-TOP_K_BLOCK = 128  # `blocked_top_k`'s block over the vocabulary
-
-
-def blocked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k(x, k)` over the last axis (values descending, ties by lower index, the same values
-    and indices), through block maxima where the axis is long: the k blocks of 128 with the largest
-    maxima (ties by lower block) hold the k largest entries, so one top-k over those k * 128 entries,
-    taken in index order, finds them. XLA:CPU's TopK over [32, 50257] costs about as much as two argmaxes."""
-    v, blk = x.shape[-1], TOP_K_BLOCK
-    nb = -(-v // blk)
-    if k * 8 > nb:  # a short axis or a large k: the blocks would not save much
-        return jax.lax.top_k(x, k)
-    pad = [(0, 0)] * (x.ndim - 1) + [(0, nb * blk - v)]
-    blocks = jnp.pad(x, pad, constant_values=NEG_INF).reshape(x.shape[:-1] + (nb, blk))
-    _, chosen = jax.lax.top_k(jnp.max(blocks, axis=-1), k)
-    chosen = jnp.sort(chosen, axis=-1)  # in index order, so that ties among candidates go to the lower index
-    cand = jnp.take_along_axis(blocks, chosen[..., None], axis=-2).reshape(x.shape[:-1] + (k * blk,))
-    values, at = jax.lax.top_k(cand, k)
-    return values, jnp.take_along_axis(chosen, at // blk, axis=-1) * blk + at % blk
-
-
 def top_k_filter(logits: jax.Array, k: int) -> jax.Array:
     """Keep exactly the k largest logits of each row [..., V] (ties broken by index); others -> -inf."""
     if k >= logits.shape[-1]:
@@ -78,7 +57,7 @@ def sample_logits(rng: jax.Array, logits: jax.Array, temperature: float = 1.0,
         return argmax_last(logits)
     logits = logits.astype(jnp.float32) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
-        values, candidates = blocked_top_k(logits, top_k)  # descending, ties broken by index
+        values, candidates = jax.lax.top_k(logits, top_k)  # descending, ties broken by index
         if top_p is not None and top_p < 1.0:
             values = jnp.where(_top_p_keep(values, top_p), values, NEG_INF)
         choice = jax.random.categorical(rng, values, axis=-1)
@@ -121,7 +100,7 @@ def _top_p_rows(sorted_SxN, p_S):
 
 def _rows_among_candidates(keys, scaled_SxV, k_S, p_S):
     """Rows with 0 < top_k <= TOP_K_FAST: `sample_logits`'s top-k path, k per row."""
-    values, candidates = blocked_top_k(scaled_SxV, min(TOP_K_FAST, scaled_SxV.shape[-1]))
+    values, candidates = jax.lax.top_k(scaled_SxV, min(TOP_K_FAST, scaled_SxV.shape[-1]))
     first_k = jnp.arange(values.shape[-1])[None, :] < k_S[:, None]
     values = jnp.where(first_k, values, NEG_INF)
     keep = _top_p_rows(values, p_S) & first_k

@@ -76,25 +76,6 @@ def test_argmax_last_is_argmax_with_ties_nans_and_infinities():
         np.testing.assert_array_equal(np.asarray(got), np.argmax(a, axis=-1))
 
 
-@pytest.mark.parametrize("v,k", [(50257, 64), (50257, 50), (8192, 20), (3000, 3), (1025, 1), (500, 64)])
-def test_blocked_top_k_equals_lax_top_k_with_ties(v, k):
-    rng = np.random.default_rng(v + k)
-    x = rng.normal(size=(7, v)).astype(np.float32)
-    x[1] = np.round(x[1])  # heavy ties, spread over many blocks
-    x[2] = 0.0  # all tied: the k lowest indices
-    x[3, rng.integers(0, v, 40)] = np.inf
-    x[4] = -np.inf
-    x[4, [v - 1, 7]] = 1.0  # the last block, padded inside
-    x[5, ::97] = 5.0  # equal maxima in many blocks
-    x[6] = -1.0  # the last block has the largest maximum and a tie with the earlier blocks' maxima
-    x[6, ::sampling.TOP_K_BLOCK] = 1.0
-    x[6, [v - 3, v - 2]] = [1.0, 10.0]
-    got_v, got_i = jax.jit(sampling.blocked_top_k, static_argnums=1)(jnp.asarray(x), k)
-    want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
-    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
-    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
-
-
 def test_sample_rows_mixed_rows_each_equal_sample_logits():
     """One step's rows: greedy, top-k (the candidates' path), top-p alone (the sort) and no filter, each row
     drawing what `sample_logits` draws for it alone; and greedy rows alone take argmax."""
