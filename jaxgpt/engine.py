@@ -1,8 +1,8 @@
 """The engine: many requests at once over one KV cache of fixed slots (continuous batching).
 
 Requests (token ids and their own settings) are admitted into free slots as they come. Each `step` runs
-at most `prefill_chunk` prompt tokens through the model (a long prompt enters over several steps, so the
-rows already decoding keep their pace) and then one compiled decode step over every slot, each slot's
+at most `prefill_budget` prompt tokens through the model, in calls of at most `prefill_chunk` (a long
+prompt enters over several steps, so the rows already decoding keep their pace) and then one compiled decode step over every slot, each slot's
 sampler settings passed as arrays (`sampling.RowSettings`): no setting is part of a program's key. A
 finished slot is free at the next step. A request's randomness is its own key folded with its token
 index, so its tokens depend only on its prompt, settings and seed, never on its neighbours.
@@ -309,7 +309,8 @@ class Engine:
     """A pool of `slots` rows over one KV cache of `max_len` positions each, serving requests as they come.
 
     `submit` queues a request and returns its id; each `step` admits waiting requests into free slots,
-    prefills at most `prefill_chunk` prompt tokens, decodes one token for every generating slot, and
+    prefills at most `prefill_budget` prompt tokens (default `prefill_chunk`; one call takes at most
+    `prefill_chunk` of one prompt), decodes one token for every generating slot, and
     returns the step's `Event`s (a request's `callback`, if given, gets its own as they happen). `run`
     steps until every request is done; `stream` yields one request's tokens; `score` returns
     log-likelihoods. A prompt that begins with tokens already in some slot's cache (a free slot's, or a
@@ -336,12 +337,14 @@ class Engine:
     def __init__(self, params, config: GPTConfig, *, slots: int = 8, max_len: Optional[int] = None,
                  prefill_chunk: int = 256, max_logprobs: int = 20, backend: Optional[Backend] = None,
                  quantize: Optional[str] = None, kv_dtype: Optional[str] = None, speculative=None,
-                 decode_steps: int = 1, split_cache: bool = False):
+                 decode_steps: int = 1, split_cache: bool = False, prefill_budget: Optional[int] = None):
         self.quantize = check_quantize(quantize)
         self.speculative = _check_speculative(speculative)
         self.kv_dtype = check_kv_dtype(kv_dtype)
         max_len = config.block_size if max_len is None else max_len
+        prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
         for name, value, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("prefill_chunk", prefill_chunk, 1),
+                                ("prefill_budget", prefill_budget, 1),
                                 ("max_logprobs", max_logprobs, 1), ("decode_steps", decode_steps, 1)):
             if not is_int(value) or value < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
@@ -354,6 +357,7 @@ class Engine:
         self.backend.setup()
         self.slots, self.max_len = int(slots), int(max_len)
         self.prefill_chunk, self.max_logprobs = min(int(prefill_chunk), self.max_len), int(max_logprobs)
+        self.prefill_budget = int(prefill_budget)
         self.decode_steps = 1 if self.speculative is not None else int(decode_steps)
         # the params in the compute dtype (leaves already in it are kept, not copied) and the backend's
         # decode forms, made once per engine, not per step
@@ -516,10 +520,10 @@ class Engine:
     # -- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
-        """Admit, prefill up to `prefill_chunk` prompt tokens, decode one token per generating slot."""
+        """Admit, prefill up to `prefill_budget` prompt tokens, decode one token per generating slot."""
         events: list[Event] = []
         self._admit()
-        budget = self.prefill_chunk
+        budget = self.prefill_budget
         for s in sorted(range(self.slots), key=lambda s: -1 if self._live[s] is None else self._live[s].rid):
             live = self._live[s]
             if live is None or live.cursor >= len(live.req.prompt) or budget <= 0:
@@ -528,7 +532,7 @@ class Engine:
                 continue
             while budget > 0 and self._live[s] is live and live.cursor < len(live.req.prompt):
                 budget -= self._prefill_chunk(s, live, budget, events)  # (twice where the slot's end cut a chunk)
-        self._decode_step(events, arrivals=budget < self.prefill_chunk)
+        self._decode_step(events, arrivals=budget < self.prefill_budget)
         return events
 
     def _admit(self) -> None:

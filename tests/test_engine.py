@@ -181,6 +181,28 @@ def test_no_program_is_compiled_for_new_settings_lengths_or_counts(params):
     assert eng.warmup() == 0
 
 
+def test_prefill_budget_lets_several_prompts_in_per_step(params):
+    """prefill_budget: prompt tokens per step over as many waiting requests as it reaches, each call at most
+    prefill_chunk of one prompt; the tokens are those of the default budget."""
+    prompts = _prompts(52, (9, 12, 5, 20))
+    reqs = [dict(prompt=p, max_tokens=6, **s) for p, s in zip(prompts, SETTINGS)]
+    small = Engine(params, CFG, slots=4, max_len=64, prefill_chunk=16)
+    big = Engine(params, CFG, slots=4, max_len=64, prefill_chunk=16, prefill_budget=64)
+    done = {small: {}, big: {}}
+    for eng in (small, big):
+        for i, r in enumerate(reqs):
+            eng.submit(**r, callback=lambda e, i=i, d=done[eng]: d.__setitem__(i, e.completion.token_ids)
+                       if e.finish_reason is not None else None)
+        eng.step()
+    assert small.stats["prefill_tokens"] == 16 and big.stats["prefill_tokens"] == 46
+    assert big.stats["prefill_calls"] == 5  # (the 20-token prompt in two calls)
+    small.run(), big.run()
+    assert len(done[small]) == 4 and done[small] == done[big]
+    assert all(len(t) == 6 for t in done[big].values())
+    with pytest.raises(ValueError, match="prefill_budget"):
+        Engine(params, CFG, slots=2, prefill_budget=0)
+
+
 def test_a_step_that_prefills_an_arrival_decodes_one_step(params):
     """decode_steps=4 runs 4 steps a call while requests only decode; a step that prefilled a new request
     (arrivals come in bursts, and the next one would wait for the whole call) decodes one."""

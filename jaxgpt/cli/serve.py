@@ -30,7 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=8, help="requests decoded at once (the engine's slots)")
     p.add_argument("--max_len", type=int, default=None,
                    help="positions per slot: prompt + completion (default: the model's block_size)")
-    p.add_argument("--prefill_chunk", type=int, default=256, help="prompt tokens prefilled per engine step")
+    p.add_argument("--prefill_chunk", type=int, default=256,
+                   help="most prompt tokens of one request in one prefill call (the longest prefill program)")
+    p.add_argument("--prefill_budget", type=int, default=None,
+                   help="prompt tokens prefilled per engine step, over as many waiting requests as it reaches "
+                        "(default: --prefill_chunk): more lets a burst of arrivals in sooner, at the cost of the "
+                        "running requests' pace while they enter")
     p.add_argument("--decode_steps", type=int, default=4,
                    help="decode steps per compiled call while no prompt is entering (default 4): the same tokens "
                         "with less fixed cost per token; a request that arrives meanwhile waits up to that many "
@@ -134,6 +139,7 @@ def main(argv=None) -> int:
     try:
         config, params, tok, name, template = _load(args)
         engine = Engine(params, config, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                        prefill_budget=args.prefill_budget,
                         max_logprobs=min(args.max_logprobs, config.vocab_size), decode_steps=args.decode_steps,
                         quantize=None if args.quantize == "none" else args.quantize,
                         kv_dtype=None if args.kv_dtype == "none" else args.kv_dtype,
