@@ -2,14 +2,16 @@
 
 Requests (token ids and their own settings) are admitted into free slots as they come. Each `step` runs
 at most `prefill_budget` prompt tokens through the model, in calls of at most `prefill_chunk` (a long
-prompt enters over several steps, so the rows already decoding keep their pace) and then one compiled decode step over every slot, each slot's
-sampler settings passed as arrays (`sampling.RowSettings`): no setting is part of a program's key. A
-finished slot is free at the next step. A request's randomness is its own key folded with its token
-index, so its tokens depend only on its prompt, settings and seed, never on its neighbours.
+prompt enters over several steps, so the rows already decoding keep their pace) and then one compiled
+decode step over every slot, each slot's sampler settings passed as arrays (`sampling.RowSettings`): no
+setting is part of a program's key. A finished slot is free at the next step. A request's randomness is
+its own key folded with its token index, so its tokens depend only on its prompt, settings and seed,
+never on its neighbours.
 
 Programs: a decode step per power-of-two count of leading slots (up to all of them; with speculative
-decoding a k + 1 wide step per count too, with `decode_steps=k` a k-step one), one prefill per power-of-two chunk length (twice: with and
-without per-position logprobs), one slot copy, for one (slots, max_len). `warmup()` compiles them all.
+decoding a k + 1 wide step per count too, with `decode_steps=k` a k-step one), one prefill per
+power-of-two chunk length (twice: with and without per-position logprobs), one slot copy, for one
+(slots, max_len). `warmup()` compiles them all.
 """
 
 from __future__ import annotations

@@ -138,7 +138,8 @@ def sample_rows(logits_SxV: jax.Array, rows: RowSettings) -> jax.Array:
     fast = ~greedy & (k_S > 0) & (k_S <= TOP_K_FAST)
     needs_sort = ~greedy & ~fast & ((p_S < 1.0) | (k_S > 0))
     needs_vocab = ~greedy & ~fast
-    none = lambda: jnp.zeros(k_S.shape, jnp.int32)  # noqa: E731
+    def none():
+        return jnp.zeros(k_S.shape, jnp.int32)
 
     def scaled():
         return logits_SxV.astype(jnp.float32) / jnp.where(greedy, 1.0, rows.temperature)[:, None]
