@@ -1,7 +1,7 @@
 """Engine benchmark: c concurrent requests served by jaxgpt.Engine or by Decoder.generate in fixed batches.
 
 python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-prompt 16] [--max-prompt 256]
-                       [--decode-steps 4] [--tiny]
+                       [--decode-steps 4] [--dtype float32|bfloat16] [--no-lone] [--tiny]
 
 GPT-2 124M shape, random float32 weights. Each request: a prompt of 16 to 256 random tokens (uniform), 128
 new tokens (no stop), top-k 50 sampling with its own seed. At concurrency c a client keeps c requests in
@@ -166,15 +166,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=4,
                     help="the engine's decode steps per call (Engine(decode_steps=...), jaxgpt-serve's default 4)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the model's compute dtype (GPTConfig.dtype; params stay float32), for both sides")
+    ap.add_argument("--no-lone", dest="lone", action="store_false", help="skip the lone-request comparison")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short runs (the smoke test)")
     ap.add_argument("--out", default=None, help="results file name (default engine.json, tiny: not written)")
     args = ap.parse_args(argv)
-    cfg = config(args.tiny)
+    cfg = config(args.tiny).replace(dtype=args.dtype)
     params = jaxgpt.init_params(cfg, jax.random.key(0))
     max_len = args.max_prompt + args.new_tokens
     results = {"machine": machine(), "cpu_flags": sorted(f for f in jaxgpt.backends.cpu.cpu_flags()
                                                          if f.startswith(("avx512", "amx", "avx2"))),
-               "config": "tiny" if args.tiny else "gpt2-124m", "new_tokens": args.new_tokens,
+               "config": "tiny" if args.tiny else "gpt2-124m", "dtype": args.dtype, "new_tokens": args.new_tokens,
                "prompt_range": [args.min_prompt, args.max_prompt], "runs": []}
     decoder = jaxgpt.Decoder(params, cfg)
     for c in args.concurrency:
@@ -201,7 +204,7 @@ def main(argv=None) -> dict:
               f"{run['engine_ttft_p99_s']:.3f} s fixed {run['fixed_ttft_p50_s']:.3f}/{run['fixed_ttft_p99_s']:.3f} s"
               f"  p99 past prefill {run['engine_ttft_past_prefill_p99_steps']:.2f} steps"
               f"  ({programs} programs, warm-up {warm:.1f} s)", flush=True)
-    for slots in sorted({1, max(args.concurrency)}):
+    for slots in sorted({1, max(args.concurrency)}) if args.lone else ():
         lone = lone_decode(params, cfg, slots, args.new_tokens, args.decode_steps)
         results[f"lone_request_slots_{slots}"] = lone
         print(f"lone request, engine of {slots} slot(s): {lone['engine_tokens_per_s']:.1f} tok/s "
