@@ -138,14 +138,14 @@ def sample_rows(logits_SxV: jax.Array, rows: RowSettings) -> jax.Array:
     fast = ~greedy & (k_S > 0) & (k_S <= TOP_K_FAST)
     needs_sort = ~greedy & ~fast & ((p_S < 1.0) | (k_S > 0))
     needs_vocab = ~greedy & ~fast
+
     def none():
         return jnp.zeros(k_S.shape, jnp.int32)
 
     def scaled():
         return logits_SxV.astype(jnp.float32) / jnp.where(greedy, 1.0, rows.temperature)[:, None]
 
-    # each form over [S, V] runs only in a step where some row takes it (at 32 rows of GPT-2's vocabulary
-    # an unneeded argmax or top-k costs a few ms a step)
+    # each form over [S, V] runs only in a step where some row takes it (what each costs: bench/README.md)
     branch = jnp.where(needs_sort.any(), 2, jnp.where(needs_vocab.any(), 1, 0))
     other = jax.lax.switch(branch, [none,
                                     lambda: _rows_full(keys, scaled(), k_S, p_S, sort=False).astype(jnp.int32),
@@ -158,7 +158,7 @@ def sample_rows(logits_SxV: jax.Array, rows: RowSettings) -> jax.Array:
 
 def argmax_last(x: jax.Array) -> jax.Array:
     """`jnp.argmax(x, axis=-1)` as int32 (the first maximum; the first NaN where there is one) by two plain
-    reductions: XLA:CPU's argmax reduces (value, index) pairs, about 2.6x slower over [32, 50257]."""
+    reductions, which XLA:CPU runs faster than argmax's reduction of (value, index) pairs (bench/README.md)."""
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     m = jnp.max(x, axis=-1, keepdims=True)
     hit = (x == m) | jnp.isnan(x)
