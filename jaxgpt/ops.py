@@ -17,7 +17,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.quantize import Int8Kernel
+from jaxgpt.quantize import Int8Kernel, quantize_rows
 
 
 def _contract(a: jax.Array, b: jax.Array, a_axes: tuple, b_axes: tuple) -> jax.Array:
@@ -72,9 +72,17 @@ def linear(x: jax.Array, w: jax.Array, compute_dtype=jnp.float32, *, b: Optional
 def int8_linear(x: jax.Array, w: Int8Kernel, compute_dtype=jnp.float32, *, b: Optional[jax.Array] = None,
                 w_out_in: bool = False, out_dtype=None) -> jax.Array:
     """`linear` with an int8 kernel (decoding only, no gradient): the int8 values converted to the compute
-    dtype inside the matmul (XLA reads the int8 bytes), float32 products scaled per output."""
+    dtype inside the matmul (XLA reads the int8 bytes), float32 products scaled per output. With
+    `w.activations == "int8"` (w8a8) x's rows are rounded to int8 (`quantize.quantize_rows`), multiplied
+    int8 x int8 -> int32, and scaled by both scales."""
     compute_dtype = jnp.dtype(compute_dtype)
-    y = _contract(x.astype(compute_dtype), w.q.astype(compute_dtype), (x.ndim - 1,), (1 if w_out_in else 0,))
+    k_axis = 1 if w_out_in else 0
+    if w.activations == "int8":
+        xq, xs = quantize_rows(x)
+        y = jax.lax.dot_general(xq, w.q, (((x.ndim - 1,), (k_axis,)), ((), ())), preferred_element_type=jnp.int32)
+        y = y.astype(jnp.float32) * xs
+    else:
+        y = _contract(x.astype(compute_dtype), w.q.astype(compute_dtype), (x.ndim - 1,), (k_axis,))
     y = y * w.scale.astype(jnp.float32)
     if b is not None:
         y = y + b.astype(jnp.float32)

@@ -24,7 +24,7 @@ from flax import struct, traverse_util
 from jaxgpt.config import GPTConfig
 from jaxgpt.schema import HEAD, leaf_infos
 
-QUANTIZE_CHOICES = (None, "int8")
+QUANTIZE_CHOICES = (None, "int8", "w8a8")
 KV_DTYPES = (None, "int8", "bfloat16", "float32")
 
 
@@ -47,28 +47,45 @@ def check_kv_dtype(kv_dtype) -> Optional[str]:
     return _choice("kv_dtype", kv_dtype, KV_DTYPES)
 
 
+def weights_int8(quantize: Optional[str]) -> bool:
+    """Whether `quantize` (a checked QUANTIZE_CHOICES value) decodes with int8 weights."""
+    return quantize in ("int8", "w8a8")
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., n] -> (int8 q [..., n], float32 scale [..., 1]), one symmetric scale per row: scale = max |x|
+    over the row / 127 (1 for a row of zeros), q = round(x / scale) (halves to even). w8a8's activations."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(x32 / scale), -127, 127).astype(jnp.int8), scale
+
+
 @struct.dataclass
 class Int8Kernel:
     """A dense kernel as int8 `q` ([..., in, out], or [..., out, in] for a head's table) and a float32
-    `scale` per output ([..., out]): w = q * scale."""
+    `scale` per output ([..., out]): w = q * scale. `activations="int8"` (quantize="w8a8"): the rows
+    multiplied by it are rounded to int8 first (`quantize_rows`) and the product is taken in integers."""
 
     q: jax.Array
     scale: jax.Array
+    activations: Optional[str] = struct.field(pytree_node=False, default=None)
 
     def dequantize(self, w_out_in: bool = False, dtype=jnp.float32) -> jax.Array:
         s = self.scale[..., :, None] if w_out_in else self.scale[..., None, :]
         return (self.q.astype(jnp.float32) * s).astype(dtype)
 
 
-def quantize_int8(w: jax.Array, w_out_in: bool = False) -> Int8Kernel:
-    """w [..., in, out] (or [..., out, in] with `w_out_in`) -> its `Int8Kernel`, one scale per output."""
+def quantize_int8(w: jax.Array, w_out_in: bool = False, activations: Optional[str] = None) -> Int8Kernel:
+    """w [..., in, out] (or [..., out, in] with `w_out_in`) -> its `Int8Kernel`, one scale per output
+    (`activations`: the kernel's, "int8" for w8a8)."""
     axis = -1 if w_out_in else -2  # the inputs: each output's scale is the max over them
     w32 = w.astype(jnp.float32)
     amax = jnp.max(jnp.abs(w32), axis=axis)
     scale = jnp.where(amax > 0, amax / 127.0, 1.0)
     s = jnp.expand_dims(scale, axis)
     q = jnp.clip(jnp.round(w32 / s), -127, 127).astype(jnp.int8)
-    return Int8Kernel(q, scale)
+    return Int8Kernel(q, scale, activations)
 
 
 def decode_kernels(params: dict, tie_embeddings: bool, config: Optional[GPTConfig] = None) -> dict:

@@ -239,12 +239,14 @@ def test_the_int8_engine_compiles_for_a_tpu_holding_int8_kernels_instead_of_floa
     from jaxgpt.model import abstract_params
 
     aot.prepare_environment()
-    figures = []
-    for q, kv in [(None, None), ("int8", None), ("int8", "int8")]:
-        r = aot.compile_for_target(_tiny(), aot.parse_target("tpu:v5e:1x1"), programs=("engine",), progress=False,
-                                   engine_args={"slots": 4, "max_len": 32, "chunk": 8, "quantize": q, "kv_dtype": kv})
-        figures.append(r["programs"]["engine"])
-    f, q8, kv8 = figures
+    results = [aot.compile_for_target(_tiny(), aot.parse_target("tpu:v5e:1x1"), programs=("engine",), progress=False,
+                                      engine_args={"slots": 4, "max_len": 32, "chunk": 8, "quantize": q, "kv_dtype": kv})
+               for q, kv in [(None, None), ("int8", None), ("int8", "int8"), ("w8a8", None)]]
+    figures = [r["programs"]["engine"] for r in results]
+    r = results[2]  # int8 weights and cache
+    f, q8, kv8, w8a8 = figures
+    # w8a8 holds the same int8 weights as int8 (its activations are rounded inside the programs)
+    assert w8a8["quantize"] == "w8a8" and w8a8["weight_bytes"] == q8["weight_bytes"] and w8a8["fits"]
     assert all(e["fits"] for e in figures) and (q8["quantize"], kv8["kv_dtype"]) == ("int8", "int8")
     # the weights given: the int8 kernels and their scales, and of the float leaves they stand for only the
     # tied table (the embedding lookup reads it)

@@ -1,5 +1,6 @@
 """int8 weights for decoding: the quantized matmul's error bound, the native int8 kernel against the
-float one, and decoding (Decoder, Engine) equal to the full forward of the dequantized model."""
+float one, and decoding (Decoder, Engine) equal to the full forward of the dequantized model; w8a8 (int8
+rows too): its products against exact integers, and its decoding the same on every backend."""
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,94 @@ def test_int8_engine_logprobs_equal_the_dequantized_full_forward(params):
         logits = jaxgpt.GPT(CFG).apply({"params": dq}, jnp.array([pr + o.token_ids]))[0]
         rows = np.asarray(jax.nn.log_softmax(logits, -1))[len(pr) - 1:len(pr) - 1 + 12]
         np.testing.assert_allclose([t.logprob for t in o.tokens], rows[np.arange(12), o.token_ids], atol=1e-5)
+
+
+def test_quantize_rows_rounds_each_row_within_half_its_step():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 50)).astype(np.float32) * rng.uniform(0.01, 30, (6, 1)).astype(np.float32)
+    x[2] = 0.0  # a row of zeros: scale 1, all zero
+    q, s = Q.quantize_rows(jnp.asarray(x))
+    q, s = np.asarray(q, np.int32), np.asarray(s)
+    assert q.dtype == np.int32 and s.shape == (6, 1) and s[2, 0] == 1.0 and not q[2].any()
+    assert all(np.abs(q[i]).max() == 127 for i in (0, 1, 3, 4, 5))
+    assert np.all(np.abs(q * s - x) <= s / 2 * (1 + 1e-6))
+
+
+def _w8a8_reference(x, k: Q.Int8Kernel, w_out_in=False):
+    """(x's rows rounded to int8) @ q in exact integers, times both scales, in float64."""
+    xq, xs = Q.quantize_rows(jnp.asarray(x))
+    q = np.asarray(k.q, np.int64)
+    acc = np.asarray(xq, np.int64) @ (q.T if w_out_in else q)
+    return acc * np.asarray(xs, np.float64) * np.asarray(k.scale, np.float64)
+
+
+@pytest.mark.parametrize("rows,n_in,out", [(1, 64, 40), (3, 30, 16), (8, 96, 130), (14, 24, 70), (15, 44, 33),
+                                           (16, 32, 7)])
+def test_w8a8_products_equal_the_integer_product_of_the_rounded_rows(rows, n_in, out):
+    """Both ways w8a8 is multiplied (the native kernel when built, XLA's int8 dot in ops.int8_linear) give
+    (x_q @ q) * x_scale * scale: the same integers, scaled to float rounding."""
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((n_in, out)).astype(np.float32)
+    x = (rng.standard_normal((rows, n_in)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
+    k = Q.quantize_int8(jnp.asarray(w), activations="int8")
+    ref = _w8a8_reference(x, k)
+    tol = dict(rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), k)), ref, **tol)
+    kt = Q.quantize_int8(jnp.asarray(w.T), w_out_in=True, activations="int8")
+    np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), kt, w_out_in=True)), ref, **tol)
+    # and it is not the float product of the weights (the rows are rounded): int8 weights alone differ
+    assert not np.allclose(np.asarray(linear(jnp.asarray(x), Q.quantize_int8(jnp.asarray(w)))), ref, **tol)
+    if not native.available():
+        return
+    panels, scale, corr = native.pack_w8a8(k.q, k.scale)
+    assert panels.dtype == jnp.int8 and panels.shape == native.w8a8_panels_shape(n_in, out)
+    y = jax.jit(lambda a, p, s, c: native.rows_matmul_w8a8(a, p, s, c, out))(jnp.asarray(x), panels, scale, corr)
+    np.testing.assert_allclose(np.asarray(y), ref, **tol)
+    pt = native.pack_w8a8(kt.q, kt.scale, w_out_in=True)
+    for a, b in zip(pt, (panels, scale, corr)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="int8 panels"):
+        native.rows_matmul_w8a8(jnp.asarray(x), panels, scale, corr, out + 32)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_w8a8_decoding_is_the_same_on_every_backend_and_near_the_dequantized_model(tie):
+    """The cpu backend (its native W8A8 kernel where built) and the portable one (XLA's int8 dot) decode
+    the same tokens and logprobs; the logprobs stay near the float model's (the rows' rounding) and are
+    not int8-weights' (the rows are rounded)."""
+    runs = {}
+    for kernels in ("cpu", "portable"):
+        cfg = CFG.replace(kernels=kernels, tie_embeddings=tie)
+        p = jaxgpt.init_params(cfg, jax.random.key(1))
+        prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 7))
+        dec = jaxgpt.Decoder(p, cfg, quantize="w8a8")
+        # int8 kernels in the decode steps on both; the native kernel's (with its int32 corr) where built
+        dtypes = {np.dtype(leaf.dtype) for leaf in jax.tree.leaves(dec.weights(3).prepared)}
+        assert np.dtype(np.int8) in dtypes
+        assert (np.dtype(np.int32) in dtypes) == (kernels == "cpu" and dec.backend.prepare_decode.keywords["native_decode"]
+                                         and native.available())
+        toks = [np.asarray(dec.generate(prompts[:b], 16, jax.random.key(2), **s).tokens)
+                for b, s in ((1, dict(temperature=0.0)), (3, dict(temperature=0.9, top_k=20)))]
+        reqs = [dict(prompt=pr.tolist(), max_tokens=10, temperature=0.0, logprobs=1) for pr in prompts]
+        outs = {q: Engine(p, cfg, slots=4, max_len=64, prefill_chunk=16, quantize=q).run(reqs) for q in ("w8a8", "int8")}
+        runs[kernels] = (toks, outs)
+    (toks_c, outs_c), (toks_p, outs_p) = runs["cpu"], runs["portable"]
+    for a, b in zip(toks_c, toks_p):
+        np.testing.assert_array_equal(a, b)
+    lp = {k: np.array([[t.logprob for t in o.tokens] for o in outs["w8a8"]]) for k, (_, outs) in runs.items()}
+    np.testing.assert_allclose(lp["cpu"], lp["portable"], atol=1e-4)
+    assert [o.token_ids for o in outs_c["w8a8"]] == [o.token_ids for o in outs_p["w8a8"]]
+    dq = Q.dequantized(jaxgpt.init_params(CFG.replace(tie_embeddings=tie), jax.random.key(1)), CFG.replace(tie_embeddings=tie))
+    model = jaxgpt.GPT(CFG.replace(tie_embeddings=tie))
+    diff_int8 = 0.0
+    for o, o8, pr in zip(outs_c["w8a8"], outs_c["int8"], prompts):
+        logits = model.apply({"params": dq}, jnp.array([pr.tolist() + o.token_ids]))[0]
+        rows = np.asarray(jax.nn.log_softmax(logits, -1))[len(pr) - 1:len(pr) - 1 + 10]
+        np.testing.assert_allclose([t.logprob for t in o.tokens], rows[np.arange(10), o.token_ids], atol=0.05)
+        if o8.token_ids == o.token_ids:
+            diff_int8 = max(diff_int8, np.abs(np.subtract([t.logprob for t in o.tokens],
+                                                          [t.logprob for t in o8.tokens])).max())
+    assert diff_int8 > 1e-6
 
 
 def test_quantize_refuses_an_unknown_format(params):

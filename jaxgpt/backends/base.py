@@ -18,26 +18,28 @@ from jax.sharding import PartitionSpec as P
 from jaxgpt.attention import AttentionFn, check_shapes, dot_product_attention, get_attention
 from jaxgpt.cache import CacheLayout
 from jaxgpt.ops import linear as portable_linear
-from jaxgpt.quantize import decode_kernels, quantize_int8
+from jaxgpt.quantize import decode_kernels, quantize_int8, weights_int8
 from jaxgpt.registry import ATTENTION
 
 
 def _no_prepared(params, batch_size: int, compute_dtype, tie_embeddings: bool, quantize=None, *,
                  config=None) -> dict:
-    """No decode forms of its own: {} for float kernels; with quantize="int8", `Int8Kernel`s that
+    """No decode forms of its own: {} for float kernels; with quantize="int8" (or "w8a8"), `Int8Kernel`s that
     `ops.linear` multiplies with XLA (int8 operands, float32 products scaled per output)."""
-    return int8_prepared(params, tie_embeddings, config=config) if quantize == "int8" else {}
+    return int8_prepared(params, tie_embeddings, config=config, quantize=quantize) if weights_int8(quantize) else {}
 
 
-def int8_prepared(params, tie_embeddings: bool, kernel_form=None, *, config=None) -> dict:
-    """A "prepared" collection of every dense kernel (and a tied head as `head`) quantized to int8,
-    each passed through `kernel_form(int8_kernel, w_out_in)` (default: kept as the `Int8Kernel`); which
-    leaves, the parameter schema says (quantize.decode_kernels)."""
+def int8_prepared(params, tie_embeddings: bool, kernel_form=None, *, config=None, quantize="int8") -> dict:
+    """A "prepared" collection of every dense kernel (and a tied head as `head`) quantized to int8 (with
+    quantize="w8a8" marked to round its activations to int8 too), each passed through
+    `kernel_form(int8_kernel, w_out_in)` (default: kept as the `Int8Kernel`); which leaves, the parameter
+    schema says (quantize.decode_kernels)."""
     form = kernel_form or (lambda k, w_out_in: k)
+    activations = "int8" if quantize == "w8a8" else None
     flat = traverse_util.flatten_dict(params)
     prepared = {}
     for path, (where, w_out_in) in decode_kernels(params, tie_embeddings, config).items():
-        prepared[where] = form(quantize_int8(flat[path], w_out_in=w_out_in), w_out_in)
+        prepared[where] = form(quantize_int8(flat[path], w_out_in=w_out_in, activations=activations), w_out_in)
     return traverse_util.unflatten_dict(prepared)
 
 
@@ -56,8 +58,8 @@ class Backend:
     - `cache_layout`: how the KV cache stores and writes each layer (cache.CacheLayout).
     - `prepare_decode(params, batch_size, compute_dtype, tie_embeddings, quantize=None, *, config=None)
       -> dict`: kernels in a form for the decode steps, as a "prepared" variable collection laid out like
-      the params ({}: none); with quantize="int8" every dense kernel and the tied head as int8
-      (jaxgpt/quantize.py). Which leaves: those the parameter schema marks `decode` (`config`: the
+      the params ({}: none); with quantize="int8" every dense kernel and the tied head as int8, with "w8a8"
+      their activations too (jaxgpt/quantize.py). Which leaves: those the parameter schema marks `decode` (`config`: the
       model's; else found by the params' names and shapes).
     - `float32_activations`: keep activations float32 between matmuls whatever the compute dtype.
     - `fast_bf16`: whether bfloat16 matmuls are faster than float32 here (a bf16 run says so if not).

@@ -22,7 +22,7 @@ from jaxgpt.backends import native
 from jaxgpt.backends.base import Backend, int8_prepared
 from jaxgpt.cache import CacheLayout
 from jaxgpt.ops import int8_linear, linear_bwd, linear_fwd
-from jaxgpt.quantize import Int8Kernel, decode_kernels
+from jaxgpt.quantize import Int8Kernel, decode_kernels, weights_int8
 
 SMALL_ROWS = 16  # up to this many rows, [out, in] kernels are multiplied by `_few_rows`
 
@@ -99,12 +99,14 @@ def cpu_dispatch() -> str:
 @struct.dataclass
 class PreparedKernel:
     """A dense kernel in a decode form: "panels" (native.pack's [ceil(out/16), in, 16], float32; or int8
-    with `scale` per output, native.pack_int8's) or "out_in"."""
+    with `scale` per output, native.pack_int8's), "w8a8" (native.pack_w8a8's int8 panels, `scale` and
+    `corr`) or "out_in"."""
 
     w: jax.Array
     features: int = struct.field(pytree_node=False)
     form: str = struct.field(pytree_node=False)
     scale: Optional[jax.Array] = None
+    corr: Optional[jax.Array] = None
 
 
 def _few_rows(x2: jax.Array, w_out_in: jax.Array, compute_dtype) -> jax.Array:
@@ -158,6 +160,10 @@ def linear(x: jax.Array, w, compute_dtype=jnp.float32, *, b=None, w_out_in: bool
             else:
                 parts = [native.rows_matmul(xf[i:i + m], w.w, features) for i in range(0, len(xf), m)]
             y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+        elif w.form == "w8a8":
+            xf, m = x2.astype(jnp.float32), native.MAX_ROWS
+            parts = [native.rows_matmul_w8a8(xf[i:i + m], w.w, w.scale, w.corr, features) for i in range(0, len(xf), m)]
+            y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
         else:
             y = _few_rows(x2, w.w, compute_dtype)
         y = (y if b is None else y + b.astype(jnp.float32)).astype(out_dtype)
@@ -190,8 +196,12 @@ def _prepare(w: jax.Array, form: str, w_out_in: bool = False) -> PreparedKernel:
 
 
 def _prepare_int8(k: Int8Kernel, w_out_in: bool) -> PreparedKernel:
+    features = k.q.shape[-2] if w_out_in else k.q.shape[-1]
+    if k.activations == "int8":
+        panels, scale, corr = native.pack_w8a8(k.q, k.scale, w_out_in=w_out_in)
+        return PreparedKernel(panels, features, "w8a8", scale, corr)
     panels, scale = native.pack_int8(k.q, k.scale, w_out_in=w_out_in)
-    return PreparedKernel(panels, k.q.shape[-2] if w_out_in else k.q.shape[-1], "panels", scale)
+    return PreparedKernel(panels, features, "panels", scale)
 
 
 def prepare_decode(params: dict, batch_size: int, compute_dtype, tie_embeddings: bool, quantize=None, *,
@@ -199,11 +209,15 @@ def prepare_decode(params: dict, batch_size: int, compute_dtype, tie_embeddings:
     """The "prepared" collection for decode steps of `batch_size` rows: every dense kernel ([in, out], or
     stacked [L, in, out] for scan_layers) in `decode_form`, and a tied head's table as `head` (the leaves
     the parameter schema marks `decode`, quantize.decode_kernels; `config`: the model's). With
-    quantize="int8" and the native kernels on, int8 panels (any row count, 16 rows a call; any dtype). Without
-    them the params (the dequantized model, quantize.dequantized) keep their float forms: XLA:CPU's int8
-    forms ran 10x slower than float32 (bench/README.md), so the same tokens come at float32's speed."""
-    if quantize == "int8" and native_decode and native.available():
-        return int8_prepared(params, tie_embeddings, _prepare_int8, config=config)
+    quantize="int8" and the native kernels on, int8 panels (any row count, 16 rows a call; any dtype), with
+    "w8a8" the W8A8 kernel's panels. Without them the params (the dequantized model, quantize.dequantized)
+    keep their float forms for "int8": XLA:CPU's int8 forms ran 10x slower than float32 (bench/README.md),
+    so the same tokens come at float32's speed; "w8a8" multiplies `Int8Kernel`s with XLA's int8 dot
+    (its tokens need the rounded activations; slow, but the same integers as the native kernel)."""
+    if weights_int8(quantize) and native_decode and native.available():
+        return int8_prepared(params, tie_embeddings, _prepare_int8, config=config, quantize=quantize)
+    if quantize == "w8a8":
+        return int8_prepared(params, tie_embeddings, config=config, quantize=quantize)
     form = decode_form(batch_size, compute_dtype, native_decode)
     if form is None:
         return {}

@@ -1,5 +1,6 @@
 """Native CPU kernels, XLA FFI calls compiled from C++ on first use: the decode step's matmul at 1..16 rows
-(rows.cc, over weights packed in panels of 16 outputs by `pack`, float32 or int8 with scales), causal
+(rows.cc, over weights packed in panels of 16 outputs by `pack`, float32 or int8 with scales, or int8 by
+int8 rows, w8a8), causal
 self-attention for training, forward and backward (attention.cc), and a decode step's attention over the KV
 cache, reading only each row's filled positions (cached_attention.cc).
 
@@ -37,9 +38,11 @@ log = logging.getLogger(__name__)
 
 TARGET = "jaxgpt_rows_matmul"
 INT8_TARGET = "jaxgpt_rows_matmul_int8"
+W8A8_TARGET = "jaxgpt_rows_matmul_w8a8"
 PACK_TARGET = "jaxgpt_pack"
 MAX_ROWS = 16
 INT8_PANEL = 64  # outputs per int8 panel: one cache line per input
+W8A8_PANEL = 32  # outputs per w8a8 panel: 4 inputs of each, 128 bytes
 ATTENTION_TARGET = "jaxgpt_causal_attention"
 ATTENTION_BWD_TARGET = "jaxgpt_causal_attention_bwd"
 ATTENTION_BWD_FUSED_TARGET = "jaxgpt_causal_attention_bwd_fused"
@@ -157,6 +160,7 @@ def available() -> bool:
                 lib = ctypes.cdll.LoadLibrary(_build())
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxgptRowsMatmul), platform="cpu")
                 jax.ffi.register_ffi_target(INT8_TARGET, jax.ffi.pycapsule(lib.JaxgptRowsMatmulInt8), platform="cpu")
+                jax.ffi.register_ffi_target(W8A8_TARGET, jax.ffi.pycapsule(lib.JaxgptRowsMatmulW8A8), platform="cpu")
                 jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.JaxgptPack), platform="cpu")
                 jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxgptCausalAttention),
                                             platform="cpu")
@@ -249,6 +253,46 @@ def rows_matmul_int8(x: jax.Array, panels: jax.Array, scale: jax.Array, out: int
     call = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32),
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), panels, scale.astype(jnp.float32))
+
+
+def pack_w8a8(q: jax.Array, scale: jax.Array, w_out_in: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """An int8 kernel q [..., in, out] (or [..., out, in] with `w_out_in`) and its scale [..., out] -> the
+    W8A8 kernel's operands: int8 panels [..., ceil(out/32), ceil(in/4), 128], panel p's group g holding
+    inputs 4g..4g+3 of outputs 32p..32p+31 as [32 outputs][4 inputs]; float32 scale and int32 corr
+    (128 * the sum of each output's int8 weights) [..., 32 ceil(out/32)]; zero past `out` and `in`. In
+    jax.numpy (made once per decoder)."""
+    if not w_out_in:
+        q = jnp.swapaxes(q, -1, -2)  # [..., out, in]
+    *lead, out, n_in = q.shape
+    pad_out, pad_in = -out % W8A8_PANEL, -n_in % 4
+    no_pad = [(0, 0)] * len(lead)
+    q = jnp.pad(q.astype(jnp.int8), no_pad + [(0, pad_out), (0, pad_in)])
+    groups = (n_in + pad_in) // 4
+    panels = q.reshape(*lead, (out + pad_out) // W8A8_PANEL, W8A8_PANEL, groups, 4)
+    panels = jnp.swapaxes(panels, -2, -3).reshape(*lead, (out + pad_out) // W8A8_PANEL, groups, 4 * W8A8_PANEL)
+    corr = 128 * jnp.sum(q.astype(jnp.int32), axis=-1)
+    return panels, jnp.pad(scale.astype(jnp.float32), no_pad + [(0, pad_out)]), corr
+
+
+def w8a8_panels_shape(n_in: int, out: int) -> tuple[int, int, int]:
+    """The shape `pack_w8a8` gives a kernel with `n_in` inputs and `out` outputs."""
+    return (-(-out // W8A8_PANEL), -(-n_in // 4), 4 * W8A8_PANEL)
+
+
+def rows_matmul_w8a8(x: jax.Array, panels: jax.Array, scale: jax.Array, corr: jax.Array, out: int) -> jax.Array:
+    """x float32 [R, in] (1 <= R <= 16) with each row rounded to int8 (quantize.quantize_rows's scale and
+    rounding, in the kernel) times the int8 kernel in `panels` (`pack_w8a8`'s, with its `scale` and
+    `corr`) -> float32 [R, out]: (x_q @ q) * x_scale * scale, the products summed in int32."""
+    shape = w8a8_panels_shape(x.shape[-1], out)
+    n = shape[0] * W8A8_PANEL
+    if (x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS or panels.shape != shape or panels.dtype != jnp.int8
+            or scale.shape != (n,) or corr.shape != (n,)):
+        raise ValueError(f"rows_matmul_w8a8: x [R <= {MAX_ROWS}, in], int8 panels {shape}, scale and corr ({n},), "
+                         f"got x{x.shape}, panels{panels.shape} {panels.dtype}, scale{scale.shape}, corr{corr.shape}")
+    _require()
+    call = jax.ffi.ffi_call(W8A8_TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), panels, scale.astype(jnp.float32), corr.astype(jnp.int32))
 
 
 def attention_supported(q_shape, k_shape) -> bool:

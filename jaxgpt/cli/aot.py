@@ -31,7 +31,8 @@ flags.DEFINE_integer("engine_slots", None, "engine: slots (default 8); the repor
 flags.DEFINE_integer("engine_max_len", None, "engine: positions per slot (default the context)")
 flags.DEFINE_integer("engine_chunk", None, "engine: prefill chunk (default 256)")
 flags.DEFINE_string("quantize", None, "engine: int8 to compile it with int8 weights (every dense kernel and the "
-                    "head; the programs hold them instead of the float kernels); default float weights")
+                    "head; the programs hold them instead of the float kernels), w8a8 with int8 activations too "
+                    "(XLA's int8 x int8 -> int32 dot); default float weights")
 flags.DEFINE_string("kv_dtype", None, "engine: the KV cache's dtype: int8 (a float32 scale per position and "
                     "head), bfloat16 or float32; default the model's compute dtype")
 flags.DEFINE_integer("gen_batch", None, "generate: prompt rows (default one per device)")
