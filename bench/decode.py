@@ -1,13 +1,14 @@
 """Decode benchmark: jaxgpt.Decoder.generate (what generate runs) on the GPT-2 124M shape with random weights.
 
 python bench/decode.py [--batch 1 8] [--dtypes float32 bfloat16] [--kernels auto portable] [--reps 3]
-                       [--quantize none int8] [--llama VENV] [--no-peer]
+                       [--quantize none int8 w8a8] [--llama VENV] [--no-peer]
                        [--speculative TARGET_RUN DRAFT_RUN] [--engine-speculative RUN] [--k 4] [--out NAME]
 
-16-token prompt, 128 new tokens, top-k 50 sampling. Reports tokens/s (median of reps, compile excluded),
+16-token prompt, 128 new tokens, top-k 50 sampling. Every configuration is compiled first, then the
+repetitions are timed interleaved (one of each in turn). Reports tokens/s (median of reps, compile excluded),
 compile time (first call minus a warm call), and the achieved bytes/s of weights plus KV cache read per
-decode step over the machine's measured read bandwidth (with --quantize int8 the kernels count one byte
-per weight plus their scales).
+decode step over the machine's measured read bandwidth (with --quantize int8 or w8a8 the kernels count one
+byte per weight plus their scales).
 
 Peers, same run: transformers' generate (skipped with --no-peer or without torch), and with `--llama VENV`
 (made by ../shared/peers/install_llama_cpp.sh; skipped when absent) llama.cpp through llama-cpp-python at
@@ -37,8 +38,10 @@ def gpt2_config(dtype: str, kernels: str = "auto") -> jaxgpt.GPTConfig:
                             dtype=dtype, param_dtype=dtype, kernels=kernels)
 
 
-def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, bandwidth: float,
-        kernels: str = "auto", quantize: str = "none", kv_dtype: str = "none") -> dict:
+def prepare(batch: int, dtype: str, prompt_len: int, new_tokens: int, kernels: str = "auto", quantize: str = "none",
+            kv_dtype: str = "none") -> dict:
+    """One configuration made ready to time: its Decoder built, weights prepared and the program compiled.
+    {"call": the timed call, "first": the first call's seconds, "prepare_s", and what `finish` needs}."""
     cfg = gpt2_config(dtype, kernels)
     params = jaxgpt.init_params(cfg, jax.random.key(0))
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len))
@@ -50,7 +53,7 @@ def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, ban
     decoder = jaxgpt.Decoder(params, cfg, quantize=q, kv_dtype=kv)
     t0 = time.perf_counter()
     jax.block_until_ready(decoder.weights(batch))
-    prepare = time.perf_counter() - t0
+    prepare_s = time.perf_counter() - t0
 
     def call():
         out = decoder.generate(prompts, new_tokens, jax.random.key(1), temperature=1.0, top_k=50)
@@ -59,21 +62,48 @@ def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, ban
     t0 = time.perf_counter()
     call()
     first = time.perf_counter() - t0
-    t, times = median_time(call, reps)
     n_params = jaxgpt.count_params(params)
     itemsize = np.dtype(cfg.dtype).itemsize
     # per decode step: every weight once (wpe: one row, ignored) plus the whole allocated cache
     cache = jaxgpt.cache_bytes(cfg, batch, prompt_len + new_tokens, kv)
     bytes_per_step = (n_params - cfg.block_size * cfg.n_embd) * itemsize + cache
-    if q == "int8":  # the int8 kernels (and their scales) are read instead of their float values
+    if q in ("int8", "w8a8"):  # the int8 kernels (and their scales) are read instead of their float values
         from jaxgpt.quantize import int8_bytes
         nb = int8_bytes(params, cfg)
         bytes_per_step += nb["int8"] - nb["float"]
+    meta = {"batch": batch, "dtype": dtype, "kernels": kernels, "quantize": quantize, "kv_dtype": kv_dtype}
+    return {"meta": meta, "call": call, "first": first, "prepare_s": prepare_s, "cache": cache,
+            "bytes_per_step": bytes_per_step, "new_tokens": new_tokens}
+
+
+def time_cases(cases: list, reps: int) -> list:
+    """Each case's call timed `reps` times, the cases interleaved (rep 1 of each, then rep 2, ...): on a
+    noisy machine their ratios then compare like with like. Returns each case's times."""
+    times = [[] for _ in cases]
+    for _ in range(reps):
+        for case, ts in zip(cases, times):
+            t0 = time.perf_counter()
+            case["call"]()
+            ts.append(time.perf_counter() - t0)
+    return times
+
+
+def finish(case: dict, times: list, bandwidth: float) -> dict:
+    """A case's row of results from its times."""
+    t = float(np.median(times))
+    batch, new_tokens, bytes_per_step = case["meta"]["batch"], case["new_tokens"], case["bytes_per_step"]
     steps_per_s = new_tokens / t
-    return {"batch": batch, "dtype": dtype, "kernels": kernels, "quantize": quantize, "kv_dtype": kv_dtype, "tokens_per_s": batch * new_tokens / t, "seconds": t,
-            "all_seconds": times, "compile_s": first - t, "prepare_s": prepare, "kv_cache_bytes": cache,
+    return {**case["meta"], "tokens_per_s": batch * new_tokens / t, "seconds": t, "all_seconds": times,
+            "compile_s": case["first"] - t, "prepare_s": case["prepare_s"], "kv_cache_bytes": case["cache"],
             "bytes_per_step": bytes_per_step, "achieved_read_bytes_per_s": bytes_per_step * steps_per_s,
             "fraction_of_read_bandwidth": bytes_per_step * steps_per_s / bandwidth}
+
+
+def run(batch: int, dtype: str, prompt_len: int, new_tokens: int, reps: int, bandwidth: float,
+        kernels: str = "auto", quantize: str = "none", kv_dtype: str = "none") -> dict:
+    """One configuration prepared and timed on its own."""
+    case = prepare(batch, dtype, prompt_len, new_tokens, kernels, quantize, kv_dtype)
+    return finish(case, time_cases([case], reps)[0], bandwidth)
 
 
 def run_peer(batch: int, prompt_len: int, new_tokens: int, reps: int) -> dict:
@@ -234,7 +264,7 @@ def main():
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8"],
+    p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "w8a8"],
                    help="decode weights: as stored (none) and/or int8 with a scale per output channel")
     p.add_argument("--kv-dtype", dest="kv_dtype", nargs="+", default=["none"], choices=["none", "int8", "bfloat16"],
                    help="the KV cache's dtype (none: the compute dtype)")
@@ -253,8 +283,10 @@ def main():
                    help="where the Hugging Face folder and the GGUF files for llama.cpp are written (reused)")
     args = p.parse_args()
     ceil = ceilings()
-    rows = [run(b, d, args.prompt_len, args.new_tokens, args.reps, ceil["read_bytes_per_s"], k, q, kv)
-            for k in args.kernels for d in args.dtypes for q in args.quantize for kv in args.kv_dtype for b in args.batch]
+    # every configuration compiled first, then timed with the repetitions interleaved
+    cases = [prepare(b, d, args.prompt_len, args.new_tokens, k, q, kv)
+             for k in args.kernels for d in args.dtypes for q in args.quantize for kv in args.kv_dtype for b in args.batch]
+    rows = [finish(c, ts, ceil["read_bytes_per_s"]) for c, ts in zip(cases, time_cases(cases, args.reps))]
     spec = run_speculative(*args.speculative, args.k, args.new_tokens, args.reps) if args.speculative else []
     if args.engine_speculative:
         spec += run_engine_speculative(args.engine_speculative, args.k, args.new_tokens, args.reps)

@@ -7,7 +7,9 @@ For each training run (a folder `train.py` wrote), the same validation windows (
 model's block_size, drawn with a fixed seed from the run's own validation split) go through the float
 model and through `quantize.dequantized` (the float model that int8 decoding computes: tests/
 test_quantize.py holds int8 decoding equal to it). Reports both mean losses, the relative change, and
-how often the two models' most likely next token agrees.
+how often the two models' most likely next token agrees. The "w8a8" column rounds every dense kernel's
+input rows to int8 as well, at every position (quantize="w8a8" decodes so; its prefill runs the
+dequantized float model, so this column bounds what it changes).
 
 The KV cache columns decode each window teacher-forced, one token at a time, through a KV cache
 (`KVCache.create(..., dtype=...)`), every position's logits from its decode step: "kv_float" through a
@@ -71,6 +73,8 @@ def _loss_and_top(logits, y) -> tuple[float, np.ndarray]:
 
 
 def measure(run_dir: str, windows: int, batch: int = 8, kv: bool = True, dtype=None) -> dict:
+    from jaxgpt.backends import resolve
+    from jaxgpt.backends.base import int8_prepared
     from jaxgpt.loading import load_model
     from jaxgpt.quantize import dequantized, int8_bytes
 
@@ -81,8 +85,14 @@ def measure(run_dir: str, windows: int, batch: int = 8, kv: bool = True, dtype=N
     forward = jax.jit(lambda p, x: model.apply({"params": p}, x))
     decode = jax.jit(lambda p, x, kv_dtype: cached_logits(model, p, x, kv_dtype), static_argnames="kv_dtype")
     q_params = jax.jit(lambda p: dequantized(p, config))(params)
+    # w8a8: every dense kernel's input rows rounded to int8 too, at every position (the portable backend
+    # multiplies the Int8Kernels with XLA's int8 dot)
+    w8a8 = int8_prepared(params, config.tie_embeddings, config=config, quantize="w8a8")
+    portable = jaxgpt.GPT(config, backend=resolve("portable"))
+    forward_w8a8 = jax.jit(lambda p, w, x: portable.apply({"params": p, "prepared": w}, x))
     # name -> logits of tokens [B, T]: the full forward, or teacher-forced decoding through a cache
-    columns = {"float32": lambda x: forward(params, x), "int8": lambda x: forward(q_params, x)}
+    columns = {"float32": lambda x: forward(params, x), "int8": lambda x: forward(q_params, x),
+               "w8a8": lambda x: forward_w8a8(params, w8a8, x)}
     if kv:
         columns.update({"kv_float": lambda x: decode(params, x, kv_dtype=None),
                         "kv_int8": lambda x: decode(params, x, kv_dtype="int8"),
@@ -107,7 +117,7 @@ def measure(run_dir: str, windows: int, batch: int = 8, kv: bool = True, dtype=N
            "top1_agreement": agree["int8"] / total, "kernel_bytes_float": sizes["float"],
            "kernel_bytes_int8": sizes["int8"]}
     for name in columns:
-        if name.startswith(("kv_", "int8_kv_")):
+        if name.startswith(("kv_", "int8_kv_", "w8a8")):
             row.update({f"val_loss_{name}": loss[name], f"relative_change_{name}": (loss[name] - f) / f,
                         f"top1_agreement_{name}": agree[name] / total})
     if kv:
@@ -128,7 +138,7 @@ def main():
     path = write_results(name, {"machine": machine(), "settings": vars(args), "runs": rows})
     print(f"{'run':>32} {'params':>10} {'val float32':>11} {'column':>13} {'val':>9} {'change':>8} {'top-1 agree':>11}")
     for r in rows:
-        names = ["int8"] + [n for n in ("kv_float", "kv_int8", "int8_kv_int8") if f"val_loss_{n}" in r]
+        names = ["int8"] + [n for n in ("w8a8", "kv_float", "kv_int8", "int8_kv_int8") if f"val_loss_{n}" in r]
         for n in names:
             change, agree = (r["relative_change"], r["top1_agreement"]) if n == "int8" else \
                 (r[f"relative_change_{n}"], r[f"top1_agreement_{n}"])
