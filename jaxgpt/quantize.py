@@ -11,6 +11,11 @@ which reads the int8 bytes and scales the float32 products.
 Per channel rather than per block of 32 inputs (llama.cpp's q8_0): one scale per output is applied once
 to the accumulated sum, and the accuracy measured on trained models (bench/README.md, "int8 weights")
 is inside the 0.5% validation-loss budget.
+
+quantize="w8a8" keeps the same int8 weights and rounds each row the decode steps multiply by them to int8
+as well (`quantize_rows`: one scale per row), the products summed in int32: four multiply-adds per lane and
+instruction with AVX512-VNNI, where int8 weights with float32 rows are bound by float multiply-adds from
+about 8 rows (bench/README.md, "int8 rows too"). Prefill still runs the dequantized float model.
 """
 
 from __future__ import annotations
