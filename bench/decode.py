@@ -284,8 +284,8 @@ def main():
     args = p.parse_args()
     ceil = ceilings()
     # every configuration compiled first, then timed with the repetitions interleaved
-    cases = [prepare(b, d, args.prompt_len, args.new_tokens, k, q, kv)
-             for k in args.kernels for d in args.dtypes for q in args.quantize for kv in args.kv_dtype for b in args.batch]
+    cases = [prepare(b, d, args.prompt_len, args.new_tokens, k, q, kv) for k in args.kernels for d in args.dtypes
+             for q in args.quantize for kv in args.kv_dtype for b in args.batch]
     rows = [finish(c, ts, ceil["read_bytes_per_s"]) for c, ts in zip(cases, time_cases(cases, args.reps))]
     spec = run_speculative(*args.speculative, args.k, args.new_tokens, args.reps) if args.speculative else []
     if args.engine_speculative:

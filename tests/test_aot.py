@@ -239,7 +239,8 @@ def test_the_int8_engine_compiles_for_a_tpu_holding_int8_kernels_instead_of_floa
     from jaxgpt.model import abstract_params
 
     aot.prepare_environment()
-    results = [aot.compile_for_target(_tiny(), aot.parse_target("tpu:v5e:1x1"), programs=("engine",), progress=False,
+    tpu = aot.parse_target("tpu:v5e:1x1")
+    results = [aot.compile_for_target(_tiny(), tpu, programs=("engine",), progress=False,
                                       engine_args={"slots": 4, "max_len": 32, "chunk": 8, "quantize": q, "kv_dtype": kv})
                for q, kv in [(None, None), ("int8", None), ("int8", "int8"), ("w8a8", None)]]
     figures = [r["programs"]["engine"] for r in results]

@@ -178,12 +178,13 @@ def test_w8a8_decoding_is_the_same_on_every_backend_and_near_the_dequantized_mod
         # int8 kernels in the decode steps on both; the native kernel's (with its int32 corr) where built
         dtypes = {np.dtype(leaf.dtype) for leaf in jax.tree.leaves(dec.weights(3).prepared)}
         assert np.dtype(np.int8) in dtypes
-        assert (np.dtype(np.int32) in dtypes) == (kernels == "cpu" and dec.backend.prepare_decode.keywords["native_decode"]
-                                         and native.available())
+        native_w8a8 = kernels == "cpu" and dec.backend.prepare_decode.keywords["native_decode"] and native.available()
+        assert (np.dtype(np.int32) in dtypes) == native_w8a8
         toks = [np.asarray(dec.generate(prompts[:b], 16, jax.random.key(2), **s).tokens)
                 for b, s in ((1, dict(temperature=0.0)), (3, dict(temperature=0.9, top_k=20)))]
         reqs = [dict(prompt=pr.tolist(), max_tokens=10, temperature=0.0, logprobs=1) for pr in prompts]
-        outs = {q: Engine(p, cfg, slots=4, max_len=64, prefill_chunk=16, quantize=q).run(reqs) for q in ("w8a8", "int8")}
+        outs = {q: Engine(p, cfg, slots=4, max_len=64, prefill_chunk=16, quantize=q).run(reqs)
+                for q in ("w8a8", "int8")}
         runs[kernels] = (toks, outs)
     (toks_c, outs_c), (toks_p, outs_p) = runs["cpu"], runs["portable"]
     for a, b in zip(toks_c, toks_p):
@@ -191,8 +192,9 @@ def test_w8a8_decoding_is_the_same_on_every_backend_and_near_the_dequantized_mod
     lp = {k: np.array([[t.logprob for t in o.tokens] for o in outs["w8a8"]]) for k, (_, outs) in runs.items()}
     np.testing.assert_allclose(lp["cpu"], lp["portable"], atol=1e-4)
     assert [o.token_ids for o in outs_c["w8a8"]] == [o.token_ids for o in outs_p["w8a8"]]
-    dq = Q.dequantized(jaxgpt.init_params(CFG.replace(tie_embeddings=tie), jax.random.key(1)), CFG.replace(tie_embeddings=tie))
-    model = jaxgpt.GPT(CFG.replace(tie_embeddings=tie))
+    cfg = CFG.replace(tie_embeddings=tie)
+    dq = Q.dequantized(jaxgpt.init_params(cfg, jax.random.key(1)), cfg)
+    model = jaxgpt.GPT(cfg)
     diff_int8 = 0.0
     for o, o8, pr in zip(outs_c["w8a8"], outs_c["int8"], prompts):
         logits = model.apply({"params": dq}, jnp.array([pr.tolist() + o.token_ids]))[0]
