@@ -59,10 +59,11 @@ def weights_int8(quantize: Optional[str]) -> bool:
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., n] -> (int8 q [..., n], float32 scale [..., 1]), one symmetric scale per row: scale = max |x|
-    over the row / 127 (1 for a row of zeros), q = round(x / scale) (halves to even). w8a8's activations."""
+    over the row / 127 (1 for a row of zeros; NaN for a row with a NaN, so that its products stay NaN, as
+    the model's overflowing rows must), q = round(x / scale) (halves to even). w8a8's activations."""
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    scale = jnp.where(amax == 0, 1.0, amax / 127.0)
     return jnp.clip(jnp.round(x32 / scale), -127, 127).astype(jnp.int8), scale
 
 

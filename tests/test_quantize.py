@@ -149,6 +149,14 @@ def test_w8a8_products_equal_the_integer_product_of_the_rounded_rows(rows, n_in,
     np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), k)), ref, **tol)
     kt = Q.quantize_int8(jnp.asarray(w.T), w_out_in=True, activations="int8")
     np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), kt, w_out_in=True)), ref, **tol)
+    # a row with a NaN (the model marks an overflowing row so) gives NaN, the others are unchanged
+    xn = x.copy()
+    xn[0, n_in // 2] = np.nan
+    for y in (linear(jnp.asarray(xn), k), *([jax.jit(lambda a: native.rows_matmul_w8a8(
+            a, *native.pack_w8a8(k.q, k.scale), out))(jnp.asarray(xn))] if native.available() else [])):
+        y = np.asarray(y)
+        assert np.isnan(y[0]).all()
+        np.testing.assert_allclose(y[1:], ref[1:], **tol)
     # and it is not the float product of the weights (the rows are rounded): int8 weights alone differ
     assert not np.allclose(np.asarray(linear(jnp.asarray(x), Q.quantize_int8(jnp.asarray(w)))), ref, **tol)
     if not native.available():

@@ -278,14 +278,17 @@ static ffi::Error RowsMatmulW8A8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   float xs[16];
   for (int64_t i = 0; i < r; ++i) {
     const float* row = xp + i * in;
-    float amax = 0.f;
-    for (int64_t k = 0; k < in; ++k) amax = std::max(amax, std::fabs(row[k]));
-    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    float amax = 0.f;  // NaN once a NaN is met: the row's scale and products are then NaN (an overflowing row)
+    for (int64_t k = 0; k < in; ++k) {
+      const float a = std::fabs(row[k]);
+      amax = (a > amax || a != a) ? a : amax;
+    }
+    const float s = amax == 0.f ? 1.f : amax / 127.f;
     xs[i] = s;
     uint8_t* d = xb + i * groups * 4;
     for (int64_t k = 0; k < in; ++k) {
       const float q = std::nearbyint(row[k] / s);
-      d[k] = uint8_t(int32_t(q < -127.f ? -127.f : (q > 127.f ? 127.f : q)) + 128);
+      d[k] = q != q ? 128 : uint8_t(int32_t(q < -127.f ? -127.f : (q > 127.f ? 127.f : q)) + 128);
     }
     for (int64_t k = in; k < groups * 4; ++k) d[k] = 128;
   }
