@@ -332,6 +332,13 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def with_default_slots(given: list, defaults: list) -> list:
+    """`--jaxgpt-args`' flags after the bench's defaults, less a default --slots when they give their own
+    (replacing the defaults outright once measured an 8-slot server at 32 requests in flight)."""
+    own_slots = any(a == "--slots" or a.startswith("--slots=") for a in given)
+    return [a for a in defaults if not (own_slots and a.startswith("--slots="))] + given
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vllm", default=None, help="vLLM's CPU build's virtual environment "
@@ -348,7 +355,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm-bindings", nargs="+", default=["default", "both"], choices=sorted(VLLM_BINDINGS))
     ap.add_argument("--vllm-kv-cache-gib", type=int, default=4)
     ap.add_argument("--jaxgpt-args", default=None,
-                    help="extra jaxgpt-serve flags (default: --slots=<largest concurrency>)")
+                    help="extra jaxgpt-serve flags, after the default --slots=<largest concurrency> (which a --slots "
+                         "of their own replaces)")
     ap.add_argument("--no-jaxgpt", action="store_true", help="measure vLLM only")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--model-dir", default=None, help="the HF folder to make and serve (default: a temp dir)")
@@ -364,7 +372,7 @@ def main(argv=None) -> dict:
     else:
         jaxgpt_extra = [f"--slots={max(args.concurrency)}"]
     if args.jaxgpt_args is not None:
-        jaxgpt_extra = args.jaxgpt_args.split()
+        jaxgpt_extra = with_default_slots(args.jaxgpt_args.split(), jaxgpt_extra)
     if len(args.num_prompts) == 1:
         args.num_prompts = args.num_prompts * len(args.concurrency)
     if len(args.num_prompts) != len(args.concurrency):

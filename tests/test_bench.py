@@ -171,3 +171,11 @@ def test_distilled_draft_is_a_run_the_speculative_bench_takes(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows)
     with pytest.raises(SystemExit, match="exists"):
         distill_draft.main([target.out_dir, draft.out_dir, out])
+
+
+def test_serve_bench_keeps_its_default_slots_under_extra_jaxgpt_args():
+    from bench.serve import with_default_slots
+
+    assert with_default_slots(["--quantize=w8a8"], ["--slots=32"]) == ["--slots=32", "--quantize=w8a8"]
+    assert with_default_slots(["--slots=4", "--quantize=w8a8"], ["--slots=32"]) == ["--slots=4", "--quantize=w8a8"]
+    assert with_default_slots(["--slots", "4"], ["--slots=32", "--max_len=64"]) == ["--max_len=64", "--slots", "4"]

@@ -1,8 +1,7 @@
 """Native CPU kernels, XLA FFI calls compiled from C++ on first use: the decode step's matmul at 1..16 rows
 (rows.cc, over weights packed in panels of 16 outputs by `pack`, float32 or int8 with scales, or int8 by
-int8 rows, w8a8), causal
-self-attention for training, forward and backward (attention.cc), and a decode step's attention over the KV
-cache, reading only each row's filled positions (cached_attention.cc).
+int8 rows for w8a8), causal self-attention for training, forward and backward (attention.cc), and a decode
+step's attention over the KV cache, reading only each row's filled positions (cached_attention.cc).
 
 The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`, `-march=native`) against the
 installed jaxlib's FFI headers into `kernels/` of `$JAXGPT_CACHE` (default `~/.cache/jaxgpt`), once per

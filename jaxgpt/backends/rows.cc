@@ -18,11 +18,10 @@
 // x + 128, and multiplied in integers: with AVX512-VNNI one vpdpbusd is 64 multiply-adds (16 outputs x 4
 // inputs), against 16 for a float FMA on widened weights, which at 8 rows made the int8 kernel above
 // compute-bound. The panels are 32 outputs wide and hold 4 consecutive inputs of each output together,
-// wp[p][g][j][k] = q[4 g + k, 32 p + j], read as one stream (in panels of 64 read in two passes of 32, the
-// passes' strided reads streamed at a third of the bandwidth); the +128 comes out through
+// wp[p][g][j][k] = q[4 g + k, 32 p + j], read as one stream (panels of 64 read in two passes of 32 each
+// streamed strided and slower: bench/README.md, "int8 rows too"); the +128 comes out through
 // corr[o] = 128 * sum_i q[i, o] (exact in int32).
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
