@@ -319,7 +319,8 @@ class Engine:
     running request's) starts from a copy of them instead of computing them again.
 
     `quantize="int8"` decodes with int8 weights, as `sampling.Decoder` does: the engine's model is then
-    `quantize.dequantized(params)` (prefill, scoring and prompt logprobs run it in float). `kv_dtype="int8"`
+    `quantize.dequantized(params)` (prefill, scoring and prompt logprobs run it in float); with "w8a8" the
+    int8 kernels with rounded rows, prompts included (`DecodeWeights.prefill_variables`). `kv_dtype="int8"`
     keeps the slots' keys and values as int8 with scales (a quarter of float32's cache bytes).
     `speculative=Speculative(k, draft="ngram")` decodes speculatively: each generating slot proposes up to
     k tokens by n-gram lookup in its own text, one step checks them all, and the slot emits every draw
@@ -363,12 +364,15 @@ class Engine:
         self.decode_steps = 1 if self.speculative is not None else int(decode_steps)
         # the params in the compute dtype (leaves already in it are kept, not copied) and the backend's
         # decode forms, made once per engine, not per step
-        if self.quantize is not None:  # the float model the int8 weights stand for (prefill runs it)
+        if self.quantize is not None:  # the float model the int8 weights stand for (int8's prefill runs it)
             params = _dequantized_jit(params, config=self.config)
         self.params = cast_floats(params, self.config.compute_dtype)
         # rows of a decode step -> DecodeWeights (a speculative step's rows: slots x (k + 1))
         sizes = decode_sizes(self.slots)
         self.weights = self._decode_weights(sizes + tuple(n * self.width for n in sizes))
+        # what prompts run through: the params, or with w8a8 its int8 kernels (every matmul's rows rounded,
+        # a prompt's as a decode step's; forms made for any row count)
+        self._prefill_weights = self.weights[1] if self.quantize == "w8a8" else self.params
         self.cache = KVCache.create(self.config, self.slots, self.max_len, dtype=self.kv_dtype,
                                     layout=self.backend.cache_layout)
         self.mesh = params_mesh(params)
@@ -425,9 +429,9 @@ class Engine:
         rows = self._rows([None])
         for c in chunk_lengths(self.prefill_chunk):
             for lp in (False, True) if prompt_logprobs else (False,):
-                self.cache, _ = _prefill(self.params, self.cache, np.int32(0), np.int32(0), np.zeros((1, c), np.int32),
-                                         np.int32(1), np.zeros((c,), np.int32), rows, prompt_logprobs=lp,
-                                         n_logprobs=self.max_logprobs, **self._static)
+                self.cache, _ = _prefill(self._prefill_weights, self.cache, np.int32(0), np.int32(0),
+                                         np.zeros((1, c), np.int32), np.int32(1), np.zeros((c,), np.int32), rows,
+                                         prompt_logprobs=lp, n_logprobs=self.max_logprobs, **self._static)
         for n in decode_sizes(self.slots):
             self.cache, _ = _decode(self.weights[n], self.cache, np.zeros(n, np.int32), np.zeros(n, bool),
                                     self._rows([None] * n), n_logprobs=self.max_logprobs, **self._static)
@@ -615,8 +619,8 @@ class Engine:
         nxt = req.prompt[start + 1:start + n + 1]
         targets[:len(nxt)] = nxt
         t0 = time.perf_counter()
-        self.cache, out = _prefill(self.params, self.cache, np.int32(s), np.int32(start), chunk, np.int32(n), targets,
-                                   self._rows([live]), prompt_logprobs=req.prompt_logprobs,
+        self.cache, out = _prefill(self._prefill_weights, self.cache, np.int32(s), np.int32(start), chunk, np.int32(n),
+                                   targets, self._rows([live]), prompt_logprobs=req.prompt_logprobs,
                                    n_logprobs=self.max_logprobs, **self._static)
         out = jax.device_get(out)
         live.out.prefill_s += time.perf_counter() - t0

@@ -12,10 +12,11 @@ Per channel rather than per block of 32 inputs (llama.cpp's q8_0): one scale per
 to the accumulated sum, and the accuracy measured on trained models (bench/README.md, "int8 weights")
 is inside the 0.5% validation-loss budget.
 
-quantize="w8a8" keeps the same int8 weights and rounds each row the decode steps multiply by them to int8
-as well (`quantize_rows`: one scale per row), the products summed in int32: four multiply-adds per lane and
+quantize="w8a8" keeps the same int8 weights and rounds each row multiplied by them to int8 as well
+(`quantize_rows`: one scale per row), the products summed in int32: four multiply-adds per lane and
 instruction with AVX512-VNNI, where int8 weights with float32 rows are bound by float multiply-adds from
-about 8 rows (bench/README.md, "int8 rows too"). Prefill still runs the dequantized float model.
+about 8 rows (bench/README.md, "int8 rows too"). A prompt's rows are rounded as a decode step's are (one
+row per token), so prefill and decoding are one model: the int8 kernels' full forward.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     the model's overflowing rows must), q = round(x / scale) (halves to even). w8a8's activations."""
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    # (XLA:CPU's vectorized max can drop a NaN: a row's NaN is found explicitly)
+    amax = jnp.where(jnp.isnan(x32).any(axis=-1, keepdims=True), jnp.nan, amax)
     scale = jnp.where(amax == 0, 1.0, amax / 127.0)
     return jnp.clip(jnp.round(x32 / scale), -127, 127).astype(jnp.int8), scale
 

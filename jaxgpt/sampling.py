@@ -291,16 +291,17 @@ def params_mesh(params):
     return None
 
 
-def _prefill(model: GPT, params, prompts_BxP, prompt_lengths_B, max_len: int, kv_dtype=None,
+def _prefill(model: GPT, variables: dict, prompts_BxP, prompt_lengths_B, max_len: int, kv_dtype=None,
              mesh=None) -> DecodeState:
-    """The whole (padded) prompt at once, logits only at each row's last prompt token; the cache in
+    """The whole (padded) prompt at once through `variables` (`DecodeWeights.prefill_variables`: the
+    params, with w8a8 the int8 kernels too), logits only at each row's last prompt token; the cache in
     `kv_dtype` (default: the compute dtype; "int8": int8 with scales, jaxgpt/cache.py), split by kv head
     over `mesh`'s tensor axis when a mesh is given (KVCache.on_mesh)."""
     b = prompts_BxP.shape[0]
     cache = KVCache.create(model.config, b, max_len, dtype=kv_dtype, layout=model.backend.cache_layout)
     if mesh is not None:
         cache = cache.on_mesh(mesh, inside_jit=True)
-    logits, cache = model.apply({"params": params}, prompts_BxP, cache, token_lengths=prompt_lengths_B,
+    logits, cache = model.apply(variables, prompts_BxP, cache, token_lengths=prompt_lengths_B,
                                 logits_index=prompt_lengths_B - 1)
     return DecodeState(cache, logits[:, 0], prompt_lengths_B, jnp.zeros((b,), bool), jnp.zeros((), jnp.int32))
 
@@ -344,7 +345,8 @@ def _generate(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, rng, *, con
     TRACE_COUNT += 1
     b, p = prompts_BxP.shape
     model, weights = GPT(config, backend), _cast(weights, config)
-    state = _prefill(model, weights.params, prompts_BxP, prompt_lengths_B, p + max_new_tokens, kv_dtype, mesh)
+    state = _prefill(model, weights.prefill_variables(), prompts_BxP, prompt_lengths_B, p + max_new_tokens, kv_dtype,
+                     mesh)
     state, new_BxN = _decode(model, weights.variables(), state, rng, max_new_tokens, sampler, last=True)
     # row b's new tokens go right after its prompt (ragged rows: over the padding)
     tokens = jnp.concatenate([prompts_BxP, jnp.full((b, max_new_tokens), sampler.pad_id, jnp.int32)], axis=1)
@@ -354,8 +356,9 @@ def _generate(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, rng, *, con
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "max_len", "kv_dtype", "mesh"))
-def _prefill_jit(params, prompts_BxP, prompt_lengths_B, *, config, backend, max_len, kv_dtype=None, mesh=None):
-    return _prefill(GPT(config, backend), cast_floats(params, config.compute_dtype), prompts_BxP, prompt_lengths_B,
+def _prefill_jit(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, *, config, backend, max_len, kv_dtype=None,
+                 mesh=None):
+    return _prefill(GPT(config, backend), _cast(weights, config).prefill_variables(), prompts_BxP, prompt_lengths_B,
                     max_len, kv_dtype, mesh)
 
 
@@ -396,6 +399,8 @@ class Decoder:
     `quantize="int8"` decodes with int8 weights (jaxgpt/quantize.py): every dense kernel and the output
     head as int8 with a float scale per output, made once here. Its model is `quantize.dequantized(params)`
     (kept as `self.params`, and what the prompts are prefilled with): the tokens equal that float model's.
+    `quantize="w8a8"` rounds every matmul's rows to int8 too, the prompts' included: its model is the int8
+    kernels' full forward.
     """
 
     def __init__(self, params, config: GPTConfig, backend: Optional[Backend] = None, quantize: Optional[str] = None,
@@ -449,9 +454,9 @@ class Decoder:
             raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
         sampler = Sampler.of(temperature, top_k, top_p, eos_id, pad_id)
         static = dict(config=self.config, backend=self.backend)
-        state = _prefill_jit(self.params, jnp.asarray(prompts), jnp.asarray(prompt_lengths),
-                             max_len=prompts.shape[1] + total, kv_dtype=self.kv_dtype, mesh=self.mesh, **static)
         weights, done = self.weights(prompts.shape[0]), 0
+        state = _prefill_jit(weights, jnp.asarray(prompts), jnp.asarray(prompt_lengths),
+                             max_len=prompts.shape[1] + total, kv_dtype=self.kv_dtype, mesh=self.mesh, **static)
         while done < total:
             n = min(chunk_size, total - done)
             done += n

@@ -256,14 +256,14 @@ def speculative_generate(weights: DecodeWeights, draft_weights: Optional[DecodeW
     max_len = min(config.block_size, p + n + 2 * k + 2)
     target = GPT(config, backend)
     t_weights = weights.replace(params=cast_floats(weights.params, config.compute_dtype))
-    state = _prefill(target, t_weights.params, prompts_BxP, prompt_lengths_B, max_len, kv_dtype)
+    state = _prefill(target, t_weights.prefill_variables(), prompts_BxP, prompt_lengths_B, max_len, kv_dtype)
     first, _ = _choose(jax.random.fold_in(rng, 0), state.logits, sampler)
     draft = d_vars = cache_d = None
     if draft_config is not None:
         draft = GPT(draft_config, draft_backend)
         d_weights = draft_weights.replace(params=cast_floats(draft_weights.params, draft_config.compute_dtype))
         d_vars = d_weights.variables()
-        cache_d = _prefill(draft, d_weights.params, prompts_BxP, prompt_lengths_B,
+        cache_d = _prefill(draft, d_weights.prefill_variables(), prompts_BxP, prompt_lengths_B,
                            min(draft_config.block_size, max_len), kv_dtype).cache
     hist = jnp.concatenate([prompts_BxP, jnp.zeros((b, n + 2 * k + 2), jnp.int32)], axis=1)
     zero = jnp.zeros((), jnp.int32)

@@ -136,7 +136,7 @@ def _w8a8_reference(x, k: Q.Int8Kernel, w_out_in=False):
 
 
 @pytest.mark.parametrize("rows,n_in,out", [(1, 64, 40), (3, 30, 16), (8, 96, 130), (14, 24, 70), (15, 44, 33),
-                                           (16, 32, 7)])
+                                           (16, 32, 7), (41, 100, 70), (130, 520, 33)])
 def test_w8a8_products_equal_the_integer_product_of_the_rounded_rows(rows, n_in, out):
     """Both ways w8a8 is multiplied (the native kernel when built, XLA's int8 dot in ops.int8_linear) give
     (x_q @ q) * x_scale * scale: the same integers, scaled to float rounding."""
@@ -149,14 +149,16 @@ def test_w8a8_products_equal_the_integer_product_of_the_rounded_rows(rows, n_in,
     np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), k)), ref, **tol)
     kt = Q.quantize_int8(jnp.asarray(w.T), w_out_in=True, activations="int8")
     np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), kt, w_out_in=True)), ref, **tol)
-    # a row with a NaN (the model marks an overflowing row so) gives NaN, the others are unchanged
+    # a row with a NaN (the model marks an overflowing row so) gives NaN, one with an infinity no finite
+    # product; the others are unchanged
     xn = x.copy()
     xn[0, n_in // 2] = np.nan
+    xn[1:2, n_in - 1] = np.inf
     for y in (linear(jnp.asarray(xn), k), *([jax.jit(lambda a: native.rows_matmul_w8a8(
             a, *native.pack_w8a8(k.q, k.scale), out))(jnp.asarray(xn))] if native.available() else [])):
         y = np.asarray(y)
-        assert np.isnan(y[0]).all()
-        np.testing.assert_allclose(y[1:], ref[1:], **tol)
+        assert np.isnan(y[0]).all() and not np.isfinite(y[1:2]).any()
+        np.testing.assert_allclose(y[2:], ref[2:], **tol)
     # and it is not the float product of the weights (the rows are rounded): int8 weights alone differ
     assert not np.allclose(np.asarray(linear(jnp.asarray(x), Q.quantize_int8(jnp.asarray(w)))), ref, **tol)
     if not native.available():
@@ -212,6 +214,35 @@ def test_w8a8_decoding_is_the_same_on_every_backend_and_near_the_dequantized_mod
             diff_int8 = max(diff_int8, np.abs(np.subtract([t.logprob for t in o.tokens],
                                                           [t.logprob for t in o8.tokens])).max())
     assert diff_int8 > 1e-6
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "portable"])
+def test_w8a8_prompts_round_their_rows_as_decode_steps_do(kernels):
+    """With w8a8 a prompt's matmuls round their rows as a decode step's do, so prefill and decoding are one
+    model: the engine's prompt logprobs (in chunks) and token logprobs, and Decoder's greedy tokens, equal
+    the full forward of the int8 kernels over the whole sequence, not the dequantized float model's."""
+    cfg = CFG.replace(kernels=kernels)
+    params = jaxgpt.init_params(cfg, jax.random.key(3))
+    prompts = [np.random.default_rng(n).integers(0, cfg.vocab_size, n).tolist() for n in (5, 19)]
+    eng = Engine(params, cfg, slots=2, max_len=64, prefill_chunk=8, quantize="w8a8")
+    outs = eng.run([dict(prompt=p, max_tokens=8, temperature=0.0, logprobs=0, prompt_logprobs=True) for p in prompts])
+    model = jaxgpt.GPT(eng.config, eng.backend)
+    float_model = jaxgpt.GPT(cfg)
+    worst_float = 0.0
+    for p, o in zip(prompts, outs):
+        seq = p + o.token_ids
+        want = []
+        for variables, m in ((eng.weights[1].variables(), model), ({"params": Q.dequantized(params, cfg)}, float_model)):
+            lsm = np.asarray(jax.nn.log_softmax(m.apply(variables, jnp.array([seq]))[0], -1))
+            want.append(lsm[np.arange(len(seq) - 1), seq[1:]])
+        got = np.array(o.prompt_logprobs[1:] + [t.logprob for t in o.tokens], np.float64)
+        np.testing.assert_allclose(got, want[0], atol=2e-5)
+        worst_float = max(worst_float, float(np.abs(got - want[1]).max()))
+        # Decoder's prefill (the whole prompt at once) rounds the same way: the same greedy tokens
+        dec = jaxgpt.Decoder(params, cfg, quantize="w8a8")
+        toks = np.asarray(dec.generate(np.array([p]), 8, jax.random.key(0), temperature=0.0).tokens)[0, len(p):]
+        assert toks.tolist() == o.token_ids
+    assert worst_float > 1e-4  # (the rounding is there: not the float model)
 
 
 def test_quantize_refuses_an_unknown_format(params):

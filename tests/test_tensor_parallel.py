@@ -232,7 +232,7 @@ def test_generate_splits_the_cache_it_allocates_by_kv_head_under_tensor_2(monkey
     assert decoder.mesh is mesh and Decoder(params, cfg, split_cache=True).mesh is None
     assert Decoder(placed, cfg).mesh is None  # (not asked)
     prompts, lengths = np.array([[3, 1, 4, 1, 5], [2, 7, 1, 8, 0]], np.int32), np.array([5, 4], np.int32)
-    state = sampling._prefill_jit(placed, prompts, lengths, config=cfg, backend=decoder.backend, max_len=12,
+    state = sampling._prefill_jit(decoder.weights(2), prompts, lengths, config=cfg, backend=decoder.backend, max_len=12,
                                   mesh=mesh)
     for buf in state.cache.k + state.cache.v:
         assert buf.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tensor")), 4), buf.sharding

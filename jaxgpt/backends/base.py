@@ -124,6 +124,20 @@ class DecodeWeights:
     def variables(self) -> dict:
         return {"params": self.params, **({"prepared": self.prepared} if self.prepared else {})}
 
+    def prefill_variables(self) -> dict:
+        """What a prompt's forward applies: the params, or every variable when the prepared forms round
+        their rows to int8 (quantize="w8a8": each matmul's rows are rounded, a prompt's as a decode step's)."""
+        return self.variables() if rounds_rows(self.prepared) else {"params": self.params}
+
+
+def rounds_rows(prepared: Any) -> bool:
+    """Whether some kernel in a "prepared" collection rounds the rows it multiplies to int8 (w8a8's
+    `Int8Kernel`s, or a backend's forms of them marked form="w8a8")."""
+    def w8a8(x):
+        return getattr(x, "activations", None) == "int8" or getattr(x, "form", None) == "w8a8"
+    return any(w8a8(x) for x in jax.tree.leaves(prepared, is_leaf=lambda x: hasattr(x, "form") or
+                                               hasattr(x, "activations")))
+
 
 def cast_floats(tree: Any, dtype) -> Any:
     """Every floating leaf of `tree` in `dtype` (once per call, not per step)."""

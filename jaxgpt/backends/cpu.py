@@ -160,10 +160,8 @@ def linear(x: jax.Array, w, compute_dtype=jnp.float32, *, b=None, w_out_in: bool
             else:
                 parts = [native.rows_matmul(xf[i:i + m], w.w, features) for i in range(0, len(xf), m)]
             y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-        elif w.form == "w8a8":
-            xf, m = x2.astype(jnp.float32), native.MAX_ROWS
-            parts = [native.rows_matmul_w8a8(xf[i:i + m], w.w, w.scale, w.corr, features) for i in range(0, len(xf), m)]
-            y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+        elif w.form == "w8a8":  # any row count in one call (a prompt's chunk too)
+            y = native.rows_matmul_w8a8(x2.astype(jnp.float32), w.w, w.scale, w.corr, features)
         else:
             y = _few_rows(x2, w.w, compute_dtype)
         y = (y if b is None else y + b.astype(jnp.float32)).astype(out_dtype)

@@ -279,14 +279,14 @@ def w8a8_panels_shape(n_in: int, out: int) -> tuple[int, int, int]:
 
 
 def rows_matmul_w8a8(x: jax.Array, panels: jax.Array, scale: jax.Array, corr: jax.Array, out: int) -> jax.Array:
-    """x float32 [R, in] (1 <= R <= 16) with each row rounded to int8 (quantize.quantize_rows's scale and
+    """x float32 [R, in] (any R >= 1: a decode step's rows or a prompt's) with each row rounded to int8 (quantize.quantize_rows's scale and
     rounding, in the kernel) times the int8 kernel in `panels` (`pack_w8a8`'s, with its `scale` and
     `corr`) -> float32 [R, out]: (x_q @ q) * x_scale * scale, the products summed in int32."""
     shape = w8a8_panels_shape(x.shape[-1], out)
     n = shape[0] * W8A8_PANEL
-    if (x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS or panels.shape != shape or panels.dtype != jnp.int8
+    if (x.ndim != 2 or x.shape[0] < 1 or panels.shape != shape or panels.dtype != jnp.int8
             or scale.shape != (n,) or corr.shape != (n,)):
-        raise ValueError(f"rows_matmul_w8a8: x [R <= {MAX_ROWS}, in], int8 panels {shape}, scale and corr ({n},), "
+        raise ValueError(f"rows_matmul_w8a8: x [R, in], int8 panels {shape}, scale and corr ({n},), "
                          f"got x{x.shape}, panels{panels.shape} {panels.dtype}, scale{scale.shape}, corr{corr.shape}")
     _require()
     call = jax.ffi.ffi_call(W8A8_TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32),

@@ -235,10 +235,14 @@ static void panels_w8a8(const uint8_t* xu, const float* xs, int64_t groups, cons
   }
 }
 
-// 15 and 16 rows (more accumulators than registers) as two blocks, 8 and the rest, per panel: the second
-// reads the panel from cache.
-static void run_w8a8(int64_t r, const uint8_t* xu, const float* xs, int64_t groups, const int8_t* wp,
-                     const float* scale, const int32_t* corr, int64_t out, float* y, int64_t lo, int64_t hi) {
+// Up to 14 rows in one block; more (15 and 16 in a decode step, a prompt's chunk in a prefill) in blocks
+// of W8A8_BLOCK rows per panel, each block after the first reading the panel from cache (a panel is 32 x
+// `in` bytes: 24 KiB at 768 inputs, in L1).
+#ifndef JAXGPT_W8A8_BLOCK
+#define JAXGPT_W8A8_BLOCK 8
+#endif
+static void block_w8a8(int64_t r, const uint8_t* xu, const float* xs, int64_t groups, const int8_t* wp,
+                       const float* scale, const int32_t* corr, int64_t out, float* y, int64_t lo, int64_t hi) {
   switch (r) {
 #define JAXGPT_ROWS8(n) \
   case n:               \
@@ -248,14 +252,61 @@ static void run_w8a8(int64_t r, const uint8_t* xu, const float* xs, int64_t grou
     JAXGPT_ROWS8(14)
 #undef JAXGPT_ROWS8
   }
+}
+
+static void run_w8a8(int64_t r, const uint8_t* xu, const float* xs, int64_t groups, const int8_t* wp,
+                     const float* scale, const int32_t* corr, int64_t out, float* y, int64_t lo, int64_t hi) {
+  if (r <= 14) return block_w8a8(r, xu, xs, groups, wp, scale, corr, out, y, lo, hi);
   const int64_t step = groups * 4;
-  for (int64_t p = lo; p < hi; ++p) {
-    panels_w8a8<8>(xu, xs, groups, wp, scale, corr, out, y, p, p + 1);
-    if (r == 15)
-      panels_w8a8<7>(xu + 8 * step, xs + 8, groups, wp, scale, corr, out, y + 8 * out, p, p + 1);
-    else
-      panels_w8a8<8>(xu + 8 * step, xs + 8, groups, wp, scale, corr, out, y + 8 * out, p, p + 1);
+  for (int64_t p = lo; p < hi; ++p)
+    for (int64_t b = 0; b < r; b += JAXGPT_W8A8_BLOCK) {
+      const int64_t n = r - b < JAXGPT_W8A8_BLOCK ? r - b : JAXGPT_W8A8_BLOCK;
+      block_w8a8(n, xu + b * step, xs + b, groups, wp, scale, corr, out, y + b * out, p, p + 1);
+    }
+}
+
+// A row of x rounded to int8 with its own scale s = max |x| / 127 (x / s to the nearest integer, halves to
+// even), stored as bytes x + 128; inputs past `in` are 128 (zero weights). A row holding a NaN or an
+// infinity (an overflowing row) is all 128 and its scale NaN or infinite: its products are NaN.
+static void round_row(const float* row, int64_t in, int64_t padded, uint8_t* d, float* xs) {
+  float amax = 0.f;
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (; k + 16 <= in; k += 16) {
+    const __m512 v = _mm512_loadu_ps(row + k);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, _mm512_abs_ps(v));
   }
+  amax = nan ? NAN : _mm512_reduce_max_ps(m);
+#endif
+  for (; k < in; ++k) {
+    const float a = std::fabs(row[k]);
+    amax = (a > amax || a != a) ? a : amax;
+  }
+  const float s = amax == 0.f ? 1.f : amax / 127.f;
+  *xs = s;
+  k = 0;
+  if (!std::isfinite(amax)) {
+    std::memset(d, 128, padded);
+    return;
+  }
+#if defined(__AVX512F__)
+  const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (; k + 16 <= in; k += 16) {
+    __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + k), vs),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+    const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + k), _mm512_cvtepi32_epi8(u));
+  }
+#endif
+  for (; k < in; ++k) {
+    const float q = std::nearbyint(row[k] / s);
+    d[k] = uint8_t(int32_t(q < -127.f ? -127.f : (q > 127.f ? 127.f : q)) + 128);
+  }
+  for (k = in; k < padded; ++k) d[k] = 128;
 }
 
 static ffi::Error RowsMatmulW8A8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> wp,
@@ -265,37 +316,26 @@ static ffi::Error RowsMatmulW8A8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
              yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 1 || cd.size() != 1 || yd.size() != 2 || wd[2] != 128 ||
       wd[1] != (xd[1] + 3) / 4 || yd[0] != xd[0] || (yd[1] + 31) / 32 != wd[0] || sd[0] != wd[0] * 32 ||
-      cd[0] != sd[0] || xd[0] < 1 || xd[0] > 16)
+      cd[0] != sd[0] || xd[0] < 1)
     return ffi::Error::InvalidArgument(
-        "jaxgpt_rows_matmul_w8a8: x [R <= 16, in], int8 panels [ceil(out/32), ceil(in/4), 128], scale and corr "
+        "jaxgpt_rows_matmul_w8a8: x [R, in], int8 panels [ceil(out/32), ceil(in/4), 128], scale and corr "
         "[32 ceil(out/32)], y [R, out]");
   const int64_t r = xd[0], in = xd[1], groups = wd[1], out = yd[1];
   const float* xp = x.typed_data();
-  // each row rounded to int8 with its own scale, +128 as a byte; inputs past `in` are 128 (zero weights)
   std::unique_ptr<uint8_t[]> bytes(new uint8_t[r * groups * 4]);
+  std::unique_ptr<float[]> row_scales(new float[r]);
   uint8_t* xb = bytes.get();
-  float xs[16];
-  for (int64_t i = 0; i < r; ++i) {
-    const float* row = xp + i * in;
-    float amax = 0.f;  // NaN once a NaN is met: the row's scale and products are then NaN (an overflowing row)
-    for (int64_t k = 0; k < in; ++k) {
-      const float a = std::fabs(row[k]);
-      amax = (a > amax || a != a) ? a : amax;
-    }
-    const float s = amax == 0.f ? 1.f : amax / 127.f;
-    xs[i] = s;
-    uint8_t* d = xb + i * groups * 4;
-    for (int64_t k = 0; k < in; ++k) {
-      const float q = std::nearbyint(row[k] / s);
-      d[k] = q != q ? 128 : uint8_t(int32_t(q < -127.f ? -127.f : (q > 127.f ? 127.f : q)) + 128);
-    }
-    for (int64_t k = in; k < groups * 4; ++k) d[k] = 128;
-  }
+  float* xsp = row_scales.get();
+  if (r * in < (1 << 16))
+    for (int64_t i = 0; i < r; ++i) round_row(xp + i * in, in, groups * 4, xb + i * groups * 4, xsp + i);
+  else  // a prefill's rows: rounded by both threads
+    in_two_halves(pool, r, [=](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) round_row(xp + i * in, in, groups * 4, xb + i * groups * 4, xsp + i);
+    });
   const int8_t* w = wp.typed_data();
   const float* s = scale.typed_data();
   const int32_t* c = corr.typed_data();
   float* yp = y->typed_data();
-  const float* xsp = xs;
   in_two_halves(pool, wd[0], [=](int64_t lo, int64_t hi) { run_w8a8(r, xb, xsp, groups, w, s, c, out, yp, lo, hi); });
   return ffi::Error::Success();
 }

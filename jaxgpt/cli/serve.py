@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log_requests", action="store_true", help="log prompts and outputs (off: never logged)")
     p.add_argument("--quantize", default="none", choices=["none", "int8", "w8a8"],
                    help="decode with int8 weights (a scale per output channel, made at load; default none); w8a8: "
-                        "the decode steps' activations rounded to int8 per row too (faster at 8+ rows on a CPU "
-                        "with AVX512-VNNI)")
+                        "the activations rounded to int8 per row too, prompts' included (faster at 8+ rows and in "
+                        "prefill on a CPU with AVX512-VNNI)")
     p.add_argument("--kv_dtype", default="none", choices=["none", "int8", "bfloat16", "float32"],
                    help="the KV cache's dtype (none: the model's compute dtype; int8: a scale per position and head)")
     p.add_argument("--speculative", default="none", choices=["none", "ngram"],
