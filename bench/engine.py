@@ -1,7 +1,8 @@
 """Engine benchmark: c concurrent requests served by jaxgpt.Engine or by Decoder.generate in fixed batches.
 
-python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-prompt 16] [--max-prompt 256]
-                       [--decode-steps 4] [--dtype float32|bfloat16] [--no-lone] [--tiny]
+python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-new-tokens N] [--min-prompt 16]
+                       [--max-prompt 256] [--decode-steps 4] [--dtype float32|bfloat16]
+                       [--quantize none|int8|w8a8] [--no-lone] [--tiny]
 
 GPT-2 124M shape, random float32 weights. Each request: a prompt of 16 to 256 random tokens (uniform), 128
 new tokens (no stop), top-k 50 sampling with its own seed. At concurrency c a client keeps c requests in
@@ -13,6 +14,13 @@ shape is run once first). Reports output tokens/s, time to first token (TTFT, fr
 batch's tokens all come when its call returns), how far each engine TTFT is past its own prefill in
 decode steps, the engine's program count and warm-up time; and a lone request's decode rate on the engine
 against Decoder.generate at batch 1.
+
+With every request asking for the same number of tokens, a fixed batch's rows end together: what the engine
+can save is the padding of each batch's prompts to its longest. The bench also times the fixed batches'
+prefill alone (generate with 1 new token) and the share of its positions that are padding, so that the
+bound on the engine's gain is a measured figure. `--min-new-tokens N` draws each request's max_tokens from
+N..--new-tokens instead: a fixed batch then decodes until its longest row is done, counting only the tokens
+its requests asked for.
 """
 
 from __future__ import annotations
@@ -64,12 +72,19 @@ def step_time(engine: Engine, new_tokens: int, k: int = 8) -> float:
     return float(np.median(times))
 
 
-def replay_engine(engine: Engine, prompts, new_tokens: int, stagger: float) -> dict:
-    """A closed loop of engine.slots requests in flight over `prompts`."""
+def new_token_counts(n: int, lo: int, hi: int, seed: int) -> list:
+    """Each request's max_tokens: uniform in lo..hi (all hi when lo >= hi)."""
+    if lo >= hi:
+        return [hi] * n
+    return np.random.default_rng(seed + 1000).integers(lo, hi + 1, n).tolist()
+
+
+def replay_engine(engine: Engine, prompts, new_tokens: list, stagger: float) -> dict:
+    """A closed loop of engine.slots requests in flight over `prompts` (request i asks for new_tokens[i])."""
     start, outs, nxt = time.perf_counter(), {}, 0
 
     def submit(i, at):
-        engine.submit(prompts[i], max_tokens=new_tokens, temperature=1.0, top_k=50, seed=i)
+        engine.submit(prompts[i], max_tokens=new_tokens[i], temperature=1.0, top_k=50, seed=i)
         outs[i] = engine._waiting[-1].out
         outs[i].submitted = at  # its arrival, not when this loop got to it
 
@@ -95,20 +110,24 @@ def replay_engine(engine: Engine, prompts, new_tokens: int, stagger: float) -> d
             "ttft_past_prefill_s": [o.first_token - o.submitted - o.prefill_s for o in done]}
 
 
-def replay_fixed(decoder, prompts, c: int, new_tokens: int, stagger: float) -> dict:
+def replay_fixed(decoder, prompts, c: int, new_tokens: list, stagger: float) -> dict:
+    """The same requests c at a time: each batch's prompts padded to its longest, decoded for its longest
+    max_tokens; then the batches' prefill alone (1 new token), and the share of prefill positions that pad."""
     batches = [list(range(i, min(i + c, len(prompts)))) for i in range(0, len(prompts), c)]
 
-    def call(batch):
+    def call(batch, n=None):
         p = max(len(prompts[i]) for i in batch)
         arr = np.zeros((len(batch), p), np.int32)
         for r, i in enumerate(batch):
             arr[r, :len(prompts[i])] = prompts[i]
-        out = decoder.generate(arr, new_tokens, jax.random.key(batch[0]), prompt_lengths=[len(prompts[i]) for i in batch],
+        n = max(new_tokens[i] for i in batch) if n is None else n
+        out = decoder.generate(arr, n, jax.random.key(batch[0]), prompt_lengths=[len(prompts[i]) for i in batch],
                                temperature=1.0, top_k=50)
         out.tokens.block_until_ready()
 
     for batch in batches:  # compile every shape first
         call(batch)
+        call(batch, 1)
     start, ttft, tokens = time.perf_counter(), [], 0
     time.sleep(stagger * (len(batches[0]) - 1))  # the first batch starts when its last request arrives
     arrivals = [stagger * r for r in range(len(batches[0]))]
@@ -116,23 +135,30 @@ def replay_fixed(decoder, prompts, c: int, new_tokens: int, stagger: float) -> d
         call(batch)
         now = time.perf_counter() - start
         ttft += [now - a for a in arrivals]
-        tokens += len(batch) * new_tokens
+        tokens += sum(new_tokens[i] for i in batch)
         arrivals = [now] * c  # the client sends the next c as these return
     total = time.perf_counter() - start
-    return {"seconds": total, "tokens_per_s": tokens / total, "ttft_s": ttft}
+    t0 = time.perf_counter()
+    for batch in batches:
+        call(batch, 1)
+    prefill = time.perf_counter() - t0
+    padded = sum(len(batch) * max(len(prompts[i]) for i in batch) for batch in batches)
+    return {"seconds": total, "tokens_per_s": tokens / total, "ttft_s": ttft, "prefill_s": prefill,
+            "prefill_padding_share": 1.0 - sum(len(p) for p in prompts) / padded}
 
 
-def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps: int) -> dict:
+def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps: int, quantize=None) -> dict:
     """Decode tokens/s of one request: the engine (`slots` slots, one busy; `decode_steps` per call, and
     one) and Decoder.generate at batch 1, all from a 16-token prompt, prefill excluded (time for new_tokens
     minus time for 1), the three interleaved over 4 repetitions (medians)."""
     prompt = workload(cfg, 1, 16, 16, seed=1)[0]
-    decoder = jaxgpt.Decoder(params, cfg)
+    decoder = jaxgpt.Decoder(params, cfg, quantize=quantize)
 
     def gen(n):
         decoder.generate(np.array([prompt]), n, jax.random.key(0), temperature=1.0, top_k=50).tokens.block_until_ready()
 
-    engines = {name: Engine(params, cfg, slots=slots, max_len=16 + new_tokens, prefill_chunk=16, decode_steps=k)
+    engines = {name: Engine(params, cfg, slots=slots, max_len=16 + new_tokens, prefill_chunk=16, decode_steps=k,
+                            quantize=quantize)
                for name, k in (("engine", decode_steps), ("engine_1_step", 1))}
 
     def runner(engine):
@@ -160,7 +186,10 @@ def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps: int) -> 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128, help="each request's max_tokens (the most, with "
+                    "--min-new-tokens)")
+    ap.add_argument("--min-new-tokens", type=int, default=None,
+                    help="draw each request's max_tokens uniformly from this to --new-tokens (default: all equal)")
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--prefill-chunk", type=int, default=256)
@@ -168,44 +197,53 @@ def main(argv=None) -> dict:
                     help="the engine's decode steps per call (Engine(decode_steps=...), jaxgpt-serve's default 4)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the model's compute dtype (GPTConfig.dtype; params stay float32), for both sides")
+    ap.add_argument("--quantize", default="none", choices=["none", "int8", "w8a8"],
+                    help="the engine's and Decoder's quantize= (both sides alike; default none)")
     ap.add_argument("--no-lone", dest="lone", action="store_false", help="skip the lone-request comparison")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short runs (the smoke test)")
     ap.add_argument("--out", default=None, help="results file name (default engine.json, tiny: not written)")
     args = ap.parse_args(argv)
     cfg = config(args.tiny).replace(dtype=args.dtype)
+    quantize = None if args.quantize == "none" else args.quantize
     params = jaxgpt.init_params(cfg, jax.random.key(0))
     max_len = args.max_prompt + args.new_tokens
     results = {"machine": machine(), "cpu_flags": sorted(f for f in jaxgpt.backends.cpu.cpu_flags()
                                                          if f.startswith(("avx512", "amx", "avx2"))),
-               "config": "tiny" if args.tiny else "gpt2-124m", "dtype": args.dtype, "new_tokens": args.new_tokens,
+               "config": "tiny" if args.tiny else "gpt2-124m", "dtype": args.dtype, "quantize": args.quantize,
+               "new_tokens": args.new_tokens, "min_new_tokens": args.min_new_tokens or args.new_tokens,
                "prompt_range": [args.min_prompt, args.max_prompt], "runs": []}
-    decoder = jaxgpt.Decoder(params, cfg)
+    decoder = jaxgpt.Decoder(params, cfg, quantize=quantize)
     for c in args.concurrency:
         engine = Engine(params, cfg, slots=c, max_len=max_len, prefill_chunk=args.prefill_chunk,
-                        decode_steps=args.decode_steps)
+                        decode_steps=args.decode_steps, quantize=quantize)
         t0 = time.perf_counter()
         programs = engine.warmup(prompt_logprobs=False)
         warm = time.perf_counter() - t0
         step = step_time(engine, args.new_tokens)
         n = max(8, 4 * c)
         prompts = workload(cfg, n, args.min_prompt, args.max_prompt, seed=c)
-        eng = replay_engine(engine, prompts, args.new_tokens, stagger=step)
-        fixed = replay_fixed(decoder, prompts, c, args.new_tokens, stagger=step)
+        counts = new_token_counts(n, args.min_new_tokens or args.new_tokens, args.new_tokens, seed=c)
+        eng = replay_engine(engine, prompts, counts, stagger=step)
+        fixed = replay_fixed(decoder, prompts, c, counts, stagger=step)
         run = {"concurrency": c, "requests": n, "decode_step_s": step,
                "engine_programs": programs, "engine_warmup_s": warm, "kv_cache_bytes": engine.cache_bytes,
                "engine_tokens_per_s": eng["tokens_per_s"], "fixed_tokens_per_s": fixed["tokens_per_s"],
                "engine_over_fixed": eng["tokens_per_s"] / fixed["tokens_per_s"],
                "engine_ttft_p50_s": percentile(eng["ttft_s"], 50), "engine_ttft_p99_s": percentile(eng["ttft_s"], 99),
                "fixed_ttft_p50_s": percentile(fixed["ttft_s"], 50), "fixed_ttft_p99_s": percentile(fixed["ttft_s"], 99),
-               "engine_ttft_past_prefill_p99_steps": percentile(eng["ttft_past_prefill_s"], 99) / step}
+               "engine_ttft_past_prefill_p99_steps": percentile(eng["ttft_past_prefill_s"], 99) / step,
+               "fixed_seconds": fixed["seconds"], "fixed_prefill_s": fixed["prefill_s"],
+               "fixed_prefill_padding_share": fixed["prefill_padding_share"]}
         results["runs"].append(run)
         print(f"c={c:3d}  engine {run['engine_tokens_per_s']:8.1f} tok/s  fixed {run['fixed_tokens_per_s']:8.1f} tok/s"
               f"  x{run['engine_over_fixed']:.2f}  TTFT p50/p99 engine {run['engine_ttft_p50_s']:.3f}/"
               f"{run['engine_ttft_p99_s']:.3f} s fixed {run['fixed_ttft_p50_s']:.3f}/{run['fixed_ttft_p99_s']:.3f} s"
               f"  p99 past prefill {run['engine_ttft_past_prefill_p99_steps']:.2f} steps"
-              f"  ({programs} programs, warm-up {warm:.1f} s)", flush=True)
+              f"  ({programs} programs, warm-up {warm:.1f} s)\n"
+              f"       fixed batches: {fixed['seconds']:.1f} s, their prefill alone {fixed['prefill_s']:.1f} s, "
+              f"{100 * fixed['prefill_padding_share']:.0f}% of its positions padding", flush=True)
     for slots in sorted({1, max(args.concurrency)}) if args.lone else ():
-        lone = lone_decode(params, cfg, slots, args.new_tokens, args.decode_steps)
+        lone = lone_decode(params, cfg, slots, args.new_tokens, args.decode_steps, quantize)
         results[f"lone_request_slots_{slots}"] = lone
         print(f"lone request, engine of {slots} slot(s): {lone['engine_tokens_per_s']:.1f} tok/s "
               f"({args.decode_steps} steps a call; one: {lone['engine_1_step_tokens_per_s']:.1f}), "

@@ -9,8 +9,8 @@ its own key folded with its token index, so its tokens depend only on its prompt
 never on its neighbours.
 
 Programs: a decode step per power-of-two count of leading slots (up to all of them; with speculative
-decoding a k + 1 wide step per count too, with `decode_steps=k` a k-step one), one prefill per
-power-of-two chunk length (twice: with and without per-position logprobs), one slot copy, for one
+decoding a k + 1 wide step per count too, with `decode_steps=k` a k-step one), one prefill per chunk
+length (`chunk_lengths`; twice: with and without per-position logprobs), one slot copy, for one
 (slots, max_len). `warmup()` compiles them all.
 """
 
@@ -273,15 +273,19 @@ def _prepare(params, *, config: GPTConfig, backend: Backend, batch_size: int, qu
 
 
 def chunk_lengths(prefill_chunk: int) -> tuple:
-    """The prefill programs' chunk lengths: powers of two below `prefill_chunk`, and `prefill_chunk`."""
-    return tuple(sorted({1 << i for i in range(prefill_chunk.bit_length()) if 1 << i < prefill_chunk}
-                        | {prefill_chunk}))
+    """The prefill programs' chunk lengths: powers of two up to 64, then multiples of max(32,
+    prefill_chunk / 8) (a chunk's cost grows with its length past ~64 tokens: finer steps there pad less;
+    bench/README.md), and `prefill_chunk` itself. 256 gives 1, 2, ..., 64, 96, 128, ..., 224, 256."""
+    step = max(32, prefill_chunk // 8)
+    powers = {1 << i for i in range(7) if 1 << i < prefill_chunk}
+    return tuple(sorted(powers | {m for m in range(step, prefill_chunk, step) if m > 64} | {prefill_chunk}))
 
 
 def decode_sizes(slots: int) -> tuple:
-    """The decode programs' row counts: a step decodes the first n slots, n the smallest of these that
-    covers every generating slot (a lone request does not pay for idle slots' rows)."""
-    return chunk_lengths(slots)
+    """The decode programs' row counts: a step decodes the first n slots, n the smallest of these (powers of
+    two below `slots`, and `slots`) that covers every generating slot (a lone request does not pay for idle
+    slots' rows)."""
+    return tuple(sorted({1 << i for i in range(slots.bit_length()) if 1 << i < slots} | {slots}))
 
 
 def _check_speculative(speculative):
@@ -600,13 +604,14 @@ class Engine:
         return True
 
     def _chunk(self, start: int, remaining: int, budget: int) -> tuple[int, int]:
-        """(tokens, program length) of the next chunk: the shortest power of two (or prefill_chunk) that
-        holds them, fitting the slot's remaining positions without padding past them. (Splitting a chunk
-        to pad less measured no faster on a CPU: bench/README.md.)"""
+        """(tokens, program length) of the next chunk: the shortest of `chunk_lengths` that holds them,
+        fitting the slot's remaining positions without padding past them. (Splitting a chunk to pad less
+        measured no faster on a CPU: bench/README.md.)"""
         n = min(remaining, budget, self.prefill_chunk)
-        c = next(c for c in chunk_lengths(self.prefill_chunk) if c >= n)
+        lengths = chunk_lengths(self.prefill_chunk)
+        c = next(c for c in lengths if c >= n)
         if start + c > self.max_len:  # the padding would not fit: a shorter chunk with none
-            c = 1 << int(math.log2(min(n, self.max_len - start)))
+            c = max(c for c in lengths if c <= min(n, self.max_len - start))
             n = c
         return n, c
 
@@ -619,8 +624,8 @@ class Engine:
         nxt = req.prompt[start + 1:start + n + 1]
         targets[:len(nxt)] = nxt
         t0 = time.perf_counter()
-        self.cache, out = _prefill(self._prefill_weights, self.cache, np.int32(s), np.int32(start), chunk, np.int32(n),
-                                   targets, self._rows([live]), prompt_logprobs=req.prompt_logprobs,
+        self.cache, out = _prefill(self._prefill_weights, self.cache, np.int32(s), np.int32(start), chunk,
+                                   np.int32(n), targets, self._rows([live]), prompt_logprobs=req.prompt_logprobs,
                                    n_logprobs=self.max_logprobs, **self._static)
         out = jax.device_get(out)
         live.out.prefill_s += time.perf_counter() - t0

@@ -97,6 +97,23 @@ def test_a_prompt_enters_in_chunks_padded_to_the_next_length(params):
         assert out[0].token_ids == _alone(params, CFG, prompt, 4, dict(temperature=0.0))
 
 
+def test_long_chunks_pad_to_a_multiple_past_64():
+    """Past 64 tokens the chunk lengths step by max(32, prefill_chunk / 8), not by powers of two: 70 tokens
+    run as one chunk of 96; near the slot's end a chunk that would pad past it is cut to the longest
+    length that fits (370 tokens in 380 positions: 256, then 96 of the 114 left, 16 and 2); the tokens
+    are generate's."""
+    cfg = CFG.replace(block_size=400)
+    p = jaxgpt.init_params(cfg, jax.random.key(1))
+    assert engine_mod.chunk_lengths(128) == (1, 2, 4, 8, 16, 32, 64, 96, 128)
+    assert engine_mod.chunk_lengths(512)[7:] == (128, 192, 256, 320, 384, 448, 512)
+    for max_len, n, calls, padding in ((160, 70, 1, 26), (380, 370, 4, 0)):
+        eng = Engine(p, cfg, slots=1, max_len=max_len, prefill_chunk=256)
+        prompt = _prompts(70 + n, (n,))[0]
+        out = eng.run([dict(prompt=prompt, max_tokens=3, temperature=0.0)])
+        assert (eng.stats["prefill_calls"], eng.stats["prefill_padding"]) == (calls, padding), (n, eng.stats)
+        assert out[0].token_ids == _alone(p, cfg, prompt, 3, dict(temperature=0.0))
+
+
 def test_stop_tokens_cancel_and_stream(params):
     eng = Engine(params, CFG, slots=2, max_len=64, prefill_chunk=16)
     prompt = _prompts(5, (6,))[0]

@@ -232,7 +232,8 @@ def test_w8a8_prompts_round_their_rows_as_decode_steps_do(kernels):
     for p, o in zip(prompts, outs):
         seq = p + o.token_ids
         want = []
-        for variables, m in ((eng.weights[1].variables(), model), ({"params": Q.dequantized(params, cfg)}, float_model)):
+        dequantized = {"params": Q.dequantized(params, cfg)}
+        for variables, m in ((eng.weights[1].variables(), model), (dequantized, float_model)):
             lsm = np.asarray(jax.nn.log_softmax(m.apply(variables, jnp.array([seq]))[0], -1))
             want.append(lsm[np.arange(len(seq) - 1), seq[1:]])
         got = np.array(o.prompt_logprobs[1:] + [t.logprob for t in o.tokens], np.float64)

@@ -279,9 +279,10 @@ def w8a8_panels_shape(n_in: int, out: int) -> tuple[int, int, int]:
 
 
 def rows_matmul_w8a8(x: jax.Array, panels: jax.Array, scale: jax.Array, corr: jax.Array, out: int) -> jax.Array:
-    """x float32 [R, in] (any R >= 1: a decode step's rows or a prompt's) with each row rounded to int8 (quantize.quantize_rows's scale and
-    rounding, in the kernel) times the int8 kernel in `panels` (`pack_w8a8`'s, with its `scale` and
-    `corr`) -> float32 [R, out]: (x_q @ q) * x_scale * scale, the products summed in int32."""
+    """x float32 [R, in] (any R >= 1: a decode step's rows or a prompt's) with each row rounded to int8
+    (quantize.quantize_rows's scale and rounding, in the kernel) times the int8 kernel in `panels`
+    (`pack_w8a8`'s, with its `scale` and `corr`) -> float32 [R, out]: (x_q @ q) * x_scale * scale, the
+    products summed in int32."""
     shape = w8a8_panels_shape(x.shape[-1], out)
     n = shape[0] * W8A8_PANEL
     if (x.ndim != 2 or x.shape[0] < 1 or panels.shape != shape or panels.dtype != jnp.int8
