@@ -20,7 +20,6 @@ import collections
 import dataclasses
 import functools
 import itertools
-import math
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
