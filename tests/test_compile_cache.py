@@ -81,3 +81,22 @@ def test_a_failure_still_fails_the_run_when_the_test_workers_end_early(tmp_path)
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "1 failed, 1 passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     assert "FAILED" in r.stdout and "assert 1 == 2" in r.stdout
+
+
+@pytest.mark.parametrize("cli", ["sample", "serve"])
+def test_sample_and_serve_keep_their_programs_in_the_folder_given(tmp_path, cli):
+    """jaxgpt-sample and jaxgpt-serve turn the cache on before their first compilation: --compile_cache=DIR
+    fills DIR ('off' leaves $JAXGPT_CACHE without an xla folder). The command stops right after (a missing
+    run folder), so the programs cached are its loading's; the engine's warm-up goes the same way."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    clean.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAXGPT_CACHE=str(tmp_path))
+    code = ("import sys, jax, jax.numpy as jnp; from jaxgpt.cli import {cli}; "
+            "status = {cli}.main(sys.argv[1:]); "
+            "print(status, jax.config.jax_compilation_cache_dir or 'none'); "
+            "jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()").format(cli=cli)
+    for setting, want in ((str(tmp_path / "mine"), str(tmp_path / "mine")), ("off", "none")):
+        out = subprocess.run([sys.executable, "-c", code, f"--compile_cache={setting}",
+                              f"--out_dir={tmp_path / 'no_run'}"], env=clean, capture_output=True, text=True)
+        status, folder = out.stdout.split()
+        assert status == "2" and folder == want, out.stdout + out.stderr
+    assert os.listdir(tmp_path / "mine") and not (tmp_path / "xla").exists()

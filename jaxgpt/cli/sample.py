@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="import this module first: one that registers the run's block or attention (repeatable; "
                         "the modules a run recorded are imported without it)")
     p.add_argument("--save_settings", default=None, help="write the settings and samples to this JSON file")
+    p.add_argument("--compile_cache", default="auto",
+                   help="compiled programs kept on disk, so that the next start skips compiling them: 'auto' "
+                        "($JAXGPT_CACHE/xla, where jaxgpt-train keeps them), 'off', or a folder")
     p.add_argument("--quantize", default="none", choices=["none", "int8", "w8a8"],
                    help="decode with int8 weights (a scale per output channel, made at load; default none); w8a8: "
                         "the activations rounded to int8 per row too, prompts' included (faster at 8+ rows and in "
@@ -164,10 +167,12 @@ def _check_writable(path: str) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cpu_unless_accelerated()  # before JAX picks its backends: no plugin tracebacks on a CPU-only machine
+    from jaxgpt import compile_cache
     from jaxgpt.checkpoint import CheckpointError
     from jaxgpt.backends.cpu import inline_cpu_dispatch
     from jaxgpt.report import one_line
 
+    compile_cache.enable(args.compile_cache)  # before the first compilation
     inline_cpu_dispatch()  # as jaxgpt-train and the benchmarks run (before any computation; backends/cpu.py)
 
     def fail(e) -> int:

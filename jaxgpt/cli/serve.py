@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace_period", type=float, default=30.0,
                    help="seconds that requests in flight get to finish after SIGTERM (default 30)")
     p.add_argument("--log_requests", action="store_true", help="log prompts and outputs (off: never logged)")
+    p.add_argument("--compile_cache", default="auto",
+                   help="compiled programs kept on disk, so that the next start skips compiling them: 'auto' "
+                        "($JAXGPT_CACHE/xla, where jaxgpt-train keeps them), 'off', or a folder")
     p.add_argument("--quantize", default="none", choices=["none", "int8", "w8a8"],
                    help="decode with int8 weights (a scale per output channel, made at load; default none); w8a8: "
                         "the activations rounded to int8 per row too, prompts' included (faster at 8+ rows and in "
@@ -118,14 +121,16 @@ def _watch_warmup(server, worker) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     cpu_unless_accelerated()
+    from jaxgpt import compile_cache
     from jaxgpt.backends.cpu import inline_cpu_dispatch
     from jaxgpt.report import one_line
-
-    inline_cpu_dispatch()  # the engine thread runs each computation itself (backends/cpu.py)
 
     def fail(e) -> int:
         print(f"jaxgpt-serve: {one_line(str(e))}", file=sys.stderr)
         return 2
+
+    compile_cache.enable(args.compile_cache)  # before the first compilation
+    inline_cpu_dispatch()  # the engine thread runs each computation itself (backends/cpu.py)
 
     try:
         import uvicorn
