@@ -205,12 +205,15 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     cfg = config(args.tiny).replace(dtype=args.dtype)
     quantize = None if args.quantize == "none" else args.quantize
+    min_new = args.new_tokens if args.min_new_tokens is None else args.min_new_tokens
+    if not 1 <= min_new <= args.new_tokens:
+        ap.error(f"--min-new-tokens must be in 1..--new-tokens ({args.new_tokens}), got {min_new}")
     params = jaxgpt.init_params(cfg, jax.random.key(0))
     max_len = args.max_prompt + args.new_tokens
     results = {"machine": machine(), "cpu_flags": sorted(f for f in jaxgpt.backends.cpu.cpu_flags()
                                                          if f.startswith(("avx512", "amx", "avx2"))),
                "config": "tiny" if args.tiny else "gpt2-124m", "dtype": args.dtype, "quantize": args.quantize,
-               "new_tokens": args.new_tokens, "min_new_tokens": args.min_new_tokens or args.new_tokens,
+               "new_tokens": args.new_tokens, "min_new_tokens": min_new,
                "prompt_range": [args.min_prompt, args.max_prompt], "runs": []}
     decoder = jaxgpt.Decoder(params, cfg, quantize=quantize)
     for c in args.concurrency:
@@ -222,7 +225,7 @@ def main(argv=None) -> dict:
         step = step_time(engine, args.new_tokens)
         n = max(8, 4 * c)
         prompts = workload(cfg, n, args.min_prompt, args.max_prompt, seed=c)
-        counts = new_token_counts(n, args.min_new_tokens or args.new_tokens, args.new_tokens, seed=c)
+        counts = new_token_counts(n, min_new, args.new_tokens, seed=c)
         eng = replay_engine(engine, prompts, counts, stagger=step)
         fixed = replay_fixed(decoder, prompts, c, counts, stagger=step)
         run = {"concurrency": c, "requests": n, "decode_step_s": step,
