@@ -112,6 +112,8 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=3, help="timed generate calls per batch size")
     p.add_argument("--attention", default=None,
                    help="attention implementation (default: cudnn on NVIDIA GPUs, dot_product elsewhere)")
+    p.add_argument("--kernels", default="portable", choices=["portable", "auto", "gpu", "tpu"],
+                   help="the training step's backend (default portable; auto: the gpu/tpu backend on its chip)")
     p.add_argument("--peak-flops", type=float, default=None, help="override the device's dense bf16 FLOP/s")
     p.add_argument("--bandwidth", type=float, default=None, help="override the device's memory bytes/s")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/accelerator.json)")
@@ -128,9 +130,10 @@ def main(argv=None) -> dict:
         shape = dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
         dtype, batch, steps, decode_batches, new_tokens, reps = ("bfloat16", args.batch, args.steps,
                                                                    args.decode_batch, args.new_tokens, args.reps)
-    train_cfg = GPTConfig(**shape, dtype=dtype, kernels="portable", attention=attention)
+    train_cfg = GPTConfig(**shape, dtype=dtype, kernels=args.kernels, attention=attention)
     results = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
-               "peak_flops": peak, "bandwidth": bandwidth, "attention": attention, "smoke": args.smoke}
+               "peak_flops": peak, "bandwidth": bandwidth, "attention": attention, "kernels": args.kernels,
+               "smoke": args.smoke}
     try:
         results["train"] = bench_train(train_cfg, batch, steps, peak)
     except Exception as e:  # e.g. cuDNN attention unsupported here: say so and use XLA's
