@@ -53,12 +53,12 @@ def _median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench_train(cfg: GPTConfig, batch: int, steps: int, peak: float | None) -> dict:
+def bench_train(cfg: GPTConfig, batch: int, steps: int, peak: float | None, loss_chunk: int = 0) -> dict:
     train_cfg = default_config().train
     train_cfg.warmup_steps = 0
     opt = make_optimizer(train_cfg)
     state = create_train_state(init_params(cfg, jax.random.key(0)), opt, jax.random.key(1))
-    step = jax.jit(make_train_step(cfg, opt), donate_argnums=(0,))
+    step = jax.jit(make_train_step(cfg, opt, loss_chunk=loss_chunk), donate_argnums=(0,))
     tokens = jax.random.randint(jax.random.key(2), (batch, cfg.block_size + 1), 0, cfg.vocab_size)
     x, y = tokens[:, :-1], tokens[:, 1:]
     t0 = time.perf_counter()
@@ -114,6 +114,8 @@ def main(argv=None) -> dict:
                    help="attention implementation (default: cudnn on NVIDIA GPUs, dot_product elsewhere)")
     p.add_argument("--kernels", default="portable", choices=["portable", "auto", "gpu", "tpu"],
                    help="the training step's backend (default portable; auto: the gpu/tpu backend on its chip)")
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="the loss over this many positions at a time (train.loss_chunk; 0: whole logits)")
     p.add_argument("--peak-flops", type=float, default=None, help="override the device's dense bf16 FLOP/s")
     p.add_argument("--bandwidth", type=float, default=None, help="override the device's memory bytes/s")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/accelerator.json)")
@@ -133,15 +135,17 @@ def main(argv=None) -> dict:
     train_cfg = GPTConfig(**shape, dtype=dtype, kernels=args.kernels, attention=attention)
     results = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
                "peak_flops": peak, "bandwidth": bandwidth, "attention": attention, "kernels": args.kernels,
+               "loss_chunk": args.loss_chunk,
                "smoke": args.smoke}
     try:
-        results["train"] = bench_train(train_cfg, batch, steps, peak)
+        results["train"] = bench_train(train_cfg, batch, steps, peak, args.loss_chunk)
     except Exception as e:  # e.g. cuDNN attention unsupported here: say so and use XLA's
         if attention == "dot_product":
             raise
         print(f"attention={attention} failed ({type(e).__name__}: {str(e)[:200]}); using dot_product", flush=True)
         results["attention_fallback"] = f"{type(e).__name__}: {str(e)[:500]}"
-        results["train"] = bench_train(train_cfg.replace(attention="dot_product"), batch, steps, peak)
+        results["train"] = bench_train(train_cfg.replace(attention="dot_product"), batch, steps, peak,
+                                       args.loss_chunk)
     tr = results["train"]
     mfu = f"{100 * tr['mfu']:.1f}%" if tr["mfu"] is not None else "unknown (no peak for this device)"
     print(f"{device.device_kind}: train {tr['tokens_per_s']:,.0f} tok/s, {tr['ms_per_step']:.1f} ms/step, "
