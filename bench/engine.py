@@ -2,7 +2,7 @@
 
 python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-new-tokens N] [--min-prompt 16]
                        [--max-prompt 256] [--decode-steps 4] [--dtype float32|bfloat16]
-                       [--quantize none|int8|w8a8] [--no-lone] [--tiny]
+                       [--quantize none|int8|w8a8] [--prefill-budget N] [--packed] [--no-lone] [--tiny]
 
 GPT-2 124M shape, random float32 weights. Each request: a prompt of 16 to 256 random tokens (uniform), 128
 new tokens (no stop), top-k 50 sampling with its own seed. At concurrency c a client keeps c requests in
@@ -193,6 +193,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--prefill-budget", type=int, default=None,
+                    help="prompt tokens per engine step (Engine(prefill_budget=...); default --prefill-chunk)")
+    ap.add_argument("--packed", action="store_true",
+                    help="also replay an engine that packs whole prompts into one prefill call (packed_prefill=True)")
     ap.add_argument("--decode-steps", type=int, default=4,
                     help="the engine's decode steps per call (Engine(decode_steps=...), jaxgpt-serve's default 4)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -217,8 +221,11 @@ def main(argv=None) -> dict:
                "prompt_range": [args.min_prompt, args.max_prompt], "runs": []}
     decoder = jaxgpt.Decoder(params, cfg, quantize=quantize)
     for c in args.concurrency:
-        engine = Engine(params, cfg, slots=c, max_len=max_len, prefill_chunk=args.prefill_chunk,
-                        decode_steps=args.decode_steps, quantize=quantize)
+        def make(packed=False):
+            return Engine(params, cfg, slots=c, max_len=max_len, prefill_chunk=args.prefill_chunk,
+                          prefill_budget=args.prefill_budget, decode_steps=args.decode_steps, quantize=quantize,
+                          packed_prefill=packed)
+        engine = make()
         t0 = time.perf_counter()
         programs = engine.warmup(prompt_logprobs=False)
         warm = time.perf_counter() - t0
@@ -237,6 +244,18 @@ def main(argv=None) -> dict:
                "engine_ttft_past_prefill_p99_steps": percentile(eng["ttft_past_prefill_s"], 99) / step,
                "fixed_seconds": fixed["seconds"], "fixed_prefill_s": fixed["prefill_s"],
                "fixed_prefill_padding_share": fixed["prefill_padding_share"]}
+        if args.packed:  # the same requests through an engine that packs whole prompts into one call
+            other = make(packed=True)
+            other.warmup(prompt_logprobs=False)
+            one = replay_engine(other, prompts, counts, stagger=step)
+            run.update(packed_tokens_per_s=one["tokens_per_s"], packed_over_fixed=one["tokens_per_s"] /
+                       fixed["tokens_per_s"], packed_ttft_p50_s=percentile(one["ttft_s"], 50),
+                       packed_ttft_p99_s=percentile(one["ttft_s"], 99),
+                       packed_ttft_past_prefill_p99_steps=percentile(one["ttft_past_prefill_s"], 99) / step,
+                       packed_calls=other.stats["prefill_packed_calls"])
+            print(f"       packed prompts: {one['tokens_per_s']:8.1f} tok/s  x{run['packed_over_fixed']:.2f}  "
+                  f"TTFT p50/p99 {run['packed_ttft_p50_s']:.3f}/{run['packed_ttft_p99_s']:.3f} s  p99 past "
+                  f"prefill {run['packed_ttft_past_prefill_p99_steps']:.2f} steps", flush=True)
         results["runs"].append(run)
         print(f"c={c:3d}  engine {run['engine_tokens_per_s']:8.1f} tok/s  fixed {run['fixed_tokens_per_s']:8.1f} tok/s"
               f"  x{run['engine_over_fixed']:.2f}  TTFT p50/p99 engine {run['engine_ttft_p50_s']:.3f}/"

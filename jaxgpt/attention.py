@@ -132,6 +132,36 @@ def cudnn_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_le
     return dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
 
 
+PACKED_TILE = 64  # queries per tile of packed attention
+
+
+def packed_attention(q_1xNxHxD, k_1xKxNxD, v_1xKxNxD, segments_N, window=None) -> jax.Array:
+    """Causal attention inside each segment of one packed row of N tokens (several prompts in one forward,
+    `cache.PackedCache`): token i sees token j when j <= i and both belong to the same segment. With
+    `window` (no segment longer than it), queries go in tiles of 64, each over its own keys and the
+    `window` before them: N x (64 + window) scores instead of N x N."""
+    n = q_1xNxHxD.shape[1]
+    if window is None or window + PACKED_TILE >= n:
+        idx = jnp.arange(n)
+        mask = (segments_N[:, None] == segments_N[None, :]) & (idx[None, :] <= idx[:, None])
+        return jax.nn.dot_product_attention(q_1xNxHxD, k_1xKxNxD.swapaxes(1, 2), v_1xKxNxD.swapaxes(1, 2),
+                                            mask=mask[None, None])
+    t = PACKED_TILE
+    tiles = -(-n // t)
+    end = tiles * t - n
+    q = jnp.pad(q_1xNxHxD[0], ((0, end), (0, 0), (0, 0))).reshape(tiles, t, *q_1xNxHxD.shape[2:])
+    # keys with `window` padding in front: tile i's keys are padded positions i t .. i t + t + window - 1
+    k, v = (jnp.pad(a[0].swapaxes(0, 1), ((window, end), (0, 0), (0, 0))) for a in (k_1xKxNxD, v_1xKxNxD))
+    seg = jnp.pad(segments_N, (window, end), constant_values=-1)
+    at_TxW = jnp.arange(tiles)[:, None] * t + jnp.arange(t + window)[None, :]
+    q_seg = seg[window:].reshape(tiles, t)
+    k_seg = seg[at_TxW]
+    causal = jnp.arange(t)[:, None] + window >= jnp.arange(t + window)[None, :]  # key j of tile: j - window
+    mask = (q_seg[:, :, None] == k_seg[:, None, :]) & causal[None] & (k_seg[:, None, :] >= 0)
+    out = jax.nn.dot_product_attention(q, k[at_TxW], v[at_TxW], mask=mask[:, None])
+    return out.reshape(tiles * t, *out.shape[2:])[None, :n]
+
+
 def attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None,
               implementation: str = "dot_product") -> jax.Array:
     """Causal (grouped-query) attention with a registered implementation."""

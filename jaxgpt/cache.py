@@ -43,6 +43,18 @@ class CacheLayout:
         # (KVCache.overflow keeps positions inside the buffer)
         return buf.at[_at_positions(new_BxKxTxH, lengths_B, layer)].set(new_BxTxKxH, mode="promise_in_bounds")
 
+    def write_slots(self, buf: jax.Array, new_GxKxWxH: jax.Array, slots_G: jax.Array, layer=None) -> jax.Array:
+        """buf (or layer `layer` of stacked buffers) with new[g] at positions 0 .. W - 1 of row slots[g]
+        (packed prompts, `KVCache.write_slots`): one dynamic_update_slice per row, in place."""
+        new = new_GxKxWxH.astype(buf.dtype)
+        zero = jnp.zeros((), jnp.int32)
+        for g in range(new.shape[0]):
+            start = (slots_G[g], zero, zero, zero)
+            if layer is not None:
+                start = (jnp.asarray(layer, jnp.int32),) + start
+            buf = jax.lax.dynamic_update_slice(buf, new[g:g + 1] if layer is None else new[None, g:g + 1], start)
+        return buf
+
     # An int8 cache's scales, one float32 per (row, kv head, position). A layout that stores values
     # otherwise stores these its own way too.
 
@@ -57,6 +69,17 @@ class CacheLayout:
         """`write` for scales: new [B, K, T] at positions lengths[b] .. lengths[b] + T - 1 of each row b."""
         new_BxTxK = new_BxKxT.swapaxes(1, 2).astype(buf.dtype)
         return buf.at[_at_positions(new_BxKxT, lengths_B, layer)].set(new_BxTxK, mode="promise_in_bounds")
+
+    def write_slots_scale(self, buf: jax.Array, new_GxKxW: jax.Array, slots_G: jax.Array, layer=None) -> jax.Array:
+        """`write_slots` for scales: new[g] [K, W] at positions 0 .. W - 1 of row slots[g]."""
+        new = new_GxKxW.astype(buf.dtype)
+        zero = jnp.zeros((), jnp.int32)
+        for g in range(new.shape[0]):
+            start = (slots_G[g], zero, zero)
+            if layer is not None:
+                start = (jnp.asarray(layer, jnp.int32),) + start
+            buf = jax.lax.dynamic_update_slice(buf, new[g:g + 1] if layer is None else new[None, g:g + 1], start)
+        return buf
 
 
 def _at_positions(new: jax.Array, lengths_B: jax.Array, layer=None) -> tuple:
@@ -230,6 +253,31 @@ class KVCache:
                             k_scale=put(self.k_scale, ks, self.layout.write_scale),
                             v_scale=put(self.v_scale, vs, self.layout.write_scale))
 
+    def write_slots(self, i: int, k_GxKxWxH: jax.Array, v_GxKxWxH: jax.Array, slots_G: jax.Array,
+                    k_scale_GxKxW=None, v_scale_GxKxW=None) -> "KVCache":
+        """Layer i's keys and values for positions 0 .. W - 1 of rows slots[g] (an int8 cache's quantized,
+        with their scales, unless given as int8 with `k_scale`, `v_scale`). Lengths stay: the caller sets
+        them. (Packed prompts: `PackedCache.write_into`.)"""
+        def put(layers, new, write):
+            if isinstance(layers, tuple):
+                return layers[:i] + (write(layers[i], new, slots_G),) + layers[i + 1:]
+            return write(layers, new, slots_G, i)
+
+        lay = self.layout
+        if not self.quantized:
+            return self.replace(k=put(self.k, k_GxKxWxH, lay.write_slots), v=put(self.v, v_GxKxWxH, lay.write_slots))
+        if k_scale_GxKxW is None:
+            (kq, ks), (vq, vs) = quantize_kv(k_GxKxWxH), quantize_kv(v_GxKxWxH)
+        else:
+            kq, ks, vq, vs = k_GxKxWxH, k_scale_GxKxW, v_GxKxWxH, v_scale_GxKxW
+        return self.replace(k=put(self.k, kq, lay.write_slots), v=put(self.v, vq, lay.write_slots),
+                            k_scale=put(self.k_scale, ks, lay.write_slots_scale),
+                            v_scale=put(self.v_scale, vs, lay.write_slots_scale))
+
+    def positions(self, num_tokens: int) -> jax.Array:
+        """int32 [B, T]: the positions of `num_tokens` new tokens in each row (from its length on)."""
+        return self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+
     def _buffers(self) -> tuple:
         """The fields that hold per-row buffers: keys and values, and an int8 cache's scales."""
         return ("k", "v", "k_scale", "v_scale") if self.quantized else ("k", "v")
@@ -284,6 +332,66 @@ class KVCache:
                              f"row(s) {rows} with lengths {[int(self.lengths[r]) for r in rows]}; create a "
                              "larger cache")
         return over
+
+
+@struct.dataclass
+class PackedCache(KVCache):
+    """Several prompts packed into one row of N tokens, for one forward: token n belongs to prompt
+    `segments[n]` and sits at position `token_positions[0, n]` of it. Attention runs within each prompt
+    (token n sees the earlier tokens of its own segment only: `attention.packed_attention`); the buffers
+    (batch 1, max_len N, the portable layout) keep every layer's keys and values in packed order, for
+    `KVCache.write_tokens` to place into each prompt's row of the real cache afterwards."""
+
+    segments: Any = None  # int32 [N]
+    token_positions: Any = None  # int32 [1, N]
+    window: Optional[int] = struct.field(pytree_node=False, default=None)  # the longest segment, if bounded
+
+    @classmethod
+    def pack(cls, config: GPTConfig, segments_N: jax.Array, positions_N: jax.Array, dtype=None,
+             window: Optional[int] = None) -> "PackedCache":
+        """Empty buffers for the packed tokens in `dtype` (the real cache's: an int8 one's prompts attend
+        to their rounded keys and values, as they would in their own rows); `window`: no segment is longer
+        (attention then reads only that far back: `attention.packed_attention`)."""
+        n = segments_N.shape[0]
+        layout, dtype = CacheLayout(), _cache_dtype(config, dtype)
+
+        def buffers(shape, dtype):
+            if config.scan_layers:
+                return jnp.zeros((config.n_layer,) + shape, dtype)
+            return tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))
+
+        shape = layout.shape(1, config.n_kv_head, n, config.head_dim)
+        scales = {}
+        if _is_int8(dtype):
+            scale_shape = layout.scale_shape(1, config.n_kv_head, n)
+            scales = dict(k_scale=buffers(scale_shape, jnp.float32), v_scale=buffers(scale_shape, jnp.float32))
+        return cls(k=buffers(shape, dtype), v=buffers(shape, dtype), lengths=jnp.zeros((1,), jnp.int32),
+                   segments=segments_N, token_positions=positions_N[None, :].astype(jnp.int32), window=window,
+                   **scales)
+
+    def write_into(self, cache: KVCache, offsets_G: jax.Array, slots_G: jax.Array, width: int) -> KVCache:
+        """`cache` with every layer's packed keys and values (as stored: an int8 pack's with its scales) of
+        tokens offsets[g] .. offsets[g] + width - 1 at positions 0 .. width - 1 of row slots[g]
+        (`KVCache.write_slots`). Past a segment's end that is the next one's tokens or padding: positions
+        beyond the row's length, which nothing reads."""
+        at_GxW = offsets_G[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+
+        def rows(buf):  # [1, K, N, ...] -> [G, K, width, ...], the packed row padded by width at its end
+            padded = jnp.pad(buf[0], [(0, 0), (0, width)] + [(0, 0)] * (buf.ndim - 3))
+            return jnp.moveaxis(padded[:, at_GxW], 1, 0)
+
+        for i in range(len(self.k) if isinstance(self.k, tuple) else self.k.shape[0]):
+            scales = {}
+            if self.quantized:
+                scales = dict(k_scale_GxKxW=rows(self.k_scale[i]), v_scale_GxKxW=rows(self.v_scale[i]))
+            cache = cache.write_slots(i, rows(self.k[i]), rows(self.v[i]), slots_G, **scales)
+        return cache
+
+    def positions(self, num_tokens: int) -> jax.Array:
+        return self.token_positions
+
+    def overflow(self, num_tokens: int) -> jax.Array:
+        return jnp.zeros((1,), bool)
 
 
 def _cache_dtype(config: GPTConfig, dtype) -> jnp.dtype:

@@ -10,8 +10,9 @@ never on its neighbours.
 
 Programs: a decode step per power-of-two count of leading slots (up to all of them; with speculative
 decoding a k + 1 wide step per count too, with `decode_steps=k` a k-step one), one prefill per chunk
-length (`chunk_lengths`; twice: with and without per-position logprobs), one slot copy, for one
-(slots, max_len). `warmup()` compiles them all.
+length (`chunk_lengths`; twice: with and without per-position logprobs), with `packed_prefill` one packed
+prefill per packed length (`packed_lengths`), one slot copy, for one (slots, max_len). `warmup()` compiles
+them all.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 
 from jaxgpt.backends import Backend, DecodeWeights, resolve
 from jaxgpt.backends.base import cast_floats
-from jaxgpt.cache import KVCache
+from jaxgpt.cache import KVCache, PackedCache
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
@@ -157,6 +158,29 @@ def _prefill(params, cache: KVCache, slot, start, tokens_1xC, n, targets_C, rows
     return cache.put_slot(slot, one), dict(token=tok[0], logprob=lp[0], top_ids=ids[0], top_lps=lps[0], **extra)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs", "window"), donate_argnums=(1,))
+def _prefill_packed(params, cache: KVCache, tokens_N, segments_N, positions_N, offsets_G, last_G, slots_G, lengths_G,
+                    rows: RowSettings, *, config: GPTConfig, backend: Backend, n_logprobs: int, window: int):
+    """Whole prompts of several slots packed into one forward of N tokens: token n is prompt
+    `segments[n]`'s token at `positions[n]`; prompt g starts at `offsets[g]`, ends at `last[g]` and is
+    `lengths[g]` tokens long (none longer than `window`). Each prompt attends within itself
+    (`PackedCache`); `window` packed positions from its start then go to slot `slots[g]`
+    (`PackedCache.write_into`), whose length becomes `lengths[g]`, and its next token is drawn from
+    position `last[g]` with its logprobs. A padding prompt repeats prompt 0 (the same write again)."""
+    _count("prefill_packed")
+    model = GPT(config, backend)
+    variables = params.variables() if isinstance(params, DecodeWeights) else {"params": params}
+    stored = (cache.k[0] if isinstance(cache.k, tuple) else cache.k).dtype  # (the prompts attend to keys so kept)
+    packed = PackedCache.pack(config, segments_N, positions_N, stored, window)
+    h_1xNxD, packed = model.apply(variables, tokens_N[None, :], packed, hidden=True)
+    last_GxV = model.apply(variables, h_1xNxD[:, last_G], method=GPT.head)[0]
+    cache = packed.write_into(cache, offsets_G, slots_G, min(window, cache.max_len))
+    cache = cache.replace(lengths=cache.lengths.at[slots_G].set(lengths_G))
+    tok = sample_rows(last_GxV, rows)
+    lp, ids, lps = token_logprobs(last_GxV, tok, n_logprobs, rows.top_wanted)
+    return cache, dict(token=tok, logprob=lp, top_ids=ids, top_lps=lps)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs"), donate_argnums=(1,))
 def _decode(weights: DecodeWeights, cache: KVCache, tokens_S, active_S, rows: RowSettings, *,
             config: GPTConfig, backend: Backend, n_logprobs: int):
@@ -280,6 +304,17 @@ def chunk_lengths(prefill_chunk: int) -> tuple:
     return tuple(sorted(powers | {m for m in range(step, prefill_chunk, step) if m > 64} | {prefill_chunk}))
 
 
+MAX_PACKED_PROMPTS = 8  # prompts per packed prefill call (each costs a row of the head's matmul)
+MAX_PACKED_TOKENS = 1024  # tokens per packed prefill call (its attention mask is N x N)
+
+
+def packed_lengths(budget: int) -> tuple:
+    """The packed prefill programs' lengths: `chunk_lengths` of min(budget, 1024) from 64 on (two or more
+    whole prompts in one call; a prompt alone takes the single-prompt programs)."""
+    cap = min(budget, MAX_PACKED_TOKENS)
+    return tuple(c for c in chunk_lengths(cap) if c >= min(64, cap))
+
+
 def decode_sizes(slots: int) -> tuple:
     """The decode programs' row counts: a step decodes the first n slots, n the smallest of these (powers of
     two below `slots`, and `slots`) that covers every generating slot (a lone request does not pay for idle
@@ -329,6 +364,12 @@ class Engine:
     k tokens by n-gram lookup in its own text, one step checks them all, and the slot emits every draw
     that matched and one more (`_verify`). Its tokens are the plain engine's, greedy and seeded alike;
     `stats` counts the proposed and accepted tokens.
+    `packed_prefill=True` prefills the whole prompts of several newly admitted requests (each at most
+    `prefill_chunk` tokens, without prompt logprobs) in one call: packed into one row up to the step's
+    budget (at most 1024 tokens and 8 prompts), each attending within itself (`cache.PackedCache`), their
+    keys and values then written into their slots; the tokens are those of one prompt a call (tests). Off
+    by default: on a 2-core CPU it measured slower than one prompt a call with the native attention kernel
+    (bench/README.md); it is for devices where a call's fixed cost dominates.
     `decode_steps=k` runs k decode steps in one compiled call while every request in a slot is generating
     and has k tokens to go: the same tokens, without a call's fixed cost for each token (bench/README.md);
     a request that arrives meanwhile waits up to k steps, and tokens stream k at a time. Not with
@@ -343,7 +384,8 @@ class Engine:
     def __init__(self, params, config: GPTConfig, *, slots: int = 8, max_len: Optional[int] = None,
                  prefill_chunk: int = 256, max_logprobs: int = 20, backend: Optional[Backend] = None,
                  quantize: Optional[str] = None, kv_dtype: Optional[str] = None, speculative=None,
-                 decode_steps: int = 1, split_cache: bool = False, prefill_budget: Optional[int] = None):
+                 decode_steps: int = 1, split_cache: bool = False, prefill_budget: Optional[int] = None,
+                 packed_prefill: bool = False):
         self.quantize = check_quantize(quantize)
         self.speculative = _check_speculative(speculative)
         self.kv_dtype = check_kv_dtype(kv_dtype)
@@ -382,6 +424,12 @@ class Engine:
         if self.mesh is not None and split_cache:  # params placed by shard_params: the cache by kv head
             self.cache = self.cache.on_mesh(self.mesh)
         self._static = dict(config=self.config, backend=self.backend)
+        # whole prompts of several slots in one prefill call (`_prefill_packed`): lengths of the packed
+        # programs, and prompts per call. Not on a mesh, nor for a registered attention other than the
+        # built-in (the packed forward attends with its own segment mask)
+        packable = packed_prefill and self.mesh is None and self.config.attention == "dot_product"
+        self._packed_lengths = packed_lengths(self.prefill_budget) if packable and self.slots > 1 else ()
+        self._max_segments = min(self.slots, MAX_PACKED_PROMPTS)
         self._live: list[Optional[_Live]] = [None] * self.slots
         self._cached: list[list] = [[] for _ in range(self.slots)]  # token ids whose k, v each slot holds
         self._waiting: collections.deque = collections.deque()
@@ -435,6 +483,13 @@ class Engine:
                 self.cache, _ = _prefill(self._prefill_weights, self.cache, np.int32(0), np.int32(0),
                                          np.zeros((1, c), np.int32), np.int32(1), np.zeros((c,), np.int32), rows,
                                          prompt_logprobs=lp, n_logprobs=self.max_logprobs, **self._static)
+        g = self._max_segments
+        for c in self._packed_lengths:  # (into slot 0, reset below)
+            self.cache, _ = _prefill_packed(self._prefill_weights, self.cache, np.zeros(c, np.int32),
+                                            np.zeros(c, np.int32), np.zeros(c, np.int32), np.zeros(g, np.int32),
+                                            np.zeros(g, np.int32), np.zeros(g, np.int32), np.ones(g, np.int32),
+                                            self._rows([None] * g), n_logprobs=self.max_logprobs,
+                                            window=self.prefill_chunk, **self._static)
         for n in decode_sizes(self.slots):
             self.cache, _ = _decode(self.weights[n], self.cache, np.zeros(n, np.int32), np.zeros(n, bool),
                                     self._rows([None] * n), n_logprobs=self.max_logprobs, **self._static)
@@ -533,6 +588,8 @@ class Engine:
         events: list[Event] = []
         self._admit()
         budget = self.prefill_budget
+        if self._packed_lengths:
+            budget -= self._prefill_packed(budget, events)
         for s in sorted(range(self.slots), key=lambda s: -1 if self._live[s] is None else self._live[s].rid):
             live = self._live[s]
             if live is None or live.cursor >= len(live.req.prompt) or budget <= 0:
@@ -638,6 +695,54 @@ class Engine:
         if live.cursor == len(req.prompt):
             self._emit(s, live, out["token"], out["logprob"], out["top_ids"], out["top_lps"], events)
         return n
+
+    def _prefill_packed(self, budget: int, events: list) -> int:
+        """Whole prompts of admitted requests (none of their tokens in the cache yet, no prompt logprobs
+        asked for, at most `prefill_chunk` tokens) packed into one call, oldest first, as many as fit
+        `budget` (and 1024 tokens, 8 prompts); returns the tokens it took. Fewer than two: none (the
+        single-prompt path takes it). `packed_prefill=True` only."""
+        cap, picked, total = min(budget, self._packed_lengths[-1]), [], 0
+        for s in sorted(range(self.slots), key=lambda s: -1 if self._live[s] is None else self._live[s].rid):
+            live = self._live[s]
+            if (live is None or live.cursor != 0 or live.wait_for is not None or live.req.prompt_logprobs
+                    or len(live.req.prompt) > self.prefill_chunk or total + len(live.req.prompt) > cap):
+                continue
+            picked.append((s, live))
+            total += len(live.req.prompt)
+            if len(picked) == self._max_segments:
+                break
+        if len(picked) < 2:
+            return 0
+        c = next(c for c in self._packed_lengths if c >= total)
+        g = self._max_segments
+        tokens, segments, positions = np.zeros(c, np.int32), np.full(c, -1, np.int32), np.zeros(c, np.int32)
+        # padding prompts: prompt 0 again (its write repeated, its draw unused)
+        first = len(picked[0][1].req.prompt)
+        offsets, last = np.zeros(g, np.int32), np.full(g, first - 1, np.int32)
+        slots_g, lengths = np.full(g, picked[0][0], np.int32), np.full(g, first, np.int32)
+        at = 0
+        for j, (s, live) in enumerate(picked):
+            n = len(live.req.prompt)
+            tokens[at:at + n], segments[at:at + n], positions[at:at + n] = live.req.prompt, j, np.arange(n)
+            offsets[j], last[j], slots_g[j], lengths[j] = at, at + n - 1, s, n
+            at += n
+        rows = self._rows([live for _, live in picked] + [None] * (g - len(picked)))
+        t0 = time.perf_counter()
+        self.cache, out = _prefill_packed(self._prefill_weights, self.cache, tokens, segments, positions, offsets,
+                                          last, slots_g, lengths, rows, n_logprobs=self.max_logprobs,
+                                          window=self.prefill_chunk, **self._static)
+        out = jax.device_get(out)
+        elapsed = time.perf_counter() - t0
+        self.stats["prefill_calls"] += 1
+        self.stats["prefill_packed_calls"] += 1
+        self.stats["prefill_padding"] += c - total
+        for j, (s, live) in enumerate(picked):
+            live.out.prefill_s += elapsed
+            live.cursor = len(live.req.prompt)
+            self._cached[s].extend(live.req.prompt)
+            self.stats["prefill_tokens"] += len(live.req.prompt)
+            self._emit(s, live, out["token"][j], out["logprob"][j], out["top_ids"][j], out["top_lps"][j], events)
+        return total
 
     def _record_prompt(self, live: _Live, start: int, m: int, out: dict) -> None:
         """Prompt token i + 1's logprob comes from position i (targets of this chunk's first m positions)."""

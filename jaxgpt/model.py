@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from jaxgpt import lora
-from jaxgpt.attention import rotary_embedding, split_heads
+from jaxgpt.attention import packed_attention, rotary_embedding, split_heads
 from jaxgpt.backends import PORTABLE, Backend, resolve
-from jaxgpt.cache import KVCache
+from jaxgpt.cache import KVCache, PackedCache
 from jaxgpt.config import GPTConfig
 from jaxgpt.layers import convert_layers, stack_layers, unstack_layers  # noqa: F401  (re-exported)
 from jaxgpt.registry import BLOCKS
@@ -159,6 +159,10 @@ class CausalSelfAttention(nn.Module):
         attend = self.backend.attention(self.config.attention)
         if cache is None:  # queries and keys at 0..T-1
             return attend(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, None, None), None
+        if isinstance(cache, PackedCache):  # several prompts in one row: each attends within itself
+            cache = cache.write(layer, k_BxKxTxH, v_BxKxTxH)
+            k_BxKxTxH, v_BxKxTxH = (a.astype(q_BxTxNxH.dtype) for a in cache.layer(layer))
+            return packed_attention(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, cache.segments, cache.window), cache
         kv_lengths_B = cache.lengths + q_BxTxNxH.shape[1]
         cache = cache.write(layer, k_BxKxTxH, v_BxKxTxH)
         own = self.backend.cache_attention
@@ -304,7 +308,7 @@ class GPT(nn.Module):
         if t > cfg.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {cfg.block_size}")
         steps = jnp.arange(t, dtype=jnp.int32)[None, :]
-        positions_BxT = jnp.broadcast_to(steps, (b, t)) if cache is None else cache.lengths[:, None] + steps
+        positions_BxT = jnp.broadcast_to(steps, (b, t)) if cache is None else cache.positions(t)
         overflow_B = None if cache is None else cache.overflow(t)
         x_BxTxD = self._embed(tokens_BxT, positions_BxT, backend, deterministic, cache is not None)
         skip_Lx2, ve_L = self._layer_inputs(tokens_BxT, backend)

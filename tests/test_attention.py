@@ -147,3 +147,23 @@ def test_a_new_variant_is_one_function_and_one_registry_entry():
         ATTENTION.unregister("test_recorded")
     with pytest.raises(ValueError, match="attention"):
         GPTConfig(attention="test_recorded")
+
+
+@pytest.mark.parametrize("window", [None, 100, 128])  # (no segment is longer than the window)
+def test_packed_attention_equals_each_segment_alone(window):
+    """Several sequences in one row (segment ids): each token's output is causal attention over its own
+    segment alone, with the whole mask or with the tiles over a bounded window (grouped-query heads)."""
+    from jaxgpt.attention import packed_attention
+
+    lengths = [40, 60, 1, 100, 50, 30]
+    n = sum(lengths) + 19  # padding at the end: segment -1
+    segments = np.concatenate([np.repeat(np.arange(len(lengths)), lengths), np.full(19, -1)]).astype(np.int32)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(1, n, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(1, 2, n, 8)), jnp.float32) for _ in range(2))
+    out = np.asarray(packed_attention(q, k, v, jnp.asarray(segments), window))
+    at = 0
+    for m in lengths:
+        want = einsum_attention(q[:, at:at + m], k[:, :, at:at + m], v[:, :, at:at + m])
+        np.testing.assert_allclose(out[0, at:at + m], np.asarray(want)[0], atol=1e-5)
+        at += m

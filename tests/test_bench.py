@@ -115,9 +115,11 @@ def test_engine_benchmark_smoke():
     from bench import engine
 
     results = engine.main(["--tiny", "--concurrency", "2", "--new-tokens", "4", "--min-new-tokens", "2",
-                           "--min-prompt", "2", "--max-prompt", "9", "--prefill-chunk", "8"])
+                           "--min-prompt", "2", "--max-prompt", "9", "--prefill-chunk", "8", "--prefill-budget",
+                           "24", "--packed"])
     (run,) = results["runs"]
     assert run["requests"] == 8 and run["engine_programs"] >= 2 and results["min_new_tokens"] == 2
+    assert run["packed_tokens_per_s"] > 0 and run["packed_calls"] >= 1
     assert run["fixed_prefill_s"] > 0 and 0 <= run["fixed_prefill_padding_share"] < 1
     assert run["engine_tokens_per_s"] > 0 and run["fixed_tokens_per_s"] > 0 and run["engine_ttft_p99_s"] > 0
     assert set(results) >= {"lone_request_slots_1", "lone_request_slots_2"}

@@ -199,22 +199,26 @@ def test_no_program_is_compiled_for_new_settings_lengths_or_counts(params):
 
 
 def test_prefill_budget_lets_several_prompts_in_per_step(params):
-    """prefill_budget: prompt tokens per step over as many waiting requests as it reaches, each call at most
-    prefill_chunk of one prompt; the tokens are those of the default budget."""
+    """prefill_budget: prompt tokens per step over as many waiting requests as it reaches, each single-prompt
+    call at most prefill_chunk of one prompt, or whole prompts packed into one call; the tokens are those
+    of the default budget."""
     prompts = _prompts(52, (9, 12, 5, 20))
     reqs = [dict(prompt=p, max_tokens=6, **s) for p, s in zip(prompts, SETTINGS)]
     small = Engine(params, CFG, slots=4, max_len=64, prefill_chunk=16)
     big = Engine(params, CFG, slots=4, max_len=64, prefill_chunk=16, prefill_budget=64)
-    done = {small: {}, big: {}}
-    for eng in (small, big):
+    packed = Engine(params, CFG, slots=4, max_len=64, prefill_chunk=16, prefill_budget=64, packed_prefill=True)
+    done = {small: {}, big: {}, packed: {}}
+    for eng in (small, big, packed):
         for i, r in enumerate(reqs):
             eng.submit(**r, callback=lambda e, i=i, d=done[eng]: d.__setitem__(i, e.completion.token_ids)
                        if e.finish_reason is not None else None)
         eng.step()
-    assert small.stats["prefill_tokens"] == 16 and big.stats["prefill_tokens"] == 46
+    assert small.stats["prefill_tokens"] == 16 and big.stats["prefill_tokens"] == packed.stats["prefill_tokens"] == 46
     assert big.stats["prefill_calls"] == 5  # (the 20-token prompt in two calls)
-    small.run(), big.run()
-    assert len(done[small]) == 4 and done[small] == done[big]
+    # three prompts in one call; the 20-token one, longer than a chunk, in two of its own
+    assert packed.stats["prefill_packed_calls"] == 1 and packed.stats["prefill_calls"] == 3
+    small.run(), big.run(), packed.run()
+    assert len(done[small]) == 4 and done[small] == done[big] == done[packed]
     assert all(len(t) == 6 for t in done[big].values())
     with pytest.raises(ValueError, match="prefill_budget"):
         Engine(params, CFG, slots=2, prefill_budget=0)
@@ -299,6 +303,42 @@ def test_every_backend_runs_the_engine(params, kernels):
     outs = eng.run([dict(prompt=p, max_tokens=6, temperature=0.0) for p in prompts])
     for p, o in zip(prompts, outs):
         assert o.token_ids == _alone(params, cfg, p, 6, dict(temperature=0.0))
+
+
+@pytest.mark.parametrize("variant", ["portable", "cpu", "int8_cache", "cpu_bf16", "stacked_gqa_rope"])
+def test_packed_prompts_give_the_tokens_of_one_prompt_a_call(params, variant):
+    """Whole prompts packed into one prefill call (each attending within itself, its keys and values then
+    scattered into its own slot; a padding prompt and padding tokens dropped): the tokens of the same
+    engine prefilling one prompt a call, logprobs within 1e-5 (float32); every cache layout and dtype."""
+    cfg, kw, p = CFG, {}, params
+    if variant in ("cpu", "cpu_bf16"):
+        cfg = CFG.replace(kernels="cpu", dtype="bfloat16" if variant == "cpu_bf16" else "float32")
+    elif variant == "int8_cache":
+        kw = dict(kv_dtype="int8")
+    elif variant == "stacked_gqa_rope":
+        cfg = CFG.replace(scan_layers=True, n_kv_head=2, position="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+        p = jaxgpt.init_params(cfg, jax.random.key(1))
+    prompts = _prompts(60, (7, 13, 4, 22, 9))
+    reqs = [dict(prompt=q, max_tokens=8, logprobs=2, **s) for q, s in zip(prompts, SETTINGS)]
+    outs = {}
+    for packed in (True, False):
+        eng = Engine(p, cfg, slots=6, max_len=48, prefill_chunk=32, prefill_budget=64, packed_prefill=packed, **kw)
+        outs[packed] = eng.run(reqs)
+        assert eng.stats["prefill_packed_calls"] == (1 if packed else 0)
+        assert eng.stats["prefill_tokens"] == sum(map(len, prompts))
+    tol = 2e-2 if variant == "cpu_bf16" else 1e-5
+    for a, b, q in zip(outs[True], outs[False], prompts):
+        assert a.token_ids == b.token_ids, q
+        np.testing.assert_allclose([t.logprob for t in a.tokens], [t.logprob for t in b.tokens], atol=tol)
+    if variant == "portable":  # and each equals generate alone; the packed programs are warmed up too
+        for q, s, o in zip(prompts, SETTINGS, outs[True]):
+            assert o.token_ids == _alone(params, CFG, q, 8, s)
+        Engine(p, cfg, slots=5, max_len=50, prefill_chunk=32, prefill_budget=64).warmup()  # a shape no other test uses
+        eng = Engine(p, cfg, slots=5, max_len=50, prefill_chunk=32, prefill_budget=64, packed_prefill=True)
+        assert eng.warmup() == len(engine_mod.packed_lengths(64))
+        before = dict(engine_mod.TRACES)
+        eng.run(reqs)
+        assert eng.stats["prefill_packed_calls"] == 1 and dict(engine_mod.TRACES) == before
 
 
 def test_stacked_layers_grouped_queries_and_rope():

@@ -360,6 +360,30 @@ class RowsCacheLayout(CacheLayout):
             buf = jax.lax.dynamic_update_slice(buf, rows, start)
         return buf
 
+    # packed prompts (KVCache.write_slots): row r's kv heads are rows r K .. r K + K - 1
+
+    def write_slots(self, buf, new_GxKxWxH, slots_G, layer=None):
+        if jnp.issubdtype(buf.dtype, jnp.floating) and buf.dtype.itemsize == 2:
+            bits = lambda a: jax.lax.bitcast_convert_type(a.astype(buf.dtype), jnp.uint16)  # noqa: E731
+            return jax.lax.bitcast_convert_type(self.write_slots(bits(buf), bits(new_GxKxWxH), slots_G, layer),
+                                                buf.dtype)
+        return self._write_slots(buf, new_GxKxWxH, slots_G, layer)
+
+    def write_slots_scale(self, buf, new_GxKxW, slots_G, layer=None):
+        return self._write_slots(buf, new_GxKxW, slots_G, layer)
+
+    @staticmethod
+    def _write_slots(buf, new, slots_G, layer):
+        g, kh = new.shape[:2]
+        new = new.astype(buf.dtype)
+        zeros = (jnp.zeros((), jnp.int32),) * (new.ndim - 2)
+        for j in range(g):
+            rows, start = new[j], (slots_G[j] * kh,) + zeros
+            if layer is not None:
+                rows, start = rows[None], (jnp.asarray(layer, jnp.int32),) + start
+            buf = jax.lax.dynamic_update_slice(buf, rows, start)
+        return buf
+
 
 @functools.lru_cache(maxsize=None)
 def make_backend(native_decode: bool, native_attention: bool, fast_bf16: bool = True) -> Backend:
