@@ -428,7 +428,8 @@ class Engine:
         # programs, and prompts per call. Not on a mesh, nor for a registered attention other than the
         # built-in (the packed forward attends with its own segment mask)
         packable = packed_prefill and self.mesh is None and self.config.attention == "dot_product"
-        self._packed_lengths = packed_lengths(self.prefill_budget) if packable and self.slots > 1 else ()
+        budget = min(self.prefill_budget, self.config.block_size)  # (a forward's length is at most block_size)
+        self._packed_lengths = packed_lengths(budget) if packable and self.slots > 1 else ()
         self._max_segments = min(self.slots, MAX_PACKED_PROMPTS)
         self._live: list[Optional[_Live]] = [None] * self.slots
         self._cached: list[list] = [[] for _ in range(self.slots)]  # token ids whose k, v each slot holds

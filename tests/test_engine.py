@@ -339,6 +339,9 @@ def test_packed_prompts_give_the_tokens_of_one_prompt_a_call(params, variant):
         before = dict(engine_mod.TRACES)
         eng.run(reqs)
         assert eng.stats["prefill_packed_calls"] == 1 and dict(engine_mod.TRACES) == before
+        # a budget past the model's context packs at most block_size tokens (one forward's length)
+        wide = Engine(p, cfg, slots=2, max_len=48, prefill_chunk=32, prefill_budget=500, packed_prefill=True)
+        assert wide._packed_lengths == engine_mod.packed_lengths(cfg.block_size)
 
 
 def test_stacked_layers_grouped_queries_and_rope():
