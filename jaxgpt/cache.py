@@ -46,14 +46,7 @@ class CacheLayout:
     def write_slots(self, buf: jax.Array, new_GxKxWxH: jax.Array, slots_G: jax.Array, layer=None) -> jax.Array:
         """buf (or layer `layer` of stacked buffers) with new[g] at positions 0 .. W - 1 of row slots[g]
         (packed prompts, `KVCache.write_slots`): one dynamic_update_slice per row, in place."""
-        new = new_GxKxWxH.astype(buf.dtype)
-        zero = jnp.zeros((), jnp.int32)
-        for g in range(new.shape[0]):
-            start = (slots_G[g], zero, zero, zero)
-            if layer is not None:
-                start = (jnp.asarray(layer, jnp.int32),) + start
-            buf = jax.lax.dynamic_update_slice(buf, new[g:g + 1] if layer is None else new[None, g:g + 1], start)
-        return buf
+        return update_blocks(buf, new_GxKxWxH[:, None], slots_G, layer)
 
     # An int8 cache's scales, one float32 per (row, kv head, position). A layout that stores values
     # otherwise stores these its own way too.
@@ -72,14 +65,20 @@ class CacheLayout:
 
     def write_slots_scale(self, buf: jax.Array, new_GxKxW: jax.Array, slots_G: jax.Array, layer=None) -> jax.Array:
         """`write_slots` for scales: new[g] [K, W] at positions 0 .. W - 1 of row slots[g]."""
-        new = new_GxKxW.astype(buf.dtype)
-        zero = jnp.zeros((), jnp.int32)
-        for g in range(new.shape[0]):
-            start = (slots_G[g], zero, zero)
-            if layer is not None:
-                start = (jnp.asarray(layer, jnp.int32),) + start
-            buf = jax.lax.dynamic_update_slice(buf, new[g:g + 1] if layer is None else new[None, g:g + 1], start)
-        return buf
+        return update_blocks(buf, new_GxKxW[:, None], slots_G, layer)
+
+
+def update_blocks(buf: jax.Array, blocks_G: jax.Array, first_G: jax.Array, layer=None) -> jax.Array:
+    """buf (or layer `layer` of stacked buffers) with each block blocks[g] (as many axes as one layer's
+    buffer) written from index first[g] of its first axis and 0 of the others: one dynamic_update_slice
+    per block, in place."""
+    zero = jnp.zeros((), jnp.int32)
+    for g in range(blocks_G.shape[0]):
+        block, start = blocks_G[g].astype(buf.dtype), (first_G[g],) + (zero,) * (blocks_G.ndim - 2)
+        if layer is not None:
+            block, start = block[None], (jnp.asarray(layer, jnp.int32),) + start
+        buf = jax.lax.dynamic_update_slice(buf, block, start)
+    return buf
 
 
 def _at_positions(new: jax.Array, lengths_B: jax.Array, layer=None) -> tuple:
@@ -340,7 +339,7 @@ class PackedCache(KVCache):
     `segments[n]` and sits at position `token_positions[0, n]` of it. Attention runs within each prompt
     (token n sees the earlier tokens of its own segment only: `attention.packed_attention`); the buffers
     (batch 1, max_len N, the portable layout) keep every layer's keys and values in packed order, for
-    `KVCache.write_tokens` to place into each prompt's row of the real cache afterwards."""
+    `write_into` to place into each prompt's row of the real cache afterwards."""
 
     segments: Any = None  # int32 [N]
     token_positions: Any = None  # int32 [1, N]

@@ -305,7 +305,7 @@ def chunk_lengths(prefill_chunk: int) -> tuple:
 
 
 MAX_PACKED_PROMPTS = 8  # prompts per packed prefill call (each costs a row of the head's matmul)
-MAX_PACKED_TOKENS = 1024  # tokens per packed prefill call (its attention mask is N x N)
+MAX_PACKED_TOKENS = 1024  # tokens per packed prefill call (its attention: N x (64 + prefill_chunk) scores)
 
 
 def packed_lengths(budget: int) -> tuple:

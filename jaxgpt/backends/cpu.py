@@ -20,7 +20,7 @@ from flax import struct, traverse_util
 from jaxgpt.attention import MASK_VALUE, causal_mask, check_shapes, grouped_queries
 from jaxgpt.backends import native
 from jaxgpt.backends.base import Backend, int8_prepared
-from jaxgpt.cache import CacheLayout
+from jaxgpt.cache import CacheLayout, update_blocks
 from jaxgpt.ops import int8_linear, linear_bwd, linear_fwd
 from jaxgpt.quantize import Int8Kernel, decode_kernels, weights_int8
 
@@ -367,22 +367,10 @@ class RowsCacheLayout(CacheLayout):
             bits = lambda a: jax.lax.bitcast_convert_type(a.astype(buf.dtype), jnp.uint16)  # noqa: E731
             return jax.lax.bitcast_convert_type(self.write_slots(bits(buf), bits(new_GxKxWxH), slots_G, layer),
                                                 buf.dtype)
-        return self._write_slots(buf, new_GxKxWxH, slots_G, layer)
+        return update_blocks(buf, new_GxKxWxH, slots_G * new_GxKxWxH.shape[1], layer)
 
     def write_slots_scale(self, buf, new_GxKxW, slots_G, layer=None):
-        return self._write_slots(buf, new_GxKxW, slots_G, layer)
-
-    @staticmethod
-    def _write_slots(buf, new, slots_G, layer):
-        g, kh = new.shape[:2]
-        new = new.astype(buf.dtype)
-        zeros = (jnp.zeros((), jnp.int32),) * (new.ndim - 2)
-        for j in range(g):
-            rows, start = new[j], (slots_G[j] * kh,) + zeros
-            if layer is not None:
-                rows, start = rows[None], (jnp.asarray(layer, jnp.int32),) + start
-            buf = jax.lax.dynamic_update_slice(buf, rows, start)
-        return buf
+        return update_blocks(buf, new_GxKxW, slots_G * new_GxKxW.shape[1], layer)
 
 
 @functools.lru_cache(maxsize=None)
