@@ -29,7 +29,7 @@ from jaxgpt.backends.base import cast_floats
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
-from jaxgpt.sampling import Decoder, GenerateOutput, _prefill, argmax_last, top_k_filter, top_p_filter
+from jaxgpt.sampling import Decoder, GenerateOutput, _prefill, argmax_last, categorical, top_k_filter, top_p_filter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ def _choose(key, logits, sampler):
     if sampler.temperature == 0:
         return argmax_last(logits), None
     logp = _filtered(logits, sampler.temperature, sampler.top_k, sampler.top_p)
-    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32), logp
+    return categorical(key, logp), logp
 
 
 def _ngram_proposals(hist, hist_len, n: int, k: int):
@@ -178,7 +178,7 @@ def _accept_sampled(logits, d, q_logp, sampler, key):
     q_pad = jnp.concatenate([q_all, jnp.zeros_like(q_all[:, :1])], axis=1)  # nothing to take away after k
     resid = jnp.maximum(p_at - jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0], 0.0)
     resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, p_at)
-    return n_acc, jax.random.categorical(k_final, jnp.log(resid), axis=-1).astype(jnp.int32)
+    return n_acc, categorical(k_final, jnp.log(resid))
 
 
 def _propose_with_model(draft: GPT, variables, c, key, k: int, sampler):

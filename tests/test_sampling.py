@@ -76,6 +76,22 @@ def test_argmax_last_is_argmax_with_ties_nans_and_infinities():
         np.testing.assert_array_equal(np.asarray(got), np.argmax(a, axis=-1))
 
 
+def test_categorical_draws_what_jax_random_categorical_draws():
+    # the sampler's draw keeps jax.random.categorical's tokens (seeded output unchanged), argmax swapped
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(6, 501)).astype(np.float32) * 3
+    x[1, ::2] = -np.inf  # filtered logits
+    x[2] = np.round(x[2])  # ties
+    x[3, 7] = 40.0  # one token holds nearly all the mass
+    draw = jax.jit(sampling.categorical)
+    for i in range(20):
+        key = jax.random.fold_in(jax.random.key(7), i)
+        for a in (x, x[0], x[:, :3], x.reshape(2, 3, 501)):
+            got = draw(key, jnp.asarray(a))
+            assert got.dtype == jnp.int32
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.random.categorical(key, a, axis=-1)))
+
+
 def test_sample_rows_mixed_rows_each_equal_sample_logits():
     """One step's rows: greedy, top-k (the candidates' path), top-p alone (the sort) and no filter, each row
     drawing what `sample_logits` draws for it alone; and greedy rows alone take argmax."""
