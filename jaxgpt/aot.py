@@ -638,14 +638,16 @@ def _compile_generate_on_mesh(config, gcfg, backend, devs: Devices, mesh: str, b
 
 def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_len: Optional[int] = None,
                    chunk: int = 256, progress: bool = True, quantize: Optional[str] = None,
-                   kv_dtype: Optional[str] = None) -> dict:
+                   kv_dtype: Optional[str] = None, packed: Optional[int] = None) -> dict:
     """Compile the engine's decode step (every slot) and a prefill chunk for the target, weights and cache
     replicated on each device (one engine per device); a dict of figures, with how many slots of `max_len`
     positions fit beside the weights. A slot's bytes are measured, not assumed: the decode step compiled
     again for twice the slots gives the peak's growth per slot (its cache, and any temporaries that grow
     with it: a compiler may copy the cache into another layout). `quantize="int8"`: int8 weights (the
     programs hold the int8 kernels and not the float ones they replace); `kv_dtype="int8"`: an int8 cache
-    (its float32 scales counted)."""
+    (its float32 scales counted); `packed`: also the packed prefill of that many tokens
+    (`Engine(packed_prefill=True)`'s longest call, whole prompts of several requests in one forward), its
+    memory counted in what fits."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -661,6 +663,10 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
     if slots < 1 or not 2 <= max_len <= gcfg.block_size or chunk < 1:
         raise AotError(f"the engine needs slots >= 1, 2 <= max_len <= block_size ({gcfg.block_size}) and a chunk "
                        f">= 1; got {slots}, {max_len}, {chunk}")
+    most = min(engine.MAX_PACKED_TOKENS, gcfg.block_size)
+    if packed is not None and (slots < 2 or not 2 <= packed <= most):
+        raise AotError(f"the packed prefill needs slots >= 2 and 2 <= tokens <= {most} (at most "
+                       f"{engine.MAX_PACKED_TOKENS} and the context); got slots {slots}, tokens {packed}")
     replicated = NamedSharding(Mesh(np.array(devs.devices), ("data",)), P())
 
     lowered = {}
@@ -669,7 +675,7 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
         def run():
             lowered[n] = lowered.get(n) or engine.lower_engine(gcfg, n, max_len, chunk, backend=backend,
                                                                sharding=replicated, quantize=quantize,
-                                                               kv_dtype=kv_dtype)
+                                                               kv_dtype=kv_dtype, packed=packed)
             return lowered[n][name]
         return run
 
@@ -689,11 +695,17 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
     pre = _memory(prefill)
     out["prefill"] = {"compile_s": round(prefill_s, 2), **pre}
     grown = _memory(twice).get("peak_bytes", 0) - out.get("peak_bytes", 0)
+    peaks = [out.get("peak_bytes", 0), pre.get("peak_bytes", 0)]
+    if packed is not None:
+        compiled, seconds = _compile(f"engine packed prefill of {packed} tokens", lower("prefill_packed"), devs,
+                                     progress)
+        out["prefill_packed"] = {"tokens": packed, "compile_s": round(seconds, 2), **_memory(compiled)}
+        peaks.append(out["prefill_packed"].get("peak_bytes", 0))
     out["bytes_per_slot"] = max(per_slot, grown // slots)
-    # what does not grow with the slots (weights, the rest of the temporaries); the larger program's
-    fixed = max(out.get("peak_bytes", 0), pre.get("peak_bytes", 0)) - out["bytes_per_slot"] * slots
+    # what does not grow with the slots (weights, the rest of the temporaries); the largest program's
+    fixed = max(peaks) - out["bytes_per_slot"] * slots
     out["slots_that_fit"] = max(0, (devs.limit_bytes - fixed) // out["bytes_per_slot"])
-    out["fits"] = out["fits"] and pre.get("peak_bytes", 0) <= devs.limit_bytes
+    out["fits"] = out["fits"] and max(peaks[1:]) <= devs.limit_bytes
     return out
 
 
@@ -781,7 +793,9 @@ def format_result(result: dict) -> str:
                     f"({_gib(p.get('weight_bytes'))}), kernels {p['kernels']}; each slot takes "
                     f"{p['bytes_per_slot'] / 2 ** 20:.1f} MiB in the compiled step; slots of {p['max_len']} positions "
                     f"that fit beside the weights: {p['slots_that_fit']}; prefill program peak "
-                    f"{_gib(p['prefill'].get('peak_bytes'))}")
+                    f"{_gib(p['prefill'].get('peak_bytes'))}"
+                    + (f"; packed prefill of {p['prefill_packed']['tokens']} tokens peak "
+                       f"{_gib(p['prefill_packed'].get('peak_bytes'))}" if p.get("prefill_packed") else ""))
         else:
             head = (f"generate: batch {p['batch_size']}, prompt {p['prompt_len']}, {p['max_new_tokens']} new tokens, "
                     f"dtype {p['dtype']}, kernels {p['kernels']}" + (f", mesh {p['mesh']}" if p.get("mesh") else ""))

@@ -940,11 +940,12 @@ class Engine:
 
 def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, backend: Optional[Backend] = None,
                  sharding=None, max_logprobs: int = 20, params=None, quantize: Optional[str] = None,
-                 kv_dtype: Optional[str] = None) -> dict:
+                 kv_dtype: Optional[str] = None, packed: Optional[int] = None) -> dict:
     """The engine's decode step (every slot) and its prefill of a `chunk`-token piece, lowered for
     abstract inputs placed on `sharding` (nothing allocated): {"decode": lowered, "prefill": lowered,
     "weights": the abstract DecodeWeights both take}. `.compile()` them to check them for another
-    platform's devices.
+    platform's devices. With `packed` (a token count) also "prefill_packed": `packed_prefill`'s call of
+    that many tokens (whole prompts of up to min(slots, 8) requests, none longer than `chunk`).
 
     With `quantize` and a backend whose int8 kernels take any row count (`Int8Kernel`s, multiplied with
     XLA: the portable, tpu and gpu backends) the weights are what a device would hold: the int8 kernels
@@ -989,9 +990,15 @@ def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, bac
     static = dict(config=config, backend=backend, n_logprobs=max_logprobs)
     weights, cache = place(DecodeWeights(params, prepared)), place(cache)
     scalar = arr((), jnp.int32)
+    packed_program = {}
+    if packed:
+        n, g = arr((packed,), jnp.int32), arr((min(slots, MAX_PACKED_PROMPTS),), jnp.int32)
+        packed_program["prefill_packed"] = _prefill_packed.lower(
+            weights if int8_any_rows else weights.params, cache, n, n, n, g, g, g, g,
+            rows(min(slots, MAX_PACKED_PROMPTS)), window=min(chunk, max_len), **static)
     return {"decode": _decode.lower(weights, cache, arr((slots,), jnp.int32), arr((slots,), jnp.bool_), rows(slots),
                                     **static),
             "prefill": _prefill.lower(weights if int8_any_rows else weights.params, cache, scalar, scalar,
                                       arr((1, chunk), jnp.int32), scalar, arr((chunk,), jnp.int32), rows(1),
                                       prompt_logprobs=False, **static),
-            "weights": weights}
+            "weights": weights, **packed_program}

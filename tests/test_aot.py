@@ -186,6 +186,8 @@ def test_inputs_a_user_types_end_in_one_line_before_any_compile(tmp_path):
              (["--target=tpu:v5e:2x\u00b2"], {}, "chip counts per axis"),
              (["--target=tpu:v5e:2x2", "--programs="], {}, "--programs names no program"),
              (["--target=tpu:v5e:2x2", f"--json={tmp_path}"], {}, "is a folder; give a file path"),
+             (["--target=tpu:v5e:2x2", "--engine_packed=64"], {}, "add engine to --programs"),
+             (["--target=tpu:v5e:1x1", "--programs=engine", "--engine_packed=4096"], {}, "packed prefill needs"),
              (["--target=tpu:v5e:2x2", f"--json={tmp_path / 'missing' / 'r.json'}"], {}, "cannot write --json="),
              (["--target=gpu:h100:2"], {"XLA_PYTHON_CLIENT_MEM_FRACTION": "abc"}, "must be a number in (0, 1]"),
              (["--target=gpu:h100:2"], {"XLA_PYTHON_CLIENT_MEM_FRACTION": "5"}, "must be a number in (0, 1]")]
@@ -231,6 +233,26 @@ def test_the_engine_compiles_for_the_target_and_says_how_many_slots_fit(target):
     fixed = max(e["peak_bytes"], e["prefill"]["peak_bytes"]) - 4 * e["bytes_per_slot"]
     assert e["slots_that_fit"] == (e["limit_bytes"] - fixed) // e["bytes_per_slot"] > 4
     assert f"that fit beside the weights: {e['slots_that_fit']}" in aot.format_result(r)
+
+
+@needs_aot
+def test_the_packed_prefill_compiles_for_the_target_and_counts_in_what_fits():
+    aot.prepare_environment()
+    tpu = aot.parse_target("tpu:v5e:1x1")
+    args = {"slots": 4, "max_len": 32, "chunk": 8}
+    plain = aot.compile_for_target(_tiny(), tpu, programs=("engine",), progress=False, engine_args=args)
+    r = aot.compile_for_target(_tiny(), tpu, programs=("engine",), progress=False,
+                               engine_args={**args, "packed": 48})
+    e, p = r["programs"]["engine"], plain["programs"]["engine"]
+    assert "prefill_packed" not in p and e["fits"] and e["prefill_packed"]["tokens"] == 48
+    assert e["prefill_packed"]["peak_bytes"] > 0 and e["prefill_packed"]["argument_bytes"] > 0
+    peak = max(e["peak_bytes"], e["prefill"]["peak_bytes"], e["prefill_packed"]["peak_bytes"])
+    fixed = peak - 4 * e["bytes_per_slot"]
+    assert e["slots_that_fit"] == (e["limit_bytes"] - fixed) // e["bytes_per_slot"]
+    assert "packed prefill of 48 tokens peak" in aot.format_result(r)
+    for bad in ({**args, "packed": 1}, {**args, "packed": 65}, {**args, "slots": 1, "packed": 16}):
+        with pytest.raises(aot.AotError, match="packed prefill needs"):
+            aot.compile_for_target(_tiny(), tpu, programs=("engine",), progress=False, engine_args=bad)
 
 
 @needs_aot

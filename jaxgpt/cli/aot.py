@@ -30,6 +30,8 @@ flags.DEFINE_list("programs", ["train", "generate"], "which programs to compile:
 flags.DEFINE_integer("engine_slots", None, "engine: slots (default 8); the report says how many fit")
 flags.DEFINE_integer("engine_max_len", None, "engine: positions per slot (default the context)")
 flags.DEFINE_integer("engine_chunk", None, "engine: prefill chunk (default 256)")
+flags.DEFINE_integer("engine_packed", None, "engine: also compile the packed prefill (Engine(packed_prefill=True)) "
+                     "of this many tokens, its longest call (at most 1024 and the context); default not compiled")
 flags.DEFINE_string("quantize", None, "engine: int8 to compile it with int8 weights (every dense kernel and the "
                     "head; the programs hold them instead of the float kernels), w8a8 with int8 activations too "
                     "(XLA's int8 x int8 -> int32 dot); default float weights")
@@ -122,7 +124,7 @@ def _run(argv) -> None:
         programs = aot.check_programs(FLAGS.programs)
     except aot.AotError as e:
         _fail(e)
-    for name in ("quantize", "kv_dtype"):
+    for name in ("quantize", "kv_dtype", "engine_slots", "engine_max_len", "engine_chunk", "engine_packed"):
         if FLAGS[name].value is not None and "engine" not in programs:
             _fail(f"--{name} applies to the engine's programs: add engine to --programs (e.g. --programs=engine)")
     try:
@@ -145,7 +147,7 @@ def _run(argv) -> None:
     with _FilteredStderr():
         try:
             engine = {"slots": FLAGS.engine_slots, "max_len": FLAGS.engine_max_len, "chunk": FLAGS.engine_chunk,
-                      "quantize": FLAGS.quantize, "kv_dtype": FLAGS.kv_dtype}
+                      "quantize": FLAGS.quantize, "kv_dtype": FLAGS.kv_dtype, "packed": FLAGS.engine_packed}
             result = aot.compile_for_target(config, target, FLAGS.vocab_size, tuple(FLAGS.programs),
                                             progress=True, generate_args=gen, engine_args=engine)
         except aot.DoesNotFit as e:
