@@ -1,19 +1,20 @@
 """Engine benchmark: c concurrent requests served by jaxgpt.Engine or by Decoder.generate in fixed batches.
 
 python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-new-tokens N] [--min-prompt 16]
-                       [--max-prompt 256] [--decode-steps 4] [--dtype float32|bfloat16]
+                       [--max-prompt 256] [--decode-steps 4] [--top-k 50] [--dtype float32|bfloat16]
                        [--quantize none|int8|w8a8] [--prefill-budget N] [--packed] [--no-lone] [--tiny]
 
 GPT-2 124M shape, random float32 weights. Each request: a prompt of 16 to 256 random tokens (uniform), 128
-new tokens (no stop), top-k 50 sampling with its own seed. At concurrency c a client keeps c requests in
-flight (as `vllm bench serve --max-concurrency` does), 4c requests in all (at least 8): the first c arrive
+new tokens (no stop), top-k 50 sampling (--top-k) with its own seed. At concurrency c a client keeps c
+requests in flight (as `vllm bench serve --max-concurrency` does), 4c requests in all (at least 8): the first c arrive
 one decode step apart, and each later one when an earlier one is done. The engine (c slots) takes each as
 it arrives; the fixed batches take them c at a time (a batch's requests are in flight together, so the
 next c arrive when it returns), prompts padded to the batch's longest (compile excluded: every batch
 shape is run once first). Reports output tokens/s, time to first token (TTFT, from arrival; a fixed
 batch's tokens all come when its call returns), how far each engine TTFT is past its own prefill in
-decode steps, the engine's program count and warm-up time; and a lone request's decode rate on the engine
-against Decoder.generate at batch 1.
+decode steps (p99) and past the serial bound (its prefill after those of every request that arrived before
+it, back to back: what no server prefilling one prompt at a time can beat), the engine's program count and
+warm-up time; and a lone request's decode rate on the engine against Decoder.generate at batch 1.
 
 With every request asking for the same number of tokens, a fixed batch's rows end together: what the engine
 can save is the padding of each batch's prompts to its longest. The bench also times the fixed batches'
@@ -39,6 +40,8 @@ import jaxgpt  # noqa: E402
 from bench.common import machine, write_results  # noqa: E402
 from jaxgpt.engine import Engine  # noqa: E402
 
+TOP_K = 50  # every request's top_k (--top-k; None: drawn over the whole vocabulary, as an API's default is)
+
 
 def config(tiny: bool) -> jaxgpt.GPTConfig:
     if tiny:
@@ -59,7 +62,7 @@ def step_time(engine: Engine, new_tokens: int, k: int = 8) -> float:
     """Median seconds of one decode step with every slot generating (a throwaway batch of requests)."""
     k = max(1, min(k, engine.max_len - 7))
     for i in range(engine.slots):
-        engine.submit([1, 2, 3], max_tokens=k + 4, temperature=1.0, top_k=50, seed=i)
+        engine.submit([1, 2, 3], max_tokens=k + 4, temperature=1.0, top_k=TOP_K, seed=i)
     engine.step()  # prefill and the first decode
     times = []
     for _ in range(k):
@@ -84,7 +87,7 @@ def replay_engine(engine: Engine, prompts, new_tokens: list, stagger: float) -> 
     start, outs, nxt = time.perf_counter(), {}, 0
 
     def submit(i, at):
-        engine.submit(prompts[i], max_tokens=new_tokens[i], temperature=1.0, top_k=50, seed=i)
+        engine.submit(prompts[i], max_tokens=new_tokens[i], temperature=1.0, top_k=TOP_K, seed=i)
         outs[i] = engine._waiting[-1].out
         outs[i].submitted = at  # its arrival, not when this loop got to it
 
@@ -107,7 +110,20 @@ def replay_engine(engine: Engine, prompts, new_tokens: list, stagger: float) -> 
     done = [outs[i] for i in range(len(prompts))]
     return {"seconds": total, "tokens_per_s": sum(len(o.tokens) for o in done) / total,
             "ttft_s": [o.first_token - o.submitted for o in done],
-            "ttft_past_prefill_s": [o.first_token - o.submitted - o.prefill_s for o in done]}
+            "ttft_past_prefill_s": [o.first_token - o.submitted - o.prefill_s for o in done],
+            "ttft_past_serial_s": [o.first_token - o.submitted - b for o, b in zip(done, serial_bound(done))]}
+
+
+def serial_bound(done) -> list:
+    """Each request's time to first token had its prompt been prefilled as soon as the prompts before it
+    (by arrival) were, back to back, at the cost its own prefill calls measured, and nothing else run: the
+    least a server that prefills one prompt at a time can give these arrivals (the wait behind earlier
+    prompts included, which "past its own prefill" counts against the engine)."""
+    bound, free = [0.0] * len(done), -float("inf")
+    for i in sorted(range(len(done)), key=lambda i: done[i].submitted):
+        free = max(free, done[i].submitted) + done[i].prefill_s
+        bound[i] = free - done[i].submitted
+    return bound
 
 
 def replay_fixed(decoder, prompts, c: int, new_tokens: list, stagger: float) -> dict:
@@ -122,7 +138,7 @@ def replay_fixed(decoder, prompts, c: int, new_tokens: list, stagger: float) -> 
             arr[r, :len(prompts[i])] = prompts[i]
         n = max(new_tokens[i] for i in batch) if n is None else n
         out = decoder.generate(arr, n, jax.random.key(batch[0]), prompt_lengths=[len(prompts[i]) for i in batch],
-                               temperature=1.0, top_k=50)
+                               temperature=1.0, top_k=TOP_K)
         out.tokens.block_until_ready()
 
     for batch in batches:  # compile every shape first
@@ -155,14 +171,15 @@ def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps: int, qua
     decoder = jaxgpt.Decoder(params, cfg, quantize=quantize)
 
     def gen(n):
-        decoder.generate(np.array([prompt]), n, jax.random.key(0), temperature=1.0, top_k=50).tokens.block_until_ready()
+        out = decoder.generate(np.array([prompt]), n, jax.random.key(0), temperature=1.0, top_k=TOP_K)
+        out.tokens.block_until_ready()
 
     engines = {name: Engine(params, cfg, slots=slots, max_len=16 + new_tokens, prefill_chunk=16, decode_steps=k,
                             quantize=quantize)
                for name, k in (("engine", decode_steps), ("engine_1_step", 1))}
 
     def runner(engine):
-        return lambda n: engine.run([dict(prompt=prompt, max_tokens=n, temperature=1.0, top_k=50)])
+        return lambda n: engine.run([dict(prompt=prompt, max_tokens=n, temperature=1.0, top_k=TOP_K)])
 
     out = {"decode_steps": decode_steps}
     fns = {"generate": gen, **{name: runner(e) for name, e in engines.items()}}
@@ -203,10 +220,15 @@ def main(argv=None) -> dict:
                     help="the model's compute dtype (GPTConfig.dtype; params stay float32), for both sides")
     ap.add_argument("--quantize", default="none", choices=["none", "int8", "w8a8"],
                     help="the engine's and Decoder's quantize= (both sides alike; default none)")
+    ap.add_argument("--top-k", type=int, default=50,
+                    help="each request's top_k, both sides (0: none, a draw over the whole vocabulary, what an "
+                         "OpenAI-style request without top_k gets)")
     ap.add_argument("--no-lone", dest="lone", action="store_false", help="skip the lone-request comparison")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short runs (the smoke test)")
     ap.add_argument("--out", default=None, help="results file name (default engine.json, tiny: not written)")
     args = ap.parse_args(argv)
+    global TOP_K
+    TOP_K = args.top_k or None
     cfg = config(args.tiny).replace(dtype=args.dtype)
     quantize = None if args.quantize == "none" else args.quantize
     min_new = args.new_tokens if args.min_new_tokens is None else args.min_new_tokens
@@ -217,6 +239,7 @@ def main(argv=None) -> dict:
     results = {"machine": machine(), "cpu_flags": sorted(f for f in jaxgpt.backends.cpu.cpu_flags()
                                                          if f.startswith(("avx512", "amx", "avx2"))),
                "config": "tiny" if args.tiny else "gpt2-124m", "dtype": args.dtype, "quantize": args.quantize,
+               "top_k": TOP_K,
                "new_tokens": args.new_tokens, "min_new_tokens": min_new,
                "prompt_range": [args.min_prompt, args.max_prompt], "runs": []}
     decoder = jaxgpt.Decoder(params, cfg, quantize=quantize)
@@ -242,6 +265,7 @@ def main(argv=None) -> dict:
                "engine_ttft_p50_s": percentile(eng["ttft_s"], 50), "engine_ttft_p99_s": percentile(eng["ttft_s"], 99),
                "fixed_ttft_p50_s": percentile(fixed["ttft_s"], 50), "fixed_ttft_p99_s": percentile(fixed["ttft_s"], 99),
                "engine_ttft_past_prefill_p99_steps": percentile(eng["ttft_past_prefill_s"], 99) / step,
+               "engine_ttft_past_serial_p99_steps": percentile(eng["ttft_past_serial_s"], 99) / step,
                "fixed_seconds": fixed["seconds"], "fixed_prefill_s": fixed["prefill_s"],
                "fixed_prefill_padding_share": fixed["prefill_padding_share"]}
         if args.packed:  # the same requests through an engine that packs whole prompts into one call
@@ -261,6 +285,7 @@ def main(argv=None) -> dict:
               f"  x{run['engine_over_fixed']:.2f}  TTFT p50/p99 engine {run['engine_ttft_p50_s']:.3f}/"
               f"{run['engine_ttft_p99_s']:.3f} s fixed {run['fixed_ttft_p50_s']:.3f}/{run['fixed_ttft_p99_s']:.3f} s"
               f"  p99 past prefill {run['engine_ttft_past_prefill_p99_steps']:.2f} steps"
+              f" (past serial prefills {run['engine_ttft_past_serial_p99_steps']:.2f})"
               f"  ({programs} programs, warm-up {warm:.1f} s)\n"
               f"       fixed batches: {fixed['seconds']:.1f} s, their prefill alone {fixed['prefill_s']:.1f} s, "
               f"{100 * fixed['prefill_padding_share']:.0f}% of its positions padding", flush=True)

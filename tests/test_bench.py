@@ -3,6 +3,7 @@ GPU is lent)."""
 
 import json
 
+import numpy as np
 import pytest
 
 from bench.accelerator import main
@@ -116,13 +117,26 @@ def test_engine_benchmark_smoke():
 
     results = engine.main(["--tiny", "--concurrency", "2", "--new-tokens", "4", "--min-new-tokens", "2",
                            "--min-prompt", "2", "--max-prompt", "9", "--prefill-chunk", "8", "--prefill-budget",
-                           "24", "--packed"])
+                           "24", "--packed", "--top-k", "0"])
     (run,) = results["runs"]
     assert run["requests"] == 8 and run["engine_programs"] >= 2 and results["min_new_tokens"] == 2
+    assert results["top_k"] is None  # (draws over the whole vocabulary)
+    # the serial bound is at least a request's own prefill: past it, a TTFT is no later than past its prefill
+    assert run["engine_ttft_past_serial_p99_steps"] <= run["engine_ttft_past_prefill_p99_steps"] + 1e-9
     assert run["packed_tokens_per_s"] > 0 and run["packed_calls"] >= 1
     assert run["fixed_prefill_s"] > 0 and 0 <= run["fixed_prefill_padding_share"] < 1
     assert run["engine_tokens_per_s"] > 0 and run["fixed_tokens_per_s"] > 0 and run["engine_ttft_p99_s"] > 0
     assert set(results) >= {"lone_request_slots_1", "lone_request_slots_2"}
+
+
+def test_the_serial_bound_prefills_each_arrival_after_the_ones_before_it():
+    from types import SimpleNamespace
+
+    from bench import engine
+
+    done = [SimpleNamespace(submitted=a, prefill_s=p) for a, p in [(0.15, 0.1), (0.0, 0.2), (0.1, 0.05), (1.0, 0.3)]]
+    # by arrival: 0.0 -> ends 0.2; 0.1 waits -> 0.25; 0.15 waits -> 0.35; 1.0 finds nothing before it -> 1.3
+    np.testing.assert_allclose(engine.serial_bound(done), [0.2, 0.2, 0.15, 0.3])
 
 
 def test_serve_benchmark_smoke(monkeypatch):
