@@ -54,6 +54,38 @@ def test_top_p_with_ties_keeps_a_minimal_set():
     assert len(_kept(top_p_filter(logits, 0.5))) == 2
 
 
+def _top_p_reference(logits, p):
+    # by sorting everything, in float64: token kept when the mass of the tokens before it (by probability,
+    # ties in index order) is below p
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.lexsort((np.arange(len(logits)), -logits))
+    before = np.cumsum(probs[order]) - probs[order]
+    keep = np.zeros(len(logits), bool)
+    keep[order] = before < p
+    return keep
+
+
+def test_top_p_cut_among_the_candidates_or_past_them_keeps_the_sorted_set():
+    # rows whose cut lies among the TOP_P_CANDIDATES most likely tokens take the candidates' path, the others
+    # (a flat distribution, p near 1) sort the vocabulary: both keep what a full sort keeps, each row its own p
+    rng = np.random.default_rng(3)
+    v = 3 * sampling.TOP_P_CANDIDATES
+    logits = rng.normal(size=(6, v)).astype(np.float32)
+    logits[0] *= 8  # peaked: a few tokens hold the mass
+    logits[1] = np.round(logits[1] * 4)  # peaked, with ties
+    logits[2] *= 0.1  # nearly flat: p = 0.9 needs most of the vocabulary
+    p = np.array([0.9, 0.8, 0.9, 0.3, 0.999, 0.5], np.float32)
+    got = np.asarray(jax.jit(sampling.top_p_mask)(jnp.asarray(logits), jnp.asarray(p)))
+    cand = sampling.TOP_P_CANDIDATES
+    sizes = got.sum(-1)
+    assert sizes[0] < cand and sizes[1] < cand and sizes[2] > cand and sizes[4] > cand  # both paths taken
+    for row in range(6):
+        np.testing.assert_array_equal(got[row], _top_p_reference(logits[row].astype(np.float64), p[row]), row)
+        one = np.asarray(top_p_filter(jnp.asarray(logits[row]), float(p[row])))  # the scalar form, a row alone
+        np.testing.assert_array_equal(np.isfinite(one), got[row])
+
+
 def test_filters_are_batched():
     logits = jnp.array([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])
     f = np.isfinite(np.asarray(top_k_filter(logits, 1)))
@@ -96,19 +128,20 @@ def test_sample_rows_mixed_rows_each_equal_sample_logits():
     """One step's rows: greedy, top-k (the candidates' path), top-p alone (the sort) and no filter, each row
     drawing what `sample_logits` draws for it alone; and greedy rows alone take argmax."""
     rng = np.random.default_rng(1)
-    logits = jnp.asarray(rng.normal(size=(4, 300)).astype(np.float32))
-    settings = [(0.0, 0, 1.0), (0.8, 20, 1.0), (1.3, 0, 0.7), (1.0, 0, 1.0)]
-    keys = jax.random.split(jax.random.key(3), 4)
+    logits = jnp.asarray(rng.normal(size=(5, 300)).astype(np.float32))
+    # (top-p 0.7 finds its cut among sampling.TOP_P_CANDIDATES tokens, 0.999 past them: the vocabulary sorted)
+    settings = [(0.0, 0, 1.0), (0.8, 20, 1.0), (1.3, 0, 0.7), (1.0, 0, 1.0), (1.0, 0, 0.999)]
+    keys = jax.random.split(jax.random.key(3), 5)
     rows = sampling.RowSettings(
         temperature=jnp.asarray([t for t, _, _ in settings], jnp.float32),
         top_k=jnp.asarray([k for _, k, _ in settings], jnp.int32),
         top_p=jnp.asarray([p for _, _, p in settings], jnp.float32),
-        key_data=jax.vmap(jax.random.key_data)(keys), index=jnp.asarray([5, 6, 7, 8], jnp.int32))
+        key_data=jax.vmap(jax.random.key_data)(keys), index=jnp.asarray([5, 6, 7, 8, 9], jnp.int32))
     got = np.asarray(sampling.sample_rows(logits, rows))
     for s, (t, k, p) in enumerate(settings):
         want = sample_logits(jax.random.fold_in(keys[s], 5 + s), logits[s:s + 1], t, k or None, p)
         assert got[s] == int(want[0]), s
-    only_greedy = rows._replace(temperature=jnp.zeros(4, jnp.float32))
+    only_greedy = rows._replace(temperature=jnp.zeros(5, jnp.float32))
     np.testing.assert_array_equal(np.asarray(sampling.sample_rows(logits, only_greedy)),
                                   np.argmax(np.asarray(logits), -1))
 
