@@ -66,24 +66,26 @@ def _top_p_reference(logits, p):
     return keep
 
 
-def test_top_p_cut_among_the_candidates_or_past_them_keeps_the_sorted_set():
-    # rows whose cut lies among the TOP_P_CANDIDATES most likely tokens take the candidates' path, the others
-    # (a flat distribution, p near 1) sort the vocabulary: both keep what a full sort keeps, each row its own p
+def test_top_p_without_a_sort_keeps_what_a_sort_keeps():
+    # peaked and flat rows, ties, each row its own p: the bisection's set is the sorted cumulative sum's
     rng = np.random.default_rng(3)
-    v = 3 * sampling.TOP_P_CANDIDATES
+    v = 768
     logits = rng.normal(size=(6, v)).astype(np.float32)
     logits[0] *= 8  # peaked: a few tokens hold the mass
     logits[1] = np.round(logits[1] * 4)  # peaked, with ties
     logits[2] *= 0.1  # nearly flat: p = 0.9 needs most of the vocabulary
     p = np.array([0.9, 0.8, 0.9, 0.3, 0.999, 0.5], np.float32)
     got = np.asarray(jax.jit(sampling.top_p_mask)(jnp.asarray(logits), jnp.asarray(p)))
-    cand = sampling.TOP_P_CANDIDATES
     sizes = got.sum(-1)
-    assert sizes[0] < cand and sizes[1] < cand and sizes[2] > cand and sizes[4] > cand  # both paths taken
+    assert sizes[0] < 50 and sizes[2] > 500 and 1 <= sizes[3] < sizes[2]
     for row in range(6):
         np.testing.assert_array_equal(got[row], _top_p_reference(logits[row].astype(np.float64), p[row]), row)
         one = np.asarray(top_p_filter(jnp.asarray(logits[row]), float(p[row])))  # the scalar form, a row alone
         np.testing.assert_array_equal(np.isfinite(one), got[row])
+    # the order it bisects over is the floats' (-0.0 equal to 0.0)
+    x = np.array([-np.inf, -3e38, -2.0, -1.0, -1e-30, -0.0, 0.0, 1e-30, 1.0, 2.0, 3e38, np.inf], np.float32)
+    keys = np.asarray(sampling._ordered_uint(jnp.asarray(x))).astype(np.int64)
+    assert (np.diff(keys) > 0).sum() == len(x) - 2 and keys[5] == keys[6]
 
 
 def test_filters_are_batched():
@@ -129,7 +131,7 @@ def test_sample_rows_mixed_rows_each_equal_sample_logits():
     drawing what `sample_logits` draws for it alone; and greedy rows alone take argmax."""
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.normal(size=(5, 300)).astype(np.float32))
-    # (top-p 0.7 finds its cut among sampling.TOP_P_CANDIDATES tokens, 0.999 past them: the vocabulary sorted)
+    # (top-p 0.7 keeps about a third of the tokens, 0.999 nearly all)
     settings = [(0.0, 0, 1.0), (0.8, 20, 1.0), (1.3, 0, 0.7), (1.0, 0, 1.0), (1.0, 0, 0.999)]
     keys = jax.random.split(jax.random.key(3), 5)
     rows = sampling.RowSettings(
