@@ -58,6 +58,54 @@ def _no_cache_writes_in_test_processes():
         jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
+def _mappings() -> int:
+    """How many memory mappings this process holds (Linux; 0 elsewhere). About 1 ms per 1,000."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+# Every program XLA:CPU compiles holds three or four memory mappings of its own (its code, constants and
+# data) for as long as anything keeps it, and jit's caches keep every program that a module-level function
+# compiled (one per shape and static argument) for the life of the process. Whole runs compile so many that
+# a worker reached 64,063 mappings on 2026-12-04 against Linux's default limit of 65,530
+# (vm.max_map_count), past which LLVM's next mapping fails inside XLA: the SIGSEGVs and SIGABRTs in
+# backend_compile_and_load and in the persistent cache's serialize in that day's whole runs, in whichever
+# test came next, never in a test run alone. So after the last test of each file (its module fixtures torn
+# down) the jit caches are emptied and unreachable programs collected, and within a file the same happens
+# when a count taken every 8 tests passes 40,000 (tests/test_engine.py alone reached 43,907 from 900).
+# JAXGPT_TEST_MAPPINGS=1 prints the counts.
+_MAPPINGS_CHECK_EVERY, _MAPPINGS_HIGH = 8, 40_000
+_tests_since_check = 0
+
+
+def _release_compiled_programs(why: str) -> None:
+    import jax
+
+    before = _mappings() if os.environ.get("JAXGPT_TEST_MAPPINGS") else 0
+    jax.clear_caches()
+    gc.collect()
+    if before:
+        sys.stderr.write(f"\n[mappings] {why}: {before} -> {_mappings()}\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    global _tests_since_check
+    yield
+    if nextitem is None or nextitem.path != item.path:
+        _tests_since_check = 0
+        _release_compiled_programs(f"after {item.path.name}")
+        return
+    _tests_since_check += 1
+    if _tests_since_check >= _MAPPINGS_CHECK_EVERY:
+        _tests_since_check = 0
+        if _mappings() > _MAPPINGS_HIGH:
+            _release_compiled_programs(f"within {item.path.name}")
+
+
 def pytest_configure(config):
     # -n without --dist (or with --dist load, which looks the same here): one file per worker at a time
     if getattr(config.option, "dist", None) == "load":
