@@ -262,8 +262,11 @@ def test_the_int8_engine_compiles_for_a_tpu_holding_int8_kernels_instead_of_floa
 
     aot.prepare_environment()
     tpu = aot.parse_target("tpu:v5e:1x1")
+    # 8 slots of 64 positions: a slot's bytes are the growth of the decode step's peak from 8 slots to 16,
+    # over 8, and the compiler's fixed temporaries move by some 40 KB between such programs (at 4 slots of
+    # 32 positions the int8 cache's step measured 64 KB a slot one day, 39 KB another, against 10 KB of cache)
     results = [aot.compile_for_target(_tiny(), tpu, programs=("engine",), progress=False,
-                                      engine_args={"slots": 4, "max_len": 32, "chunk": 8, "quantize": q, "kv_dtype": kv})
+                                      engine_args={"slots": 8, "max_len": 64, "chunk": 8, "quantize": q, "kv_dtype": kv})
                for q, kv in [(None, None), ("int8", None), ("int8", "int8"), ("w8a8", None)]]
     figures = [r["programs"]["engine"] for r in results]
     r = results[2]  # int8 weights and cache
