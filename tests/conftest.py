@@ -75,9 +75,9 @@ def _mappings() -> int:
 # backend_compile_and_load and in the persistent cache's serialize in that day's whole runs, in whichever
 # test came next, never in a test run alone. So after the last test of each file (its module fixtures torn
 # down) the jit caches are emptied and unreachable programs collected, and within a file the same happens
-# when a count taken every 8 tests passes 40,000 (tests/test_engine.py alone reached 43,907 from 900).
+# when a count taken every 4 tests passes 32,000 (tests/test_engine.py alone reached 43,907 from 900).
 # JAXGPT_TEST_MAPPINGS=1 prints the counts.
-_MAPPINGS_CHECK_EVERY, _MAPPINGS_HIGH = 8, 40_000
+_MAPPINGS_CHECK_EVERY, _MAPPINGS_HIGH = 4, 32_000
 _tests_since_check = 0
 
 
