@@ -64,3 +64,30 @@ def write_results(name: str, results: dict) -> str:
     with open(path, "w") as f:
         json.dump(results, f, indent=2)
     return path
+
+
+def engine_summary(before: dict, after: dict, requests: int, seconds: float) -> dict:
+    """How a run's load became the engine's compiled calls, from Engine.stats (or jaxgpt-serve's
+    jaxgpt_engine_*_total counters) taken before and after it, over `seconds` of wall time: decode steps a
+    call, the mean batch (requests generating a step) against the rows computed, milliseconds a step,
+    prefill calls a request, and the share of the run spent inside compiled calls (the rest: the engine idle
+    or in Python between calls)."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+    steps, calls = int(d.get("decode_steps", 0)), int(d.get("decode_calls", 0))
+    busy = d.get("decode_seconds", 0.0) + d.get("prefill_seconds", 0.0)
+    return {"decode_steps": steps, "decode_calls": calls, "steps_per_call": steps / max(1, calls),
+            "mean_batch": d.get("decode_rows", 0) / max(1, steps),
+            "mean_width": d.get("decode_width", 0) / max(1, steps),
+            "decode_ms_per_step": 1e3 * d.get("decode_seconds", 0.0) / max(1, steps),
+            "prefill_calls": int(d.get("prefill_calls", 0)),
+            "prefill_calls_per_request": d.get("prefill_calls", 0) / max(1, requests),
+            "prefill_seconds": d.get("prefill_seconds", 0.0), "decode_seconds": d.get("decode_seconds", 0.0),
+            "busy_share": busy / seconds if seconds > 0 else 0.0,
+            "prefill_share": d.get("prefill_seconds", 0.0) / seconds if seconds > 0 else 0.0}
+
+
+def format_engine_summary(s: dict) -> str:
+    return (f"engine: {s['decode_steps']} steps in {s['decode_calls']} calls ({s['steps_per_call']:.2f} a call), "
+            f"mean batch {s['mean_batch']:.1f} of {s['mean_width']:.1f} rows, {s['decode_ms_per_step']:.1f} ms a step; "
+            f"{s['prefill_calls']} prefill calls ({s['prefill_calls_per_request']:.2f} a request); in compiled calls "
+            f"{100 * s['busy_share']:.0f}% of the run (prefill {100 * s['prefill_share']:.0f}%)")

@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxgpt  # noqa: E402
-from bench.common import machine, write_results  # noqa: E402
+from bench.common import engine_summary, format_engine_summary, machine, write_results  # noqa: E402
 from jaxgpt.engine import Engine  # noqa: E402
 
 TOP_K = 50  # every request's top_k (--top-k; None: drawn over the whole vocabulary, as an API's default is)
@@ -108,7 +108,8 @@ def replay_engine(engine: Engine, prompts, new_tokens: list, stagger: float) -> 
             time.sleep(max(0.0, start + nxt * stagger - time.perf_counter()))
     total = time.perf_counter() - start
     done = [outs[i] for i in range(len(prompts))]
-    return {"seconds": total, "tokens_per_s": sum(len(o.tokens) for o in done) / total,
+    return {"seconds": total, "tokens": sum(len(o.tokens) for o in done),
+            "tokens_per_s": sum(len(o.tokens) for o in done) / total,
             "ttft_s": [o.first_token - o.submitted for o in done],
             "ttft_past_prefill_s": [o.first_token - o.submitted - o.prefill_s for o in done],
             "ttft_past_serial_s": [o.first_token - o.submitted - b for o, b in zip(done, serial_bound(done))]}
@@ -256,9 +257,11 @@ def main(argv=None) -> dict:
         n = max(8, 4 * c)
         prompts = workload(cfg, n, args.min_prompt, args.max_prompt, seed=c)
         counts = new_token_counts(n, min_new, args.new_tokens, seed=c)
+        before = dict(engine.stats)
         eng = replay_engine(engine, prompts, counts, stagger=step)
+        calls = engine_summary(before, dict(engine.stats), n, eng["seconds"])
         fixed = replay_fixed(decoder, prompts, c, counts, stagger=step)
-        run = {"concurrency": c, "requests": n, "decode_step_s": step,
+        run = {"concurrency": c, "requests": n, "decode_step_s": step, "engine_tokens": eng["tokens"],
                "engine_programs": programs, "engine_warmup_s": warm, "kv_cache_bytes": engine.cache_bytes,
                "engine_tokens_per_s": eng["tokens_per_s"], "fixed_tokens_per_s": fixed["tokens_per_s"],
                "engine_over_fixed": eng["tokens_per_s"] / fixed["tokens_per_s"],
@@ -267,7 +270,7 @@ def main(argv=None) -> dict:
                "engine_ttft_past_prefill_p99_steps": percentile(eng["ttft_past_prefill_s"], 99) / step,
                "engine_ttft_past_serial_p99_steps": percentile(eng["ttft_past_serial_s"], 99) / step,
                "fixed_seconds": fixed["seconds"], "fixed_prefill_s": fixed["prefill_s"],
-               "fixed_prefill_padding_share": fixed["prefill_padding_share"]}
+               "fixed_prefill_padding_share": fixed["prefill_padding_share"], "engine_calls": calls}
         if args.packed:  # the same requests through an engine that packs whole prompts into one call
             other = make(packed=True)
             other.warmup(prompt_logprobs=False)
@@ -288,7 +291,8 @@ def main(argv=None) -> dict:
               f" (past serial prefills {run['engine_ttft_past_serial_p99_steps']:.2f})"
               f"  ({programs} programs, warm-up {warm:.1f} s)\n"
               f"       fixed batches: {fixed['seconds']:.1f} s, their prefill alone {fixed['prefill_s']:.1f} s, "
-              f"{100 * fixed['prefill_padding_share']:.0f}% of its positions padding", flush=True)
+              f"{100 * fixed['prefill_padding_share']:.0f}% of its positions padding\n"
+              f"       {format_engine_summary(calls)}", flush=True)
     for slots in sorted({1, max(args.concurrency)}) if args.lone else ():
         lone = lone_decode(params, cfg, slots, args.new_tokens, args.decode_steps, quantize)
         results[f"lone_request_slots_{slots}"] = lone

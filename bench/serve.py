@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import write_results  # noqa: E402
+from bench.common import engine_summary, format_engine_summary, write_results  # noqa: E402
 
 MODEL_NAME = "gpt2"  # both servers' --served-model-name
 ENDOFTEXT = "<|endoftext|>"
@@ -135,6 +135,22 @@ def _get(port: int, path: str, timeout: float = 5.0) -> int:
         return resp.status
     finally:
         conn.close()
+
+
+def engine_counters(port: int) -> dict:
+    """jaxgpt-serve's engine counters from its /metrics (jaxgpt_engine_<key>_total -> {key: value})."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("jaxgpt_engine_") and "_total " in line:
+            name, value = line.split()
+            out[name[len("jaxgpt_engine_"):-len("_total")]] = float(value)
+    return out
 
 
 class Server:
@@ -403,13 +419,19 @@ def main(argv=None) -> dict:
         # each concurrency its own prompts (vLLM's prefix cache never sees a prompt twice), every server the
         # same ones
         for i, (c, n) in enumerate(zip(args.concurrency, args.num_prompts)):
+            own = server.name == "jaxgpt-serve"
+            before = engine_counters(server.port) if own else None
             res = run(c, n, args.seed + i)
             row = {"server": server.name, "concurrency": c, "num_prompts": n,
                    "seed": args.seed + i, **{k: res.get(k) for k in KEYS}, "server_start_s": server.start_s}
             if res.get("errors"):
                 row["errors"] = res["errors"]
+            if own:  # how the load reached the engine (compare bench/engine.py's line for the same load)
+                row["engine"] = engine_summary(before, engine_counters(server.port), n, res.get("duration") or 0.0)
             rows.append(row)
             print(table([row]).splitlines()[-1], flush=True)
+            if own:
+                print("  " + format_engine_summary(row["engine"]), flush=True)
         return rows
 
     rows, errors, vllm_version = [], {}, None

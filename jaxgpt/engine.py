@@ -436,7 +436,9 @@ class Engine:
         self._waiting: collections.deque = collections.deque()
         self._ids = itertools.count()
         self._traces_at_start = sum(TRACES.values())
-        self.stats = collections.Counter()  # prefill_tokens/_calls/_padding, reused_tokens, decode_steps/_calls, copies
+        # prefill_tokens/_calls/_padding/_seconds, reused_tokens, copies; decode_steps/_calls/_seconds,
+        # decode_rows (requests generating, summed over steps) and decode_width (rows computed, the same)
+        self.stats = collections.Counter()
 
     @property
     def width(self) -> int:
@@ -686,6 +688,7 @@ class Engine:
                                    n_logprobs=self.max_logprobs, **self._static)
         out = jax.device_get(out)
         live.out.prefill_s += time.perf_counter() - t0
+        self.stats["prefill_seconds"] += time.perf_counter() - t0
         live.cursor += n
         self._cached[s].extend(req.prompt[start:start + n])
         self.stats["prefill_tokens"] += n
@@ -734,6 +737,7 @@ class Engine:
                                           window=self.prefill_chunk, **self._static)
         out = jax.device_get(out)
         elapsed = time.perf_counter() - t0
+        self.stats["prefill_seconds"] += elapsed
         self.stats["prefill_calls"] += 1
         self.stats["prefill_packed_calls"] += 1
         self.stats["prefill_padding"] += c - total
@@ -771,17 +775,27 @@ class Engine:
             return
         tokens = np.array([live.last if g else 0 for live, g in zip(self._live, gen)], np.int32)
         rows = self._rows([live if g else None for live, g in zip(self._live, gen)])
+        t0 = time.perf_counter()
         self.cache, out = _decode(self.weights[n], self.cache, tokens, np.asarray(gen), rows,
                                   n_logprobs=self.max_logprobs, **self._static)
         out = jax.device_get(out)
-        self.stats["decode_steps"] += 1
-        self.stats["decode_calls"] += 1
+        self._count_decode(t0, 1, sum(gen), n)
         for s, g in enumerate(gen):
             if g:
                 live = self._live[s]
                 self._cached[s].append(live.last)
                 self._emit(s, live, out["token"][s], out["logprob"][s], out["top_ids"][s], out["top_lps"][s],
                            events)
+
+    def _count_decode(self, t0: float, steps: int, generating: int, width: int) -> None:
+        """Count a decode call that began at t0: `steps` steps over `width` rows, `generating` of them
+        requests' (a row that ends within a call of several steps counts for all of them)."""
+        st = self.stats
+        st["decode_seconds"] += time.perf_counter() - t0
+        st["decode_calls"] += 1
+        st["decode_steps"] += steps
+        st["decode_rows"] += steps * generating
+        st["decode_width"] += steps * width
 
     def _several_steps_now(self, gen: list) -> bool:
         """Whether this step may run `decode_steps` steps in one call: every request in a slot is generating
@@ -798,11 +812,11 @@ class Engine:
         given, a call's worth at once."""
         k, lives = self.decode_steps, [live if g else None for live, g in zip(self._live, gen)]
         tokens = np.array([live.last if live is not None else 0 for live in lives], np.int32)
+        t0 = time.perf_counter()
         self.cache, out = _decode_steps(self.weights[n], self.cache, tokens, np.asarray(gen), self._rows(lives),
                                         n_logprobs=self.max_logprobs, steps=k, **self._static)
         out = jax.device_get(out)
-        self.stats["decode_steps"] += k
-        self.stats["decode_calls"] += 1
+        self._count_decode(t0, k, sum(gen), n)
         for j in range(k):
             for s, live in enumerate(lives):
                 if live is not None and self._live[s] is live:  # (not once it has ended)
@@ -829,11 +843,11 @@ class Engine:
         if not n_prop.any():
             return False
         rows = self._rows([live if g else None for live, g in zip(self._live, gen)])
+        t0 = time.perf_counter()
         self.cache, out = _verify(self.weights[n * w], self.cache, tokens, n_prop, np.asarray(gen), rows,
                                   n_logprobs=self.max_logprobs, **self._static)
         out = jax.device_get(out)
-        self.stats["decode_steps"] += 1
-        self.stats["decode_calls"] += 1
+        self._count_decode(t0, 1, sum(gen), n)
         self.stats["proposed"] += int(n_prop.sum())
         for s, g in enumerate(gen):
             if not g:

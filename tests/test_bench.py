@@ -127,6 +127,11 @@ def test_engine_benchmark_smoke():
     assert run["fixed_prefill_s"] > 0 and 0 <= run["fixed_prefill_padding_share"] < 1
     assert run["engine_tokens_per_s"] > 0 and run["fixed_tokens_per_s"] > 0 and run["engine_ttft_p99_s"] > 0
     assert set(results) >= {"lone_request_slots_1", "lone_request_slots_2"}
+    # how the load became calls: every token past each request's first from a decode step's row
+    calls = run["engine_calls"]
+    assert calls["mean_batch"] * calls["decode_steps"] >= run["engine_tokens"] - run["requests"] - 1e-6
+    assert 0 < calls["mean_batch"] <= calls["mean_width"] <= 2 and calls["prefill_calls"] >= 1
+    assert 0 < calls["prefill_share"] < calls["busy_share"] <= 1
 
 
 def test_the_serial_bound_prefills_each_arrival_after_the_ones_before_it():
@@ -156,6 +161,10 @@ def test_serve_benchmark_smoke(monkeypatch):
         assert r["completed"] == r["num_prompts"] and r["failed"] == 0
         assert r["total_output_tokens"] == 8 * r["num_prompts"]  # ignore_eos: every request runs to max_tokens
         assert r["output_throughput"] > 0 and 0 < r["median_ttft_ms"] <= r["p99_ttft_ms"]
+        e = r["engine"]  # from the server's /metrics: 7 of each request's 8 tokens from decode steps' rows
+        assert e["mean_batch"] * e["decode_steps"] >= 7 * r["num_prompts"] - 1e-6
+        assert e["mean_batch"] <= r["concurrency"]
+        assert e["prefill_calls"] >= r["num_prompts"] and 0 < e["busy_share"] <= 1
 
 
 def test_distilled_draft_is_a_run_the_speculative_bench_takes(tmp_path):

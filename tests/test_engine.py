@@ -239,6 +239,9 @@ def test_a_step_that_prefills_an_arrival_decodes_one_step(params):
     assert eng.stats["decode_steps"] == 6 and eng.stats["prefill_calls"] == 2
     eng.step()
     assert eng.stats["decode_steps"] == 10
+    # the rows: 1 (one request, one row), 4 x 1, 1 x 2 (the arrival's step), 4 x 2; four calls, timed
+    assert (eng.stats["decode_rows"], eng.stats["decode_width"], eng.stats["decode_calls"]) == (15, 15, 4)
+    assert eng.stats["decode_seconds"] > 0 and eng.stats["prefill_seconds"] > 0
 
 
 def test_several_decode_steps_per_call_give_the_single_steps_tokens(params):

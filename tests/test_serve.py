@@ -239,6 +239,10 @@ def test_metrics_count_requests_tokens_and_latencies(client):
     value = float(re.search(r"^jaxgpt_generation_tokens_total (\S+)$", text, re.M).group(1))
     assert value >= 3
     assert re.search(r"^jaxgpt_requests_running 0\.0$", text, re.M)
+    # the engine's own counters: its first token from the prefill, the other two from decode steps
+    engine = {m[0]: float(m[1]) for m in re.findall(r"^jaxgpt_engine_(\w+)_total (\S+)$", text, re.M)}
+    assert engine["prefill_calls"] >= 1 and engine["decode_steps"] >= 2 and engine["decode_seconds"] > 0
+    assert engine["decode_rows"] <= engine["decode_width"] and engine["prefill_tokens"] >= 2, engine
 
 
 # -- chat, end tokens ---------------------------------------------------------------------------------

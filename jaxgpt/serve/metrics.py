@@ -4,8 +4,39 @@ the tests, do not share counters)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+
+# The engine's own counters (Engine.stats), each exposed as jaxgpt_engine_<key>_total: how the load became
+# compiled calls (a client's arrival pattern shows here: single decode steps, half-empty batches).
+_ENGINE_COUNTERS = (
+    ("prefill_calls", "Prefill calls (a chunk of one prompt, or several whole prompts packed)"),
+    ("prefill_packed_calls", "Prefill calls that packed several prompts"),
+    ("prefill_tokens", "Prompt tokens prefilled (not those reused from the cache)"),
+    ("prefill_padding", "Padded positions of prefill calls"),
+    ("prefill_seconds", "Seconds in prefill calls"),
+    ("reused_tokens", "Prompt tokens whose keys and values came from the cache (prefix reuse)"),
+    ("copies", "Cache rows copied between slots for prefix reuse"),
+    ("decode_calls", "Decode calls (each one step, or several steps at once)"),
+    ("decode_steps", "Decode steps (a token for every generating request)"),
+    ("decode_rows", "Requests generating, summed over decode steps (over decode_steps: the mean batch)"),
+    ("decode_width", "Rows the decode steps computed, summed over steps (a power of two of the slots)"),
+    ("decode_seconds", "Seconds in decode calls"),
+)
+
+
+class _EngineCounters:
+    """A collector reading the engine's counters at each scrape (the engine thread writes them)."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def collect(self):
+        for key, text in _ENGINE_COUNTERS:
+            family = CounterMetricFamily(f"jaxgpt_engine_{key}", text)
+            family.add_metric([], float(self.stats.get(key, 0)))
+            yield family
 
 
 class Metrics:
@@ -27,6 +58,7 @@ class Metrics:
         proposed.set_function(lambda: stats["proposed"])
         accepted = Gauge("jaxgpt_speculative_accepted_tokens", "Proposed tokens that the model accepted", registry=r)
         accepted.set_function(lambda: stats["accepted"])
+        r.register(_EngineCounters(stats))
         self.ttft = Histogram("jaxgpt_time_to_first_token_seconds", "From the request's arrival to its first "
                               "generated token", buckets=_LATENCY, registry=r)
         self.itl = Histogram("jaxgpt_inter_token_latency_seconds", "Between a request's consecutive tokens",
