@@ -210,6 +210,9 @@ def main(argv=None) -> dict:
                     help="draw each request's max_tokens uniformly from this to --new-tokens (default: all equal)")
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=None,
+                    help="the engine's positions a slot (default --max-prompt + --new-tokens; jaxgpt-serve's is the "
+                         "model's context)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--prefill-budget", type=int, default=None,
                     help="prompt tokens per engine step (Engine(prefill_budget=...); default --prefill-chunk)")
@@ -236,7 +239,9 @@ def main(argv=None) -> dict:
     if not 1 <= min_new <= args.new_tokens:
         ap.error(f"--min-new-tokens must be in 1..--new-tokens ({args.new_tokens}), got {min_new}")
     params = jaxgpt.init_params(cfg, jax.random.key(0))
-    max_len = args.max_prompt + args.new_tokens
+    max_len = args.max_len or args.max_prompt + args.new_tokens
+    if max_len < args.max_prompt + args.new_tokens:
+        ap.error(f"--max-len must hold --max-prompt + --new-tokens ({args.max_prompt + args.new_tokens})")
     results = {"machine": machine(), "cpu_flags": sorted(f for f in jaxgpt.backends.cpu.cpu_flags()
                                                          if f.startswith(("avx512", "amx", "avx2"))),
                "config": "tiny" if args.tiny else "gpt2-124m", "dtype": args.dtype, "quantize": args.quantize,

@@ -494,3 +494,47 @@ def test_a_hugging_face_folder_is_served_with_its_tokenizer_and_template(tmp_pat
     config, _, served, name, template = serve._load(serve.build_parser().parse_args([f"--init_from={tmp_path / 'hf'}"]))
     assert config.vocab_size == served.vocab_size and name == "hf" and template == TEMPLATE
     assert served.eos_id == tok.eos_id and served.encode("the king") == tok.encode("the king")
+
+
+_FAULTS_SCRIPT = """
+import resource, sys, threading
+if sys.argv[1] == "1":
+    from jaxgpt.backends.cpu import single_malloc_arena
+    assert single_malloc_arena()
+import jax, numpy as np, jaxgpt
+from jaxgpt.backends.cpu import inline_cpu_dispatch
+from jaxgpt.engine import Engine
+inline_cpu_dispatch()
+cfg = jaxgpt.GPTConfig(vocab_size=50257, block_size=64, n_layer=1, n_head=2, n_embd=32)
+params = jaxgpt.init_params(cfg, jax.random.key(0))
+def run():  # an engine stepped on a thread of its own, as jaxgpt-serve's
+    eng = Engine(params, cfg, slots=32, max_len=64, prefill_chunk=32)
+    for i in range(32):
+        eng.submit([(7 * i + j) % 50257 for j in range(20)], max_tokens=30, temperature=1.0, seed=i)
+    for _ in range(8):
+        eng.step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(16):
+        eng.step()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+t = threading.Thread(target=run)
+t.start()
+t.join()
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.confstr("CS_GNU_LIBC_VERSION") is None
+                    or "MALLOC_ARENA_MAX" in os.environ, reason="glibc's malloc arenas")
+def test_an_engine_thread_in_one_malloc_arena_keeps_its_temporaries():
+    """jaxgpt-serve's engine steps on a thread of its own; in that thread's own glibc arena every step's
+    freed temporaries (here [32, 50257] logits and their draws) went back to the OS and the next step faulted
+    them in again. single_malloc_arena (the CLI's first call) keeps them: most of those page faults go."""
+    def faults(one_arena):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+        p = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, "1" if one_arena else "0"], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return int(p.stdout.split()[-1])
+
+    own, shared = faults(False), faults(True)
+    assert shared * 5 < own, (own, shared)

@@ -120,6 +120,9 @@ def _watch_warmup(server, worker) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from jaxgpt.backends.cpu import single_malloc_arena
+
+    single_malloc_arena()  # before JAX's threads: the engine thread's temporaries stay in the process
     cpu_unless_accelerated()
     from jaxgpt import compile_cache
     from jaxgpt.backends.cpu import inline_cpu_dispatch
