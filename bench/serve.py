@@ -368,7 +368,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--output-range-ratio", type=float, default=0.0,
                     help="output lengths output_len * [1 - r, 1 + r] (default 0: all output_len)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vllm-bindings", nargs="+", default=["default", "both"], choices=sorted(VLLM_BINDINGS))
+    ap.add_argument("--vllm-bindings", nargs="*", default=["default", "both"], choices=sorted(VLLM_BINDINGS),
+                    help="vLLM's servers to measure (none given: jaxgpt-serve only, still with vLLM's client)")
     ap.add_argument("--vllm-kv-cache-gib", type=int, default=4)
     ap.add_argument("--jaxgpt-args", default=None,
                     help="extra jaxgpt-serve flags, after the default --slots=<largest concurrency> (which a --slots "
