@@ -687,8 +687,9 @@ class Engine:
                                    np.int32(n), targets, self._rows([live]), prompt_logprobs=req.prompt_logprobs,
                                    n_logprobs=self.max_logprobs, **self._static)
         out = jax.device_get(out)
-        live.out.prefill_s += time.perf_counter() - t0
-        self.stats["prefill_seconds"] += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        live.out.prefill_s += elapsed
+        self.stats["prefill_seconds"] += elapsed
         live.cursor += n
         self._cached[s].extend(req.prompt[start:start + n])
         self.stats["prefill_tokens"] += n

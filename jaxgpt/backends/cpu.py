@@ -80,8 +80,8 @@ def single_malloc_arena() -> bool:
     a thread other than the main one (jaxgpt-serve's engine thread), called before JAX starts its own
     threads: a thread's arena is chosen at its first allocation. In a thread's own arena the freed
     temporaries of each call went back to the OS and every call faulted them in again: jaxgpt-serve, GPT-2
-    124M, w8a8, 32 requests in flight, took 6.1 million minor faults in 33 s of load, 21 thousand in one
-    arena, and its throughput went from 496 to 635 tokens/s (bench/README.md)."""
+    124M, w8a8, 32 requests in flight, took 6.1 million minor faults in 33 s of load, 163 in one arena,
+    and its throughput went from 496 to 652 tokens/s (bench/README.md)."""
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
     try:
