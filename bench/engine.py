@@ -1,7 +1,7 @@
 """Engine benchmark: c concurrent requests served by jaxgpt.Engine or by Decoder.generate in fixed batches.
 
 python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-new-tokens N] [--min-prompt 16]
-                       [--max-prompt 256] [--decode-steps 4] [--top-k 50] [--dtype float32|bfloat16]
+                       [--max-prompt 256] [--max-len N] [--decode-steps 4] [--top-k 50] [--dtype float32|bfloat16]
                        [--quantize none|int8|w8a8] [--prefill-budget N] [--packed] [--no-lone] [--tiny]
 
 GPT-2 124M shape, random float32 weights. Each request: a prompt of 16 to 256 random tokens (uniform), 128

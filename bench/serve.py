@@ -1,7 +1,7 @@
 """Serving benchmark: the same load, one client, against jaxgpt-serve and vLLM's CPU build on the same weights.
 
 python bench/serve.py [--vllm /tmp/vllm-cpu] [--concurrency 1 8 32] [--num-prompts 32 256 256]
-                      [--vllm-bindings default both] [--jaxgpt-args "--slots 32"] [--smoke]
+                      [--vllm-bindings [default] [both]] [--jaxgpt-args "--slots 32"] [--smoke]
 
 GPT-2 124M shape (vocab 50257, 1024 positions, 12 layers, 12 heads, 768 wide), float32, random weights made
 with jaxgpt.init_params and exported with jaxgpt.save_pretrained to one Hugging Face folder (with n_ctx in
@@ -14,7 +14,9 @@ its HTTP server on 2 cores) and `both` (VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_
 engine gets every core). The load, from vLLM's own client `vllm bench serve` (nobody's home game): random
 prompts of 64-192 tokens, 128 output tokens each with ignore_eos, streamed, at each concurrency; each
 server first gets an unrecorded warm-up at the largest concurrency. Reports output tokens/s, time to first
-token p50/p99 and inter-token latency p50/p99 per server and concurrency; bench/results/serve.json.
+token p50/p99 and inter-token latency p50/p99 per server and concurrency, and for jaxgpt-serve how the load
+became engine calls (its /metrics counters); bench/results/serve.json. `--vllm-bindings` with no binding
+after it measures jaxgpt-serve alone under vLLM's client.
 
 Without --vllm the vLLM side is skipped and jaxgpt-serve is measured with a small built-in client (threads,
 streaming, the same metrics); --smoke runs a tiny model with a few requests that way (the test).
