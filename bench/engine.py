@@ -108,8 +108,8 @@ def replay_engine(engine: Engine, prompts, new_tokens: list, stagger: float) -> 
             time.sleep(max(0.0, start + nxt * stagger - time.perf_counter()))
     total = time.perf_counter() - start
     done = [outs[i] for i in range(len(prompts))]
-    return {"seconds": total, "tokens": sum(len(o.tokens) for o in done),
-            "tokens_per_s": sum(len(o.tokens) for o in done) / total,
+    tokens = sum(len(o.tokens) for o in done)
+    return {"seconds": total, "tokens": tokens, "tokens_per_s": tokens / total,
             "ttft_s": [o.first_token - o.submitted for o in done],
             "ttft_past_prefill_s": [o.first_token - o.submitted - o.prefill_s for o in done],
             "ttft_past_serial_s": [o.first_token - o.submitted - b for o, b in zip(done, serial_bound(done))]}

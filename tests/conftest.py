@@ -40,12 +40,11 @@ _HEAVY_FIRST = ("test_backends.py", "test_distributed.py", "test_training.py", "
                 "test_attention.py", "test_llama.py", "test_bench.py", "test_mesh2d.py", "test_model.py")
 
 
-# JAX 0.10.2's executable.serialize() crashed a worker (SIGSEGV in compilation_cache.put_executable_and_time)
-# three times in whole runs on 2026-12-04 while writing a program into the cache above: a mesh engine step
-# (test_tensor_parallel.py), a shard_map train step (test_step_paths.py), then a one-device int8 engine step
-# (test_quantize.py); each test passes alone, and the session hung after the first two. The tests' own
-# processes therefore never write to the persistent cache (they still read it); the processes they start
-# (training runs, the CLIs) write and read it as before.
+# The tests' own processes never write to the persistent cache (they still read it); the processes they
+# start (training runs, the CLIs) write and read it as before. Added after workers crashed in
+# executable.serialize() (put_executable_and_time) three times on 2026-12-04; those crashes, and the ones in
+# backend_compile_and_load, turned out to be the memory-mapping limit that `pytest_runtest_teardown` below
+# now keeps the workers from: this guard stays, as the runs that measured the fix had it.
 @pytest.fixture(autouse=True)
 def _no_cache_writes_in_test_processes():
     import jax

@@ -55,6 +55,17 @@ def native_kernels_pay(flags: frozenset) -> bool:
 
 
 _ALLOCATOR_TUNED = False
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # mallopt's parameters (malloc.h)
+
+
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's mallopt(param, value); False where the C library is not glibc."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return False
+    return bool(libc.mallopt(param, value))
 
 
 def tune_allocator() -> None:
@@ -64,14 +75,8 @@ def tune_allocator() -> None:
     if _ALLOCATOR_TUNED:
         return
     _ALLOCATOR_TUNED = True
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    m_trim_threshold, m_mmap_max = -1, -4  # mallopt parameters (malloc.h)
-    libc.mallopt(m_mmap_max, 0)
-    libc.mallopt(m_trim_threshold, 1 << 30)
+    _mallopt(M_MMAP_MAX, 0)
+    _mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
 def single_malloc_arena() -> bool:
@@ -82,15 +87,7 @@ def single_malloc_arena() -> bool:
     temporaries of each call went back to the OS and every call faulted them in again: jaxgpt-serve, GPT-2
     124M, w8a8, 32 requests in flight, took 6.1 million minor faults in 33 s of load, 163 in one arena,
     and its throughput went from 496 to 652 tokens/s (bench/README.md)."""
-    if "MALLOC_ARENA_MAX" in os.environ:
-        return False
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return False
-    m_arena_max = -8  # (malloc.h)
-    return bool(libc.mallopt(m_arena_max, 1))
+    return "MALLOC_ARENA_MAX" not in os.environ and _mallopt(M_ARENA_MAX, 1)
 
 
 def inline_cpu_dispatch() -> bool:
