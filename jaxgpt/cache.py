@@ -297,14 +297,27 @@ class KVCache:
                 out[name] = one(mine, theirs, 1)
         return self.replace(**out)
 
-    def slot(self, i: jax.Array, count: int = 1) -> "KVCache":
-        """Rows i .. i + count - 1 (i an int or traced int32) as a cache of batch `count`."""
+    def slot(self, i: jax.Array, count: int = 1, window: Optional[int] = None) -> "KVCache":
+        """Rows i .. i + count - 1 (i an int or traced int32) as a cache of batch `count`; with `window` (a
+        Python int) only their positions 0 .. window - 1, a cache of max_len `window` (what a prefill chunk
+        ending by then reads and writes: the copy out and back, and XLA's attention over it, cost by
+        positions, not by filled ones)."""
         i = jnp.asarray(i, jnp.int32)
+        window = self.max_len if window is None else window
+        if not is_int(window) or not 1 <= window <= self.max_len:
+            raise ValueError(f"window must be an integer in [1, max_len={self.max_len}], got {window!r}")
+
         one = self._map_rows(lambda buf, axis, r, _: jax.lax.dynamic_slice_in_dim(buf, i * r, count * r, axis))
+        if window < self.max_len:  # positions: the axis before the head size (keys, values), the last (scales)
+            def cut(tree, from_end):
+                return jax.tree.map(lambda b: jax.lax.slice_in_dim(b, 0, window, axis=b.ndim - from_end), tree)
+            one = one.replace(k=cut(one.k, 2), v=cut(one.v, 2), k_scale=cut(one.k_scale, 1),
+                              v_scale=cut(one.v_scale, 1))
         return one.replace(lengths=jax.lax.dynamic_slice_in_dim(self.lengths, i, count))
 
     def put_slot(self, i: jax.Array, one: "KVCache") -> "KVCache":
-        """This cache with rows i .. i + one.batch_size - 1 replaced by `one` (from `slot`)."""
+        """This cache with rows i .. i + one.batch_size - 1 replaced by `one` (from `slot`; a window's
+        positions 0 .. one.max_len - 1 only)."""
         i = jnp.asarray(i, jnp.int32)
         if one.quantized != self.quantized:
             raise ValueError("put_slot: an int8 cache's rows and a float cache's do not mix")

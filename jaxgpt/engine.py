@@ -10,7 +10,8 @@ never on its neighbours.
 
 Programs: a decode step per power-of-two count of leading slots (up to all of them; with speculative
 decoding a k + 1 wide step per count too, with `decode_steps=k` a k-step one), one prefill per chunk
-length (`chunk_lengths`; twice: with and without per-position logprobs), with `packed_prefill` one packed
+length and window of the slot's positions that fits it (`prefill_programs`; twice: with and without
+per-position logprobs), with `packed_prefill` one packed
 prefill per packed length (`packed_lengths`), one slot copy, for one (slots, max_len). `warmup()` compiles
 them all.
 """
@@ -129,19 +130,21 @@ def _count(kind: str) -> None:
     TRACES[kind] += 1
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "prompt_logprobs", "n_logprobs"),
+@functools.partial(jax.jit, static_argnames=("config", "backend", "prompt_logprobs", "n_logprobs", "window"),
                    donate_argnums=(1,))
 def _prefill(params, cache: KVCache, slot, start, tokens_1xC, n, targets_C, rows: RowSettings, *,
-             config: GPTConfig, backend: Backend, prompt_logprobs: bool, n_logprobs: int):
+             config: GPTConfig, backend: Backend, prompt_logprobs: bool, n_logprobs: int,
+             window: Optional[int] = None):
     """The first `n` of tokens [1, C] into slot `slot` from position `start`, then a draw of the token
     after them (used when they end the prompt) with its logprobs; with `prompt_logprobs` also each
     position's logprob of `targets` (the next prompt token), its alternatives and whether it was argmax.
+    `window` (start + C at most; default max_len): the slot's positions the chunk reads and writes.
     `params` may also be `DecodeWeights` whose "prepared" kernels take any row count (int8 `Int8Kernel`s
     multiplied with XLA, as `lower_engine` passes for the accelerators): the chunk then runs on them."""
     _count("prefill")
     model = GPT(config, backend)
     variables = params.variables() if isinstance(params, DecodeWeights) else {"params": params}
-    one = cache.slot(slot).replace(lengths=start[None])
+    one = cache.slot(slot, window=window).replace(lengths=start[None])
     extra = {}
     if prompt_logprobs:
         logits_1xCxV, one = model.apply(variables, tokens_1xC, one, token_lengths=n[None])
@@ -315,6 +318,23 @@ def packed_lengths(budget: int) -> tuple:
     return tuple(c for c in chunk_lengths(cap) if c >= min(64, cap))
 
 
+def prefill_windows(prefill_chunk: int, max_len: int) -> tuple:
+    """The positions of its slot a prefill program reads and writes: `prefill_chunk` times powers of 4
+    below `max_len`, and `max_len`; a chunk takes the smallest that holds its end. XLA's attention over a
+    chunk, and the copy of its slot out and back, cost by the window's positions: the same 48 prompts of
+    64-192 tokens prefilled in 7.2 s with slots of 1024 positions, 4.2 s of 256 (bench/README.md)."""
+    windows, w = {max_len}, prefill_chunk
+    while w < max_len:
+        windows.add(w)
+        w *= 4
+    return tuple(sorted(windows))
+
+
+def prefill_programs(prefill_chunk: int, max_len: int) -> list:
+    """(chunk length, window) of every prefill program (each twice: with and without prompt logprobs)."""
+    return [(c, w) for w in prefill_windows(prefill_chunk, max_len) for c in chunk_lengths(prefill_chunk) if c <= w]
+
+
 def decode_sizes(slots: int) -> tuple:
     """The decode programs' row counts: a step decodes the first n slots, n the smallest of these (powers of
     two below `slots`, and `slots`) that covers every generating slot (a lone request does not pay for idle
@@ -481,11 +501,11 @@ class Engine:
             raise RuntimeError("warmup() runs the programs on the cache: call it before submitting requests")
         before = sum(TRACES.values())
         rows = self._rows([None])
-        for c in chunk_lengths(self.prefill_chunk):
+        for c, w in prefill_programs(self.prefill_chunk, self.max_len):
             for lp in (False, True) if prompt_logprobs else (False,):
                 self.cache, _ = _prefill(self._prefill_weights, self.cache, np.int32(0), np.int32(0),
                                          np.zeros((1, c), np.int32), np.int32(1), np.zeros((c,), np.int32), rows,
-                                         prompt_logprobs=lp, n_logprobs=self.max_logprobs, **self._static)
+                                         prompt_logprobs=lp, n_logprobs=self.max_logprobs, window=w, **self._static)
         g = self._max_segments
         for c in self._packed_lengths:  # (into slot 0, reset below)
             self.cache, _ = _prefill_packed(self._prefill_weights, self.cache, np.zeros(c, np.int32),
@@ -674,6 +694,10 @@ class Engine:
             n = c
         return n, c
 
+    def _window(self, end: int) -> int:
+        """The prefill window of a chunk whose padded tokens end at position `end`."""
+        return next(w for w in prefill_windows(self.prefill_chunk, self.max_len) if w >= end)
+
     def _prefill_chunk(self, s: int, live: _Live, budget: int, events: list) -> int:
         req, start = live.req, live.cursor
         n, c = self._chunk(start, len(req.prompt) - start, budget)
@@ -685,7 +709,7 @@ class Engine:
         t0 = time.perf_counter()
         self.cache, out = _prefill(self._prefill_weights, self.cache, np.int32(s), np.int32(start), chunk,
                                    np.int32(n), targets, self._rows([live]), prompt_logprobs=req.prompt_logprobs,
-                                   n_logprobs=self.max_logprobs, **self._static)
+                                   n_logprobs=self.max_logprobs, window=self._window(start + c), **self._static)
         out = jax.device_get(out)
         elapsed = time.perf_counter() - t0
         live.out.prefill_s += elapsed

@@ -183,8 +183,11 @@ def test_a_request_takes_a_low_slot_and_a_prefix_held_by_a_free_high_one_is_copi
 
 def test_no_program_is_compiled_for_new_settings_lengths_or_counts(params):
     eng = Engine(params, CFG, slots=3, max_len=44, prefill_chunk=8)  # a shape no other test uses
-    # prefill with and without logprobs per chunk length, decode per count of leading slots, the copy
-    programs = 2 * len(engine_mod.chunk_lengths(8)) + len(engine_mod.decode_sizes(3)) + 1
+    # prefill with and without logprobs per chunk length and window (the chunks of 8 positions or fewer
+    # from 0: 1, 2, 4 and 8 in windows of 8, 32 and 44), decode per count of leading slots, the copy
+    assert engine_mod.prefill_windows(8, 44) == (8, 32, 44)
+    assert engine_mod.prefill_programs(8, 44) == [(c, w) for w in (8, 32, 44) for c in (1, 2, 4, 8)]
+    programs = 2 * len(engine_mod.prefill_programs(8, 44)) + len(engine_mod.decode_sizes(3)) + 1
     assert eng.warmup() == programs
     before = dict(engine_mod.TRACES)
     prompts = _prompts(8, (1, 2, 3, 5, 7, 8, 9, 17, 30))
@@ -293,7 +296,7 @@ def test_several_decode_steps_per_call_give_the_single_steps_tokens(params):
             assert o.token_ids == _alone(params, CFG, p, r["max_tokens"], s)[:len(o.token_ids)]
     # its programs: the single-step ones and one several-step decode per count of leading slots
     eng = Engine(params, CFG, slots=3, max_len=46, prefill_chunk=8, decode_steps=4)  # a shape no other test uses
-    assert eng.warmup() == 2 * len(engine_mod.chunk_lengths(8)) + 2 * len(engine_mod.decode_sizes(3)) + 1
+    assert eng.warmup() == 2 * len(engine_mod.prefill_programs(8, 46)) + 2 * len(engine_mod.decode_sizes(3)) + 1
     with pytest.raises(ValueError, match="decode_steps"):
         Engine(params, CFG, slots=3, decode_steps=0)
 

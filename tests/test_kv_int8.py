@@ -162,6 +162,31 @@ def test_slot_copies_carry_the_scales(kernels):
         cache.put_slot(0, KVCache.create(cfg, 1, 8, layout=cache.layout))
 
 
+@pytest.mark.parametrize("kernels", ["portable", "cpu"])
+@pytest.mark.parametrize("dtype,scan", [(None, False), ("int8", False), ("int8", True), (None, True)])
+def test_a_slots_window_reads_and_writes_its_first_positions_only(kernels, dtype, scan):
+    """KVCache.slot(i, window=W): slot i's positions 0 .. W - 1 (keys, values, an int8 cache's scales,
+    in either layout, stacked or not); written at W's end and put back, the positions past W keep
+    what they held, and the slot reads as if the whole of it had been written."""
+    cfg = _config(kernels, 2, scan)
+    k, v = jax.random.normal(jax.random.key(0), (2, 3, 2, 10, 8))
+    full = jax.jit(lambda c: c.write(0, k, v).write(1, 2 * k, 3 * v).advance(10))(
+        KVCache.create(cfg, 3, 16, dtype=dtype, layout=resolve(cfg).cache_layout))
+    one = jax.jit(lambda c: c.slot(1, window=12))(full)
+    assert one.max_len == 12 and one.batch_size == 1 and one.quantized == (dtype == "int8")
+    for layer in (0, 1):
+        for a, b in zip(one.layer(layer), full.layer(layer)):
+            np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[1, :, :12]))
+    new_k, new_v = jax.random.normal(jax.random.key(1), (2, 1, 2, 2, 8))
+    put = jax.jit(lambda c, o: c.put_slot(1, o.write(0, new_k, new_v).advance(2)))(full, one)
+    whole = jax.jit(lambda c: c.put_slot(1, c.slot(1).write(0, new_k, new_v).advance(2)))(full)
+    assert put.lengths.tolist() == whole.lengths.tolist() == [10, 12, 10]
+    for a, b in zip(jax.tree.leaves(put), jax.tree.leaves(whole)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="window"):
+        full.slot(0, window=17)
+
+
 def _whole_buffer_copies(hlo: str, shapes) -> list:
     """Lines of compiled HLO that copy a buffer of one of `shapes` (e.g. "s8[6,16,8]")."""
     return [line.strip() for line in hlo.splitlines()
