@@ -1,7 +1,8 @@
 """Serving benchmark: the same load, one client, against jaxgpt-serve and vLLM's CPU build on the same weights.
 
 python bench/serve.py [--vllm /tmp/vllm-cpu] [--concurrency 1 8 32] [--num-prompts 32 256 256]
-                      [--vllm-bindings [default] [both]] [--jaxgpt-args "--slots 32"] [--smoke]
+                      [--vllm-bindings [default] [both]] [--jaxgpt-args "--slots 32"] [--generate-prompts 8]
+                      [--smoke]
 
 GPT-2 124M shape (vocab 50257, 1024 positions, 12 layers, 12 heads, 768 wide), float32, random weights made
 with jaxgpt.init_params and exported with jaxgpt.save_pretrained to one Hugging Face folder (with n_ctx in
@@ -15,7 +16,8 @@ engine gets every core). The load, from vLLM's own client `vllm bench serve` (no
 prompts of 64-192 tokens, 128 output tokens each with ignore_eos, streamed, at each concurrency; each
 server first gets an unrecorded warm-up at the largest concurrency. Reports output tokens/s, time to first
 token p50/p99 and inter-token latency p50/p99 per server and concurrency, and for jaxgpt-serve how the load
-became engine calls (its /metrics counters); bench/results/serve.json. `--vllm-bindings` with no binding
+became engine calls (its /metrics counters), and beside its figure at 1 request `Decoder.generate` at
+batch 1 on requests of the same kind, in this process before any server starts; bench/results/serve.json. `--vllm-bindings` with no binding
 after it measures jaxgpt-serve alone under vLLM's client.
 
 Without --vllm the vLLM side is skipped and jaxgpt-serve is measured with a small built-in client (threads,
@@ -338,6 +340,48 @@ def builtin_client(port: int, vocab_size: int, concurrency: int, num_prompts: in
             "errors": sorted({o["error"] for o in outs if not o["ok"]})[:3]}
 
 
+def generate_baseline(folder: str, num_prompts: int, input_len: int, range_ratio: float, output_len: int,
+                      seed: int, quantize=None) -> dict:
+    """`Decoder.generate` at batch 1 in this process (before any server starts) on requests like the load's:
+    random prompts in the same length range, `output_len` tokens each, drawn over the whole vocabulary at
+    temperature 1 (what the servers' requests ask for), the folder's weights. Each request runs once to
+    compile its shape, then timed: output tokens over the seconds of the timed calls, prefill included (as
+    a server's figure at 1 request includes its time to first token)."""
+    import random
+
+    import jax
+    import numpy as np
+
+    import jaxgpt
+    from jaxgpt.loading import load
+
+    loaded = load(folder, tokenizer=None)
+    decoder = jaxgpt.Decoder(loaded.params, loaded.config, quantize=quantize)
+    rng = random.Random(seed)
+    lo, hi = max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
+    prompts = [[rng.randrange(loaded.config.vocab_size - 1) for _ in range(rng.randint(lo, hi))]
+               for _ in range(num_prompts)]
+    seconds = 0.0
+    for i, prompt in enumerate(prompts):
+        for timed in (False, True):
+            t0 = time.perf_counter()
+            out = decoder.generate(np.array([prompt], np.int32), output_len, jax.random.key(i), temperature=1.0)
+            out.tokens.block_until_ready()
+            seconds += (time.perf_counter() - t0) if timed else 0.0
+    return {"requests": num_prompts, "quantize": quantize, "seconds": seconds,
+            "output_throughput": num_prompts * output_len / seconds}
+
+
+def jaxgpt_quantize(extra: list):
+    """The --quantize value among jaxgpt-serve's flags (None when absent or none)."""
+    for i, a in enumerate(extra):
+        value = a.split("=", 1)[1] if a.startswith("--quantize=") else extra[i + 1] if (
+            a == "--quantize" and i + 1 < len(extra)) else None
+        if value is not None:
+            return None if value == "none" else value
+    return None
+
+
 # -- the run ---------------------------------------------------------------------------------------------
 
 def table(rows: list) -> str:
@@ -378,6 +422,9 @@ def main(argv=None) -> dict:
                          "of their own replaces)")
     ap.add_argument("--no-jaxgpt", action="store_true", help="measure vLLM only")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--generate-prompts", type=int, default=8,
+                    help="requests for the Decoder.generate batch-1 baseline, timed in this process before the "
+                         "servers when 1 is among --concurrency (0: skip; --smoke: 2)")
     ap.add_argument("--model-dir", default=None, help="the HF folder to make and serve (default: a temp dir)")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny model, a few short requests at 1 and 2 concurrent, jaxgpt-serve only")
@@ -437,7 +484,12 @@ def main(argv=None) -> dict:
                 print("  " + format_engine_summary(row["engine"]), flush=True)
         return rows
 
-    rows, errors, vllm_version = [], {}, None
+    rows, errors, vllm_version, baseline = [], {}, None, None
+    if 1 in args.concurrency and args.generate_prompts > 0 and not args.no_jaxgpt:
+        baseline = generate_baseline(folder, 2 if args.smoke else args.generate_prompts, args.input_len,
+                                     args.range_ratio, args.output_len, args.seed, jaxgpt_quantize(jaxgpt_extra))
+        print(f"Decoder.generate at batch 1 (quantize={baseline['quantize']}, {baseline['requests']} requests, prefill "
+              f"included): {baseline['output_throughput']:.1f} tok/s", flush=True)
 
     def side(name: str, make_server, tag: str) -> None:
         """One server: started, loaded at each concurrency, stopped; a failure is recorded, the run goes on."""
@@ -470,10 +522,16 @@ def main(argv=None) -> dict:
                "output_range_ratio": args.output_range_ratio, "seed": args.seed,
                "jaxgpt_args": jaxgpt_extra, "vllm": vllm_version, "vllm_bindings":
                {b: VLLM_BINDINGS[b] for b in args.vllm_bindings} if args.vllm else None, "runs": rows,
-               "errors": errors, "logs": work}
+               "errors": errors, "logs": work, "generate_batch_1": baseline}
+    lone = [r for r in rows if r["server"] == "jaxgpt-serve" and r["concurrency"] == 1]
+    if baseline and lone and lone[0].get("output_throughput"):
+        results["serve_1_over_generate"] = lone[0]["output_throughput"] / baseline["output_throughput"]
     if not args.model_dir:
         shutil.rmtree(folder, ignore_errors=True)  # the weights (0.5 GB); the logs stay
     print(table(rows))
+    if "serve_1_over_generate" in results:
+        print(f"jaxgpt-serve at 1 request: x{results['serve_1_over_generate']:.2f} of Decoder.generate at batch 1 "
+              f"({baseline['output_throughput']:.1f} tok/s)")
     if args.out or not args.smoke:
         print("wrote", write_results(args.out or "serve", results))
     return results

@@ -165,6 +165,9 @@ def test_serve_benchmark_smoke(monkeypatch):
         assert e["mean_batch"] * e["decode_steps"] >= 7 * r["num_prompts"] - 1e-6
         assert e["mean_batch"] <= r["concurrency"]
         assert e["prefill_calls"] >= r["num_prompts"] and 0 < e["busy_share"] <= 1
+    base = results["generate_batch_1"]  # Decoder.generate at batch 1 on the folder's weights, same kind of load
+    assert base["requests"] == 2 and base["quantize"] is None and base["output_throughput"] > 0
+    assert results["serve_1_over_generate"] == results["runs"][0]["output_throughput"] / base["output_throughput"]
 
 
 def test_distilled_draft_is_a_run_the_speculative_bench_takes(tmp_path):
@@ -200,8 +203,12 @@ def test_distilled_draft_is_a_run_the_speculative_bench_takes(tmp_path):
 
 
 def test_serve_bench_keeps_its_default_slots_under_extra_jaxgpt_args():
+    from bench import serve
     from bench.serve import with_default_slots
 
     assert with_default_slots(["--quantize=w8a8"], ["--slots=32"]) == ["--slots=32", "--quantize=w8a8"]
     assert with_default_slots(["--slots=4", "--quantize=w8a8"], ["--slots=32"]) == ["--slots=4", "--quantize=w8a8"]
     assert with_default_slots(["--slots", "4"], ["--slots=32", "--max_len=64"]) == ["--max_len=64", "--slots", "4"]
+    assert serve.jaxgpt_quantize(["--slots=4", "--quantize=w8a8"]) == "w8a8"
+    assert serve.jaxgpt_quantize(["--quantize", "int8"]) == "int8"
+    assert serve.jaxgpt_quantize(["--quantize=none"]) is None and serve.jaxgpt_quantize(["--slots=4"]) is None
