@@ -158,7 +158,8 @@ def _prefill(params, cache: KVCache, slot, start, tokens_1xC, n, targets_C, rows
         last_1xV = logits_1x1xV[:, 0]
     tok = sample_rows(last_1xV, rows)
     lp, ids, lps = token_logprobs(last_1xV, tok, n_logprobs)
-    return cache.put_slot(slot, one), dict(token=tok[0], logprob=lp[0], top_ids=ids[0], top_lps=lps[0], **extra)
+    cache = cache.put_positions(slot, one, start, tokens_1xC.shape[1])
+    return cache, dict(token=tok[0], logprob=lp[0], top_ids=ids[0], top_lps=lps[0], **extra)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs", "window"), donate_argnums=(1,))

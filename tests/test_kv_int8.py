@@ -166,8 +166,9 @@ def test_slot_copies_carry_the_scales(kernels):
 @pytest.mark.parametrize("dtype,scan", [(None, False), ("int8", False), ("int8", True), (None, True)])
 def test_a_slots_window_reads_and_writes_its_first_positions_only(kernels, dtype, scan):
     """KVCache.slot(i, window=W): slot i's positions 0 .. W - 1 (keys, values, an int8 cache's scales,
-    in either layout, stacked or not); written at W's end and put back, the positions past W keep
-    what they held, and the slot reads as if the whole of it had been written."""
+    in either layout, stacked or not); written and put back (the window, or with put_positions the
+    positions written), the positions past W keep what they held, and the slot reads as if the whole of
+    it had been written."""
     cfg = _config(kernels, 2, scan)
     k, v = jax.random.normal(jax.random.key(0), (2, 3, 2, 10, 8))
     full = jax.jit(lambda c: c.write(0, k, v).write(1, 2 * k, 3 * v).advance(10))(
@@ -179,10 +180,13 @@ def test_a_slots_window_reads_and_writes_its_first_positions_only(kernels, dtype
             np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[1, :, :12]))
     new_k, new_v = jax.random.normal(jax.random.key(1), (2, 1, 2, 2, 8))
     put = jax.jit(lambda c, o: c.put_slot(1, o.write(0, new_k, new_v).advance(2)))(full, one)
+    # (put_positions: only the positions written, 10 and 11, go back)
+    part = jax.jit(lambda c, o: c.put_positions(1, o.write(0, new_k, new_v).advance(2), 10, 2))(full, one)
     whole = jax.jit(lambda c: c.put_slot(1, c.slot(1).write(0, new_k, new_v).advance(2)))(full)
-    assert put.lengths.tolist() == whole.lengths.tolist() == [10, 12, 10]
-    for a, b in zip(jax.tree.leaves(put), jax.tree.leaves(whole)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert put.lengths.tolist() == part.lengths.tolist() == whole.lengths.tolist() == [10, 12, 10]
+    for a, b, c in zip(jax.tree.leaves(put), jax.tree.leaves(part), jax.tree.leaves(whole)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
     with pytest.raises(ValueError, match="window"):
         full.slot(0, window=17)
 
