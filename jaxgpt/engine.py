@@ -138,7 +138,7 @@ def _prefill(params, cache: KVCache, slot, start, tokens_1xC, n, targets_C, rows
     """The first `n` of tokens [1, C] into slot `slot` from position `start`, then a draw of the token
     after them (used when they end the prompt) with its logprobs; with `prompt_logprobs` also each
     position's logprob of `targets` (the next prompt token), its alternatives and whether it was argmax.
-    `window` (start + C at most; default max_len): the slot's positions the chunk reads and writes.
+    `window` (at least start + C; default max_len): the slot's positions the chunk reads and writes.
     `params` may also be `DecodeWeights` whose "prepared" kernels take any row count (int8 `Int8Kernel`s
     multiplied with XLA, as `lower_engine` passes for the accelerators): the chunk then runs on them."""
     _count("prefill")
@@ -322,8 +322,9 @@ def packed_lengths(budget: int) -> tuple:
 def prefill_windows(prefill_chunk: int, max_len: int) -> tuple:
     """The positions of its slot a prefill program reads and writes: `prefill_chunk` times powers of 4
     below `max_len`, and `max_len`; a chunk takes the smallest that holds its end. XLA's attention over a
-    chunk, and the copy of its slot out and back, cost by the window's positions: the same 48 prompts of
-    64-192 tokens prefilled in 7.2 s with slots of 1024 positions, 4.2 s of 256 (bench/README.md)."""
+    chunk, and the copy of its slot out and back, cost by the window's positions: 48 prompts of 64-192
+    tokens into slots of 1024 positions prefilled in 7.2-7.9 s read whole, 4.4-4.5 s in windows of 256
+    (GPT-2 124M, float32; bench/README.md)."""
     windows, w = {max_len}, prefill_chunk
     while w < max_len:
         windows.add(w)

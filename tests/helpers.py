@@ -131,3 +131,10 @@ def cached_logits(cfg, backend, params, tokens, prompt=5):
         logits, cache = apply(params, tokens[:, i:i + 1], cache)
         out.append(logits[:, 0])
     return jnp.stack(out, axis=1)
+
+
+def whole_buffer_copies(hlo: str, shapes) -> list:
+    """Lines of compiled HLO that copy a buffer of one of `shapes` (e.g. "s8[6,16,8]")."""
+    return [line.strip() for line in hlo.splitlines()
+            if re.search(r"\bcopy(-start)?\(", line) and any(s + "{" in line.split("=", 1)[-1].split("(")[0]
+                                                          for s in shapes)]

@@ -13,6 +13,7 @@ import jaxgpt
 from jaxgpt import engine as engine_mod
 from jaxgpt.engine import Engine
 from jaxgpt.sampling import TOP_K_FAST, RowSettings, sample_logits, sample_rows
+from tests.helpers import whole_buffer_copies
 
 CFG = jaxgpt.GPTConfig(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=32)
 # every sampler path: greedy, top-k among the fast candidates, plain, top-p alone (full sort), top-k above
@@ -407,8 +408,6 @@ def test_a_prefill_chunk_writes_the_cache_in_place(params, kernels):
     """No prefill program copies the cache's buffers: a one-token chunk in a window smaller than the slot
     (what follows a copied prefix) once made XLA:CPU copy the whole cache around the chunk's write (0.9 s
     a call at 32 slots of 1024 positions, the whole cache in fresh pages), as a whole window put back did."""
-    from tests.test_kv_int8 import _whole_buffer_copies
-
     cfg = CFG.replace(kernels=kernels)
     eng = Engine(params, cfg, slots=4, max_len=64, prefill_chunk=8)
     shapes = {f"{a.dtype}{list(a.shape)}".replace(" ", "").replace("float32", "f32")
@@ -418,4 +417,4 @@ def test_a_prefill_chunk_writes_the_cache_in_place(params, kernels):
             eng._prefill_weights, eng.cache, np.int32(1), np.int32(w - c), np.zeros((1, c), np.int32), np.int32(c),
             np.zeros((c,), np.int32), eng._rows([None]), prompt_logprobs=False, n_logprobs=eng.max_logprobs,
             window=w, **eng._static).compile().as_text()
-        assert not _whole_buffer_copies(hlo, shapes), (c, w)
+        assert not whole_buffer_copies(hlo, shapes), (c, w)

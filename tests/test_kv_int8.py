@@ -6,7 +6,6 @@ and values the same way (`_ROUNDED`): those agree to float rounding, as a float 
 full forward (tests/test_cache.py). Against the plain float forward the int8 cache is only close; the
 bound below is what these tiny random models measured, with margin."""
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ from jaxgpt.attention import dot_product_attention, register_attention
 from jaxgpt.backends import cpu
 from jaxgpt.cache import dequantize_kv, quantize_kv
 from jaxgpt.registry import ATTENTION
-from tests.helpers import STYLES
+from tests.helpers import STYLES, whole_buffer_copies
 from tests.xla_flags import AS_USERS_COMPILE
 
 _ROUNDED = "test_kv_int8_rounded"
@@ -191,13 +190,6 @@ def test_a_slots_window_reads_and_writes_its_first_positions_only(kernels, dtype
         full.slot(0, window=17)
 
 
-def _whole_buffer_copies(hlo: str, shapes) -> list:
-    """Lines of compiled HLO that copy a buffer of one of `shapes` (e.g. "s8[6,16,8]")."""
-    return [line.strip() for line in hlo.splitlines()
-            if re.search(r"\bcopy(-start)?\(", line) and any(s + "{" in line.split("=", 1)[-1].split("(")[0]
-                                                          for s in shapes)]
-
-
 @pytest.mark.parametrize("kernels", ["portable", "cpu"])
 @pytest.mark.parametrize("scan,batch", [(False, 1), (False, 3), (True, 3)])
 def test_an_int8_decode_step_writes_the_cache_in_place(kernels, scan, batch):
@@ -208,7 +200,7 @@ def test_an_int8_decode_step_writes_the_cache_in_place(kernels, scan, batch):
     hlo = step.lower(cache, jnp.zeros((batch, 1), jnp.int32)).compile(AS_USERS_COMPILE).as_text()
     value_shapes = [a.shape for a in jax.tree_util.tree_leaves((cache.k, cache.v, cache.k_scale, cache.v_scale))]
     shapes = {f"{d}[{','.join(map(str, s))}]" for s in value_shapes for d in ("s8", "f32")}
-    assert not _whole_buffer_copies(hlo, shapes)
+    assert not whole_buffer_copies(hlo, shapes)
     assert "dynamic-update-slice" in hlo or "scatter" in hlo
 
 
