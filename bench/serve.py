@@ -17,8 +17,8 @@ prompts of 64-192 tokens, 128 output tokens each with ignore_eos, streamed, at e
 server first gets an unrecorded warm-up at the largest concurrency. Reports output tokens/s, time to first
 token p50/p99 and inter-token latency p50/p99 per server and concurrency, and for jaxgpt-serve how the load
 became engine calls (its /metrics counters), and beside its figure at 1 request `Decoder.generate` at
-batch 1 on requests of the same kind, in this process before any server starts; bench/results/serve.json. `--vllm-bindings` with no binding
-after it measures jaxgpt-serve alone under vLLM's client.
+batch 1 on requests of the same kind, in this process before any server starts; bench/results/serve.json.
+`--vllm-bindings` with no binding after it measures jaxgpt-serve alone under vLLM's client.
 
 Without --vllm the vLLM side is skipped and jaxgpt-serve is measured with a small built-in client (threads,
 streaming, the same metrics); --smoke runs a tiny model with a few requests that way (the test).
