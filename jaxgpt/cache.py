@@ -327,9 +327,8 @@ class KVCache:
     def put_positions(self, i: jax.Array, one: "KVCache", start: jax.Array, count: int) -> "KVCache":
         """This cache with positions start .. start + count - 1 of rows i .. i + one.batch_size - 1 taken
         from `one` (from `slot`, any window holding them), and their lengths `one`'s: what a prefill chunk
-        wrote, without the rest of the window. (Putting back the whole window, XLA:CPU fused a one-token
-        chunk's write with the copy out and copied the whole cache around it: 0.9 s a call at 32 slots of
-        1024 positions.)"""
+        wrote, without the rest of the window. (Putting the whole window back, a compiler may copy the whole
+        cache around a one-token write: bench/README.md, "Prefill windows".)"""
         i, start = jnp.asarray(i, jnp.int32), jnp.asarray(start, jnp.int32)
         if one.quantized != self.quantized:
             raise ValueError("put_positions: an int8 cache's rows and a float cache's do not mix")

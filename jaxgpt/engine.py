@@ -322,9 +322,8 @@ def packed_lengths(budget: int) -> tuple:
 def prefill_windows(prefill_chunk: int, max_len: int) -> tuple:
     """The positions of its slot a prefill program reads and writes: `prefill_chunk` times powers of 4
     below `max_len`, and `max_len`; a chunk takes the smallest that holds its end. XLA's attention over a
-    chunk, and the copy of its slot out and back, cost by the window's positions: 48 prompts of 64-192
-    tokens into slots of 1024 positions prefilled in 7.2-7.9 s read whole, 4.4-4.5 s in windows of 256
-    (GPT-2 124M, float32; bench/README.md)."""
+    chunk, and the copy of its slot out and back, cost by the window's positions, not by the filled ones
+    (bench/README.md, "Prefill windows")."""
     windows, w = {max_len}, prefill_chunk
     while w < max_len:
         windows.add(w)
