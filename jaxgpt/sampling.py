@@ -77,11 +77,72 @@ def top_p_filter(logits: jax.Array, p: float) -> jax.Array:
     return jnp.where(top_p_mask(logits, p), logits, NEG_INF)
 
 
+DRAW_BLOCK = 256  # the inverse-CDF draw's block of tokens (a power of two)
+
+
+def _halving_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis (a power of two long) by adding its halves until one is left: the same
+    additions, in the same order, whatever the leading shape, so a row's sum does not depend on its batch."""
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def _inclusive_prefix(x: jax.Array) -> jax.Array:
+    """Running sums over the last axis by `lax.associative_scan`: element-wise additions whose order is
+    fixed by the axis's length alone (never by the leading shape)."""
+    return jax.lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
+
+
+def inverse_cdf(u: jax.Array, logits: jax.Array) -> jax.Array:
+    """The token of each row of logits [..., n] at which softmax(logits)'s running mass passes u [...] (in
+    [0, 1)) times the row's total: a draw from softmax(logits) when u is uniform. The mass is exp(logit -
+    max), summed in blocks of DRAW_BLOCK tokens (a halving sum each); the blocks' running sums pick the block,
+    the running sums within it the token. Every addition is element-wise, in an order fixed by n alone, so
+    a row gives the same token in any batch. A row with a NaN, or whose largest logit is infinite, gives
+    `argmax_last`'s answer (its first NaN, its first largest). int32 [...]."""
+    x = logits.astype(jnp.float32)
+    n, lead = x.shape[-1], x.shape[:-1]
+    top = jnp.max(x, axis=-1, keepdims=True)
+    mass = jnp.exp(x - top)  # 1 at the largest, 0 for -inf; NaN for a NaN and in a row whose top is infinite
+    block = min(DRAW_BLOCK, 1 << max(0, (n - 1).bit_length()))
+    nb = -(-n // block)
+    blocks = jnp.pad(mass, [(0, 0)] * len(lead) + [(0, nb * block - n)]).reshape(lead + (nb, block))
+    sums = _halving_sum(blocks)
+    ends = _inclusive_prefix(sums)
+    target = u.astype(jnp.float32) * ends[..., -1]
+    # (a clamp to the last block, and token, with mass: where rounding carries the target past the end)
+    b = jnp.minimum(jnp.sum((ends <= target[..., None]).astype(jnp.int32), axis=-1), _last_positive(sums))
+    start = jnp.where(b > 0, jnp.take_along_axis(ends, jnp.maximum(b - 1, 0)[..., None], axis=-1)[..., 0], 0.0)
+    chosen = jnp.take_along_axis(blocks, b[..., None, None], axis=-2)[..., 0, :]
+    within = start[..., None] + _inclusive_prefix(chosen)
+    i = jnp.minimum(jnp.sum((within <= target[..., None]).astype(jnp.int32), axis=-1), _last_positive(chosen))
+    token = b * block + i
+    odd = jnp.isnan(ends[..., -1])  # (a NaN anywhere, or an infinite top, makes the total NaN)
+    return jnp.where(odd, jax.lax.cond(odd.any(), lambda: argmax_last(x), lambda: token), token).astype(jnp.int32)
+
+
+def _last_positive(x: jax.Array) -> jax.Array:
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.max(jnp.where(x > 0, iota, 0), axis=-1)
+
+
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
-    """`jax.random.categorical(key, logits, axis=-1)`, the same draw (Gumbel noise from the key over the logits'
-    shape, then the first maximum of noise + logits) with `argmax_last` for its jnp.argmax: XLA:CPU's
-    (value, index) reduction made a draw over GPT-2's vocabulary 2.5x slower (bench/README.md). int32."""
-    return argmax_last(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
+    """One token per row of logits [..., n] from softmax(logits): `inverse_cdf` of one uniform a row,
+    `jax.random.uniform(key, logits.shape[:-1])` (so a batch of one row draws what its row draws alone
+    with the same key). A Gumbel-max draw (`jax.random.categorical`) needs noise for every token: at 32 rows
+    of GPT-2's vocabulary its bits alone took 3.9 ms, this whole draw about 1.5 ms (bench/README.md). Rows
+    meant to draw alike must come with the same n (a candidate list padded with -inf to a common length:
+    the block sums' order depends on n). int32 [...]."""
+    return inverse_cdf(jax.random.uniform(key, logits.shape[:-1], jnp.float32), logits)
+
+
+def categorical_rows(keys_S: jax.Array, logits_SxN: jax.Array) -> jax.Array:
+    """`categorical` of each row of logits [S, n] with its own key [S]: what `categorical(keys[s],
+    logits[s])` draws, in one batched draw."""
+    u_S = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys_S)
+    return inverse_cdf(u_S, logits_SxN)
 
 
 def sample_logits(rng: jax.Array, logits: jax.Array, temperature: float = 1.0,
@@ -90,7 +151,8 @@ def sample_logits(rng: jax.Array, logits: jax.Array, temperature: float = 1.0,
 
     The distribution is softmax(logits / temperature) restricted by `top_k_filter` then `top_p_filter`.
     With top_k the draw is among the k candidates only (`lax.top_k` returns them sorted, so top-p needs
-    no sort of the whole vocabulary and the noise is drawn for k logits, not V).
+    no sort of the whole vocabulary), padded with -inf to as many as the engine's sampler draws among for
+    that top_k (`sample_rows`), so that both draw the same token from the same key (`categorical`).
     """
     if temperature == 0:
         return argmax_last(logits)
@@ -99,6 +161,9 @@ def sample_logits(rng: jax.Array, logits: jax.Array, temperature: float = 1.0,
         values, candidates = jax.lax.top_k(logits, top_k)  # descending, ties broken by index
         if top_p is not None and top_p < 1.0:
             values = jnp.where(_top_p_keep(values, top_p), values, NEG_INF)
+        v = logits.shape[-1]
+        width = min(TOP_K_FAST, v) if top_k <= TOP_K_FAST else v
+        values = jnp.pad(values, [(0, 0)] * (values.ndim - 1) + [(0, width - top_k)], constant_values=NEG_INF)
         choice = categorical(rng, values)
         return jnp.take_along_axis(candidates, choice[..., None], axis=-1)[..., 0].astype(jnp.int32)
     if top_p is not None and top_p < 1.0:
@@ -126,10 +191,10 @@ class RowSettings(NamedTuple):
     top_wanted: Optional[jax.Array] = None
 
 
-def _draw(key, logits_V, keep_V):
-    """One row's draw among the kept logits; noise is element-wise in the key, so drawing over a prefix of
-    a longer candidate list gives what `sample_logits` draws over that prefix alone."""
-    return categorical(key, jnp.where(keep_V, logits_V, NEG_INF))
+def _draw(keys_S, logits_SxN, keep_SxN):
+    """Each row's draw among its kept logits (`categorical_rows`); the candidates' count n is the one
+    `sample_logits` pads its candidates to for the row's settings."""
+    return categorical_rows(keys_S, jnp.where(keep_SxN, logits_SxN, NEG_INF))
 
 
 def _top_p_rows(sorted_SxN, p_S):
@@ -143,18 +208,18 @@ def _rows_among_candidates(keys, scaled_SxV, k_S, p_S):
     first_k = jnp.arange(values.shape[-1])[None, :] < k_S[:, None]
     values = jnp.where(first_k, values, NEG_INF)
     keep = _top_p_rows(values, p_S) & first_k
-    choice = jax.vmap(_draw)(keys, values, keep)
+    choice = _draw(keys, values, keep)
     return jnp.take_along_axis(candidates, choice[:, None], axis=-1)[:, 0]
 
 
 def _rows_full(keys, scaled_SxV, k_S, p_S, sort: bool):
-    """Every other row: no filter (noise over the vocabulary), or (`sort`) top-p alone (`top_p_mask`, noise
+    """Every other row: no filter (a draw over the vocabulary), or (`sort`) top-p alone (`top_p_mask`, a draw
     over the vocabulary) or a top_k above TOP_K_FAST (a full sort), as `sample_logits` does for those
     settings."""
     if not sort:
-        return jax.vmap(_draw)(keys, scaled_SxV, jnp.ones(scaled_SxV.shape, bool))
+        return _draw(keys, scaled_SxV, jnp.ones(scaled_SxV.shape, bool))
     # without top_k, sample_logits draws over the vocabulary's order, the top-p set kept
-    by_vocab = jax.vmap(_draw)(keys, scaled_SxV, top_p_mask(scaled_SxV, p_S) | (p_S >= 1.0)[:, None])
+    by_vocab = _draw(keys, scaled_SxV, top_p_mask(scaled_SxV, p_S) | (p_S >= 1.0)[:, None])
     by_rank = jax.lax.cond((k_S > 0).any(), lambda: _rows_by_rank(keys, scaled_SxV, k_S, p_S),
                            lambda: jnp.zeros(k_S.shape, jnp.int32))
     return jnp.where(k_S > 0, by_rank, by_vocab)
@@ -167,13 +232,13 @@ def _rows_by_rank(keys, scaled_SxV, k_S, p_S):
     sorted_SxV = jnp.take_along_axis(scaled_SxV, order, axis=-1)
     first_k = jnp.arange(v)[None, :] < jnp.where(k_S > 0, k_S, v)[:, None]
     keep_sorted = _top_p_rows(jnp.where(first_k, sorted_SxV, NEG_INF), p_S) & first_k
-    return jnp.take_along_axis(order, jax.vmap(_draw)(keys, sorted_SxV, keep_sorted)[:, None], axis=-1)[:, 0]
+    return jnp.take_along_axis(order, _draw(keys, sorted_SxV, keep_sorted)[:, None], axis=-1)[:, 0]
 
 
 def sample_rows(logits_SxV: jax.Array, rows: RowSettings) -> jax.Array:
     """Draw int32 token ids [S], row s with its own settings and key: the token `sample_logits` draws for
     that row alone with rng `fold_in(key, index)` (top_k 0 or >= V and top_p 1 mean off). One program for
-    every value of every setting; the costlier forms (noise over the vocabulary, a full sort) run only in
+    every value of every setting; the costlier forms (a draw over the vocabulary, a full sort) run only in
     steps where some row needs them."""
     v = logits_SxV.shape[-1]
     greedy = rows.temperature == 0

@@ -110,20 +110,70 @@ def test_argmax_last_is_argmax_with_ties_nans_and_infinities():
         np.testing.assert_array_equal(np.asarray(got), np.argmax(a, axis=-1))
 
 
-def test_categorical_draws_what_jax_random_categorical_draws():
-    # the sampler's draw keeps jax.random.categorical's tokens (seeded output unchanged), argmax swapped
+def _inverse_cdf_reference(u, x):
+    """float64: the first token whose running softmax mass exceeds u times the total."""
+    p = np.exp(x.astype(np.float64) - x.max())
+    return int(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"))
+
+
+def test_inverse_cdf_is_the_float64_inverse_cdf_away_from_its_steps():
     rng = np.random.default_rng(2)
-    x = rng.normal(size=(6, 501)).astype(np.float32) * 3
+    x = rng.normal(size=(6, 1000)).astype(np.float32) * 3  # 4 blocks, the last one part padding
     x[1, ::2] = -np.inf  # filtered logits
     x[2] = np.round(x[2])  # ties
     x[3, 7] = 40.0  # one token holds nearly all the mass
-    draw = jax.jit(sampling.categorical)
-    for i in range(20):
-        key = jax.random.fold_in(jax.random.key(7), i)
-        for a in (x, x[0], x[:, :3], x.reshape(2, 3, 501)):
-            got = draw(key, jnp.asarray(a))
-            assert got.dtype == jnp.int32
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.random.categorical(key, a, axis=-1)))
+    x[4, 990:] = 30.0  # the mass in the last, partly padded block
+    x[5, :-1] = -np.inf  # one token left, the last
+    u = rng.random(size=(200, 6)).astype(np.float32)
+    u[0] = 0.0
+    u[1] = np.nextafter(np.float32(1), np.float32(0))
+    got = np.asarray(jax.jit(jax.vmap(sampling.inverse_cdf, in_axes=(0, None)))(jnp.asarray(u), jnp.asarray(x)))
+    checked = 0
+    for j in range(u.shape[0]):
+        for r in range(x.shape[0]):
+            p = np.exp(x[r].astype(np.float64) - x[r].max())
+            assert p[got[j, r]] > 0, "a token without mass was drawn"
+            edges = np.cumsum(p) / p.sum()
+            if np.min(np.abs(edges - u[j, r])) > 1e-5:  # float32 sums may move a step by that much
+                assert got[j, r] == _inverse_cdf_reference(u[j, r], x[r])
+                checked += 1
+    assert checked > 1000
+
+
+def test_categorical_draws_from_the_softmax():
+    probs = np.array([0.45, 0.25, 0.0, 0.2, 0.1, 0.0], np.float32)
+    x = np.where(probs > 0, np.log(np.maximum(probs, 1e-30)), -np.inf).astype(np.float32)  # zeros as -inf
+    for n in (len(probs), 700):  # one block; three blocks, the mass in the first
+        xs = np.concatenate([x, np.full(n - len(x), -np.inf, np.float32)])
+        keys = jax.random.split(jax.random.key(5), 20_000)
+        got = np.asarray(jax.jit(jax.vmap(sampling.categorical, in_axes=(0, None)))(keys, jnp.asarray(xs)))
+        freq = np.bincount(got, minlength=n) / len(keys)
+        assert freq[len(probs):].sum() == 0 and freq[2] == 0 and freq[5] == 0
+        np.testing.assert_allclose(freq[:len(probs)], probs, atol=0.012)  # ~4 standard deviations
+
+
+def test_categorical_rows_draw_what_each_row_draws_alone_in_any_batch():
+    # the engine's rows and generate's batch of one draw alike: a row's token depends on its key and logits
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(33, 50257)).astype(np.float32) * 2)
+    keys = jax.random.split(jax.random.key(4), 33)
+    alone = [int(jax.jit(sampling.categorical)(keys[i], x[i])) for i in range(33)]
+    assert [int(jax.jit(sampling.categorical)(keys[i], x[i:i + 1])[0]) for i in range(0, 33, 8)] == alone[::8]
+    for s in (1, 2, 7, 8, 32, 33):
+        got = jax.jit(sampling.categorical_rows)(keys[:s], x[:s])
+        assert got.dtype == jnp.int32
+        assert np.asarray(got).tolist() == alone[:s]
+
+
+def test_categorical_of_nans_and_infinities_is_argmax():
+    x = np.zeros((4, 300), np.float32)
+    x[0, 5], x[0, 9] = np.nan, np.nan
+    x[1, 17], x[1, 200] = np.inf, np.inf
+    x[2] = -np.inf
+    x[3, 250] = -np.inf  # an ordinary row: a draw, never the -inf token
+    for i in range(5):
+        got = np.asarray(jax.jit(sampling.categorical)(jax.random.key(i), jnp.asarray(x)))
+        assert got[:3].tolist() == [5, 17, 0] and got[3] != 250
 
 
 def test_sample_rows_mixed_rows_each_equal_sample_logits():
