@@ -289,6 +289,12 @@ def main(argv=None) -> dict:
                   f"TTFT p50/p99 {run['packed_ttft_p50_s']:.3f}/{run['packed_ttft_p99_s']:.3f} s  p99 past "
                   f"prefill {run['packed_ttft_past_prefill_p99_steps']:.2f} steps", flush=True)
         results["runs"].append(run)
+        del engine
+        if args.packed:
+            del other
+        # this run's programs go: every compiled program holds memory mappings, and a run of 1, 8 and 32
+        # reached Linux's limit in the lone-request part (LLVM: "Cannot allocate memory", then a SIGSEGV)
+        jax.clear_caches()
         print(f"c={c:3d}  engine {run['engine_tokens_per_s']:8.1f} tok/s  fixed {run['fixed_tokens_per_s']:8.1f} tok/s"
               f"  x{run['engine_over_fixed']:.2f}  TTFT p50/p99 engine {run['engine_ttft_p50_s']:.3f}/"
               f"{run['engine_ttft_p99_s']:.3f} s fixed {run['fixed_ttft_p50_s']:.3f}/{run['fixed_ttft_p99_s']:.3f} s"

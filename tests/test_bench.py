@@ -212,3 +212,22 @@ def test_serve_bench_keeps_its_default_slots_under_extra_jaxgpt_args():
     assert serve.jaxgpt_quantize(["--slots=4", "--quantize=w8a8"]) == "w8a8"
     assert serve.jaxgpt_quantize(["--quantize", "int8"]) == "int8"
     assert serve.jaxgpt_quantize(["--quantize=none"]) is None and serve.jaxgpt_quantize(["--slots=4"]) is None
+
+
+def test_draw_benchmark_smoke(monkeypatch):
+    """bench/draw.py times the Gumbel-max draw (jax.random.categorical's tokens) against the sampler's."""
+    import jax
+
+    from bench import draw
+
+    written = {}
+    monkeypatch.setattr(draw, "write_results", lambda name, results: written.setdefault(name, results))
+    results = draw.main(["--rows", "1", "3", "--vocab", "300", "--reps", "2"])
+    assert written == {"draw": results} and set(results["ms"]) == {"1", "3"}
+    assert all(ms > 0 for row in results["ms"].values() for ms in row.values())
+    assert set(results["ms"]["3"]) == {"gumbel_max", "inverse_cdf", "sample_rows_vocab", "sample_rows_top_k_50",
+                                       "sample_rows_greedy"}
+    keys = jax.random.split(jax.random.key(3), 4)
+    logits = jax.random.normal(jax.random.key(4), (4, 300))
+    expected = [int(jax.random.categorical(k, x)) for k, x in zip(keys, logits)]
+    assert np.asarray(draw.gumbel_rows(keys, logits)).tolist() == expected  # the old draw's tokens
