@@ -17,7 +17,8 @@ prompts of 64-192 tokens, 128 output tokens each with ignore_eos, streamed, at e
 server first gets an unrecorded warm-up at the largest concurrency. Reports output tokens/s, time to first
 token p50/p99 and inter-token latency p50/p99 per server and concurrency, and for jaxgpt-serve how the load
 became engine calls (its /metrics counters), and beside its figure at 1 request `Decoder.generate` at
-batch 1 on requests of the same kind, in this process before any server starts; bench/results/serve.json.
+batch 1 on requests of the same kind, in this process before any server starts and again right after
+jaxgpt-serve's run at 1 request (the server idle: this machine's bandwidth drifts); bench/results/serve.json.
 `--vllm-bindings` with no binding after it measures jaxgpt-serve alone under vLLM's client.
 
 Without --vllm the vLLM side is skipped and jaxgpt-serve is measured with a small built-in client (threads,
@@ -341,9 +342,10 @@ def builtin_client(port: int, vocab_size: int, concurrency: int, num_prompts: in
 
 def generate_baseline(folder: str, num_prompts: int, input_len: int, range_ratio: float, output_len: int,
                       seed: int, quantize=None) -> dict:
-    """`Decoder.generate` at batch 1 in this process (before any server starts) on requests like the load's:
-    random prompts in the same length range, `output_len` tokens each, drawn over the whole vocabulary at
-    temperature 1 (what the servers' requests ask for), the folder's weights. Each request runs once to
+    """`Decoder.generate` at batch 1 in this process (before any server starts, and again after jaxgpt-serve's
+    run at 1 request) on requests like the load's: random prompts in the same length range, `output_len`
+    tokens each, drawn over the whole vocabulary at temperature 1 (what the servers' requests ask for), the
+    folder's weights. Each request runs once to
     compile its shape, then timed: output tokens over the seconds of the timed calls, prefill included (as
     a server's figure at 1 request includes its time to first token)."""
     import random
@@ -478,12 +480,17 @@ def main(argv=None) -> dict:
             if own:  # how the load reached the engine (compare bench/engine.py's line for the same load)
                 row["engine"] = engine_summary(before, engine_counters(server.port), n, res.get("duration") or 0.0)
             rows.append(row)
+            if own and c == 1 and baseline is not None:  # generate again right after, the server idle
+                after.update(generate_baseline(folder, baseline["requests"], args.input_len, args.range_ratio,
+                                               args.output_len, args.seed, baseline["quantize"]))
+                print(f"Decoder.generate at batch 1 again, right after: {after['output_throughput']:.1f} tok/s",
+                      flush=True)
             print(table([row]).splitlines()[-1], flush=True)
             if own:
                 print("  " + format_engine_summary(row["engine"]), flush=True)
         return rows
 
-    rows, errors, vllm_version, baseline = [], {}, None, None
+    rows, errors, vllm_version, baseline, after = [], {}, None, None, {}
     if 1 in args.concurrency and args.generate_prompts > 0 and not args.no_jaxgpt:
         baseline = generate_baseline(folder, 2 if args.smoke else args.generate_prompts, args.input_len,
                                      args.range_ratio, args.output_len, args.seed, jaxgpt_quantize(jaxgpt_extra))
@@ -521,16 +528,22 @@ def main(argv=None) -> dict:
                "output_range_ratio": args.output_range_ratio, "seed": args.seed,
                "jaxgpt_args": jaxgpt_extra, "vllm": vllm_version, "vllm_bindings":
                {b: VLLM_BINDINGS[b] for b in args.vllm_bindings} if args.vllm else None, "runs": rows,
-               "errors": errors, "logs": work, "generate_batch_1": baseline}
+               "errors": errors, "logs": work, "generate_batch_1": baseline, "generate_batch_1_after": after or None}
     lone = [r for r in rows if r["server"] == "jaxgpt-serve" and r["concurrency"] == 1]
     if baseline and lone and lone[0].get("output_throughput"):
         results["serve_1_over_generate"] = lone[0]["output_throughput"] / baseline["output_throughput"]
+        if after:  # against the mean of the two, one on each side of the server's run in time
+            mean = (baseline["output_throughput"] + after["output_throughput"]) / 2
+            results["serve_1_over_generate_around"] = lone[0]["output_throughput"] / mean
     if not args.model_dir:
         shutil.rmtree(folder, ignore_errors=True)  # the weights (0.5 GB); the logs stay
     print(table(rows))
     if "serve_1_over_generate" in results:
         print(f"jaxgpt-serve at 1 request: x{results['serve_1_over_generate']:.2f} of Decoder.generate at batch 1 "
               f"({baseline['output_throughput']:.1f} tok/s)")
+    if "serve_1_over_generate_around" in results:
+        print(f"  x{results['serve_1_over_generate_around']:.2f} of the mean of generate before the servers and "
+              f"right after its run at 1 request ({after['output_throughput']:.1f} tok/s)")
     if args.out or not args.smoke:
         print("wrote", write_results(args.out or "serve", results))
     return results

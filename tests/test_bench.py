@@ -168,6 +168,10 @@ def test_serve_benchmark_smoke(monkeypatch):
     base = results["generate_batch_1"]  # Decoder.generate at batch 1 on the folder's weights, same kind of load
     assert base["requests"] == 2 and base["quantize"] is None and base["output_throughput"] > 0
     assert results["serve_1_over_generate"] == results["runs"][0]["output_throughput"] / base["output_throughput"]
+    again = results["generate_batch_1_after"]  # and right after the server's run at 1 request
+    assert again["requests"] == 2 and again["output_throughput"] > 0
+    mean = (base["output_throughput"] + again["output_throughput"]) / 2
+    assert results["serve_1_over_generate_around"] == pytest.approx(results["runs"][0]["output_throughput"] / mean)
 
 
 def test_distilled_draft_is_a_run_the_speculative_bench_takes(tmp_path):
