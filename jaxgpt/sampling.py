@@ -124,6 +124,7 @@ def inverse_cdf(u: jax.Array, logits: jax.Array) -> jax.Array:
 
 
 def _last_positive(x: jax.Array) -> jax.Array:
+    """The index of each row's last positive entry along the last axis (0 for a row without one)."""
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     return jnp.max(jnp.where(x > 0, iota, 0), axis=-1)
 
@@ -131,10 +132,10 @@ def _last_positive(x: jax.Array) -> jax.Array:
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     """One token per row of logits [..., n] from softmax(logits): `inverse_cdf` of one uniform a row,
     `jax.random.uniform(key, logits.shape[:-1])` (so a batch of one row draws what its row draws alone
-    with the same key). A Gumbel-max draw (`jax.random.categorical`) needs noise for every token: at 32 rows
-    of GPT-2's vocabulary its bits alone took 3.9 ms, this whole draw about 1.5 ms (bench/README.md). Rows
-    meant to draw alike must come with the same n (a candidate list padded with -inf to a common length:
-    the block sums' order depends on n). int32 [...]."""
+    with the same key). A Gumbel-max draw (`jax.random.categorical`) needs noise for every token, this one
+    number a row (what each costs: bench/README.md, "Draws by inverse CDF"). Rows meant to draw alike must
+    come with the same n (a candidate list padded with -inf to a common length: the block sums' order
+    depends on n). int32 [...]."""
     return inverse_cdf(jax.random.uniform(key, logits.shape[:-1], jnp.float32), logits)
 
 
@@ -217,7 +218,7 @@ def _rows_full(keys, scaled_SxV, k_S, p_S, sort: bool):
     over the vocabulary) or a top_k above TOP_K_FAST (a full sort), as `sample_logits` does for those
     settings."""
     if not sort:
-        return _draw(keys, scaled_SxV, jnp.ones(scaled_SxV.shape, bool))
+        return categorical_rows(keys, scaled_SxV)
     # without top_k, sample_logits draws over the vocabulary's order, the top-p set kept
     by_vocab = _draw(keys, scaled_SxV, top_p_mask(scaled_SxV, p_S) | (p_S >= 1.0)[:, None])
     by_rank = jax.lax.cond((k_S > 0).any(), lambda: _rows_by_rank(keys, scaled_SxV, k_S, p_S),
