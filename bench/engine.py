@@ -1,7 +1,7 @@
 """Engine benchmark: c concurrent requests served by jaxgpt.Engine or by Decoder.generate in fixed batches.
 
 python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-new-tokens N] [--min-prompt 16]
-                       [--max-prompt 256] [--max-len N] [--decode-steps 4] [--top-k 50] [--dtype float32|bfloat16]
+                       [--max-prompt 256] [--max-len N] [--decode-steps 1:16,2:8,4:4] [--top-k 50] [--dtype float32|bfloat16]
                        [--quantize none|int8|w8a8] [--prefill-budget N] [--packed] [--no-lone] [--tiny]
 
 GPT-2 124M shape, random float32 weights. Each request: a prompt of 16 to 256 random tokens (uniform), 128
@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 
 import jaxgpt  # noqa: E402
 from bench.common import engine_summary, format_engine_summary, machine, write_results  # noqa: E402
+from jaxgpt.cli.serve import DEFAULT_DECODE_STEPS, DEFAULT_DECODE_STEPS_TEXT, decode_steps_arg  # noqa: E402
 from jaxgpt.engine import Engine  # noqa: E402
 
 TOP_K = 50  # every request's top_k (--top-k; None: drawn over the whole vocabulary, as an API's default is)
@@ -164,7 +165,7 @@ def replay_fixed(decoder, prompts, c: int, new_tokens: list, stagger: float) -> 
             "prefill_padding_share": 1.0 - sum(len(p) for p in prompts) / padded}
 
 
-def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps: int, quantize=None) -> dict:
+def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps, quantize=None) -> dict:
     """Decode tokens/s of one request: the engine (`slots` slots, one busy; `decode_steps` per call, and
     one) and Decoder.generate at batch 1, all from a 16-token prompt, prefill excluded (time for new_tokens
     minus time for 1), the three interleaved over 4 repetitions (medians)."""
@@ -182,7 +183,7 @@ def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps: int, qua
     def runner(engine):
         return lambda n: engine.run([dict(prompt=prompt, max_tokens=n, temperature=1.0, top_k=TOP_K)])
 
-    out = {"decode_steps": decode_steps}
+    out = {"decode_steps": str(decode_steps)}
     fns = {"generate": gen, **{name: runner(e) for name, e in engines.items()}}
     for fn in fns.values():
         fn(1), fn(new_tokens)  # compile
@@ -218,8 +219,9 @@ def main(argv=None) -> dict:
                     help="prompt tokens per engine step (Engine(prefill_budget=...); default --prefill-chunk)")
     ap.add_argument("--packed", action="store_true",
                     help="also replay an engine that packs whole prompts into one prefill call (packed_prefill=True)")
-    ap.add_argument("--decode-steps", type=int, default=4,
-                    help="the engine's decode steps per call (Engine(decode_steps=...), jaxgpt-serve's default 4)")
+    ap.add_argument("--decode-steps", type=decode_steps_arg, default=DEFAULT_DECODE_STEPS,
+                    help="the engine's decode steps per call, N or ROWS:N,... (Engine(decode_steps=...); default "
+                         f"jaxgpt-serve's, {DEFAULT_DECODE_STEPS_TEXT})")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the model's compute dtype (GPTConfig.dtype; params stay float32), for both sides")
     ap.add_argument("--quantize", default="none", choices=["none", "int8", "w8a8"],

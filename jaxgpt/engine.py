@@ -201,24 +201,30 @@ def _decode(weights: DecodeWeights, cache: KVCache, tokens_S, active_S, rows: Ro
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs", "steps"), donate_argnums=(1,))
-def _decode_steps(weights: DecodeWeights, cache: KVCache, tokens_S, active_S, rows: RowSettings, *,
+def _decode_steps(weights: DecodeWeights, cache: KVCache, tokens_S, active_S, rows: RowSettings, n_steps, *,
                   config: GPTConfig, backend: Backend, n_logprobs: int, steps: int):
-    """`steps` decode steps over the first S slots in one program, each step's draw fed to the next (the
-    call's i-th token drawn with the row's key folded with rows.index + i, as single steps draw it).
-    Outputs [steps, S, ...]. Every row runs all the steps: the engine keeps a row's tokens up to its stop
-    token, and what it wrote past them lies beyond the prefix it keeps for reuse."""
+    """The first `n_steps` (traced, 1 to `steps`) of `steps` decode steps over the first S slots in one
+    program, each step's draw fed to the next (the call's i-th token drawn with the row's key folded with
+    rows.index + i, as single steps draw it). Outputs [steps, S, ...], the first n_steps filled. Every row
+    runs all the steps: the engine keeps a row's tokens up to its stop token, and what it wrote past them
+    lies beyond the prefix it keeps for reuse. (n_steps traced: one program for a request's last few tokens
+    too, instead of a call each.)"""
     _count("decode")
     s = tokens_S.shape[0]
     whole = s == cache.batch_size
     first = cache if whole else _first(cache, s, backend)
+    n = n_logprobs
+    outs = dict(token=jnp.zeros((steps, s), jnp.int32), logprob=jnp.zeros((steps, s), jnp.float32),
+                top_ids=jnp.zeros((steps, s, n), jnp.int32), top_lps=jnp.zeros((steps, s, n), jnp.float32))
 
-    def body(carry, i):
-        c, tok = carry
+    def body(i, carry):
+        c, tok, outs = carry
         c, out = _decode_rows(weights, c, tok, active_S, rows._replace(index=rows.index + i), config, backend,
                               n_logprobs)
-        return (c, out["token"]), out
+        outs = {k: jax.lax.dynamic_update_index_in_dim(outs[k], out[k].astype(outs[k].dtype), i, 0) for k in outs}
+        return c, out["token"], outs
 
-    (first, _), outs = jax.lax.scan(body, (first, tokens_S), jnp.arange(steps, dtype=jnp.int32))
+    first, _, outs = jax.lax.fori_loop(0, jnp.clip(n_steps, 1, steps), body, (first, tokens_S, outs))
     return (first if whole else _merge_first(cache, first, backend)), outs
 
 
@@ -343,6 +349,18 @@ def decode_sizes(slots: int) -> tuple:
     return tuple(sorted({1 << i for i in range(slots.bit_length()) if 1 << i < slots} | {slots}))
 
 
+def steps_by_rows(decode_steps, slots: int) -> dict:
+    """Decode steps a call for each decode row count (`decode_sizes(slots)`): `decode_steps` an int (every
+    count), or a dict {rows: steps} (each count takes the entry of the largest key at most it; key 1 needed),
+    e.g. {1: 16, 2: 8, 4: 4}: a call's fixed cost is a larger share of a step over few rows, and the steps
+    an arriving request may wait for are shorter there (bench/README.md)."""
+    table = decode_steps if isinstance(decode_steps, dict) else {1: decode_steps}
+    if not table or not all(is_int(r) and r >= 1 and is_int(k) and k >= 1 for r, k in table.items()) or 1 not in table:
+        raise ValueError(f"decode_steps must be an integer >= 1 or a dict {{rows: steps}} of integers >= 1 with "
+                         f"the key 1, got {decode_steps!r}")
+    return {n: int(table[max(r for r in table if r <= n)]) for n in decode_sizes(slots)}
+
+
 def _check_speculative(speculative):
     if speculative is None:
         return None
@@ -391,10 +409,10 @@ class Engine:
     keys and values then written into their slots; the tokens are those of one prompt a call (tests). Off
     by default: on a 2-core CPU it measured slower than one prompt a call with the native attention kernel
     (bench/README.md); it is for devices where a call's fixed cost dominates.
-    `decode_steps=k` runs k decode steps in one compiled call while every request in a slot is generating
-    and has k tokens to go: the same tokens, without a call's fixed cost for each token (bench/README.md);
-    a request that arrives meanwhile waits up to k steps, and tokens stream k at a time. Not with
-    `speculative`.
+    `decode_steps=k` runs up to k decode steps in one compiled call while every request in a slot is
+    generating (as many as the nearest to its end has to go, so a request's last tokens take one call too):
+    the same tokens, without a call's fixed cost for each token (bench/README.md); a request that arrives
+    meanwhile waits up to k steps, and tokens stream k at a time. Not with `speculative`.
     Params placed on a mesh by `jaxgpt.shard_params` (say tensor=8) decode there (`mesh` says which); with
     `split_cache=True` the KV cache lies split by kv head over `tensor` where the backend's layout allows
     (`KVCache.on_mesh`): a tensor-th of its bytes per device, but attention runs with every head on each
@@ -405,7 +423,7 @@ class Engine:
     def __init__(self, params, config: GPTConfig, *, slots: int = 8, max_len: Optional[int] = None,
                  prefill_chunk: int = 256, max_logprobs: int = 20, backend: Optional[Backend] = None,
                  quantize: Optional[str] = None, kv_dtype: Optional[str] = None, speculative=None,
-                 decode_steps: int = 1, split_cache: bool = False, prefill_budget: Optional[int] = None,
+                 decode_steps=1, split_cache: bool = False, prefill_budget: Optional[int] = None,
                  packed_prefill: bool = False):
         self.quantize = check_quantize(quantize)
         self.speculative = _check_speculative(speculative)
@@ -414,7 +432,7 @@ class Engine:
         prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
         for name, value, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("prefill_chunk", prefill_chunk, 1),
                                 ("prefill_budget", prefill_budget, 1),
-                                ("max_logprobs", max_logprobs, 1), ("decode_steps", decode_steps, 1)):
+                                ("max_logprobs", max_logprobs, 1)):
             if not is_int(value) or value < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
         if max_len > config.block_size:
@@ -427,7 +445,9 @@ class Engine:
         self.slots, self.max_len = int(slots), int(max_len)
         self.prefill_chunk, self.max_logprobs = min(int(prefill_chunk), self.max_len), int(max_logprobs)
         self.prefill_budget = int(prefill_budget)
-        self.decode_steps = 1 if self.speculative is not None else int(decode_steps)
+        # decode steps a call by the decode's row count (decode_sizes); decode_steps: the most of them
+        self._steps = steps_by_rows(1 if self.speculative is not None else decode_steps, self.slots)
+        self.decode_steps = max(self._steps.values())
         # the params in the compute dtype (leaves already in it are kept, not copied) and the backend's
         # decode forms, made once per engine, not per step
         if self.quantize is not None:  # the float model the int8 weights stand for (int8's prefill runs it)
@@ -517,10 +537,10 @@ class Engine:
         for n in decode_sizes(self.slots):
             self.cache, _ = _decode(self.weights[n], self.cache, np.zeros(n, np.int32), np.zeros(n, bool),
                                     self._rows([None] * n), n_logprobs=self.max_logprobs, **self._static)
-            if self.decode_steps > 1:
+            if self._steps[n] > 1:
                 self.cache, _ = _decode_steps(self.weights[n], self.cache, np.zeros(n, np.int32), np.zeros(n, bool),
-                                              self._rows([None] * n), n_logprobs=self.max_logprobs,
-                                              steps=self.decode_steps, **self._static)
+                                              self._rows([None] * n), np.int32(1), n_logprobs=self.max_logprobs,
+                                              steps=self._steps[n], **self._static)
             if self.speculative is not None:
                 self.cache, _ = _verify(self.weights[n * self.width], self.cache, np.zeros((n, self.width), np.int32),
                                         np.zeros(n, np.int32), np.zeros(n, bool), self._rows([None] * n),
@@ -796,8 +816,9 @@ class Engine:
         gen = gen[:n]
         if self.speculative is not None and self._speculative_step(n, gen, events):
             return
-        if not arrivals and self._several_steps_now(gen):
-            self._several_steps(n, gen, events)
+        m = 1 if arrivals else self._several_steps_now(n, gen)
+        if m > 1:
+            self._several_steps(n, gen, m, events)
             return
         tokens = np.array([live.last if g else 0 for live, g in zip(self._live, gen)], np.int32)
         rows = self._rows([live if g else None for live, g in zip(self._live, gen)])
@@ -823,27 +844,31 @@ class Engine:
         st["decode_rows"] += steps * generating
         st["decode_width"] += steps * width
 
-    def _several_steps_now(self, gen: list) -> bool:
-        """Whether this step may run `decode_steps` steps in one call: every request in a slot is generating
-        (no prompt left to prefill, none waiting for a copy) and has at least that many tokens to go. A
-        request that arrives meanwhile waits for the call, so a step that prefilled one (arrivals come in
-        bursts) decodes a single step."""
-        k = self.decode_steps
-        return k > 1 and sum(gen) == self.num_running and all(
-            live.req.max_tokens - len(live.out.tokens) >= k for live, g in zip(self._live, gen) if g)
+    def _several_steps_now(self, n: int, gen: list) -> int:
+        """How many decode steps this step over the first n slots may run in one call (up to its row
+        count's `decode_steps`; 1: a plain step):
+        while every request in a slot is generating (no prompt left to prefill, none waiting for a copy),
+        as many as the nearest of them to its max_tokens has to go, so a request's last tokens take one call
+        too. A request that arrives meanwhile waits for the call, so a step that prefilled one (arrivals come
+        in bursts) decodes a single step."""
+        k = self._steps[n]
+        if k == 1 or sum(gen) != self.num_running:
+            return 1
+        return min(k, min(live.req.max_tokens - len(live.out.tokens) for live, g in zip(self._live, gen) if g))
 
-    def _several_steps(self, n: int, gen: list, events: list) -> None:
-        """`decode_steps` decode steps over the first n slots in one call (`_decode_steps`), then each
-        row's tokens emitted in order up to its end (a stop token): the tokens single steps would have
+    def _several_steps(self, n: int, gen: list, m: int, events: list) -> None:
+        """m (2 to n rows' `decode_steps`) decode steps over the first n slots in one call (`_decode_steps`), then
+        each row's tokens emitted in order up to its end (a stop token): the tokens single steps would have
         given, a call's worth at once."""
-        k, lives = self.decode_steps, [live if g else None for live, g in zip(self._live, gen)]
+        lives = [live if g else None for live, g in zip(self._live, gen)]
         tokens = np.array([live.last if live is not None else 0 for live in lives], np.int32)
         t0 = time.perf_counter()
         self.cache, out = _decode_steps(self.weights[n], self.cache, tokens, np.asarray(gen), self._rows(lives),
-                                        n_logprobs=self.max_logprobs, steps=k, **self._static)
+                                        np.int32(m), n_logprobs=self.max_logprobs, steps=self._steps[n],
+                                        **self._static)
         out = jax.device_get(out)
-        self._count_decode(t0, k, sum(gen), n)
-        for j in range(k):
+        self._count_decode(t0, m, sum(gen), n)
+        for j in range(m):
             for s, live in enumerate(lives):
                 if live is not None and self._live[s] is live:  # (not once it has ended)
                     self._cached[s].append(live.last)

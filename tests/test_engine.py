@@ -248,6 +248,34 @@ def test_a_step_that_prefills_an_arrival_decodes_one_step(params):
     assert eng.stats["decode_seconds"] > 0 and eng.stats["prefill_seconds"] > 0
 
 
+def test_decode_steps_by_rows_and_a_requests_last_tokens_in_one_call(params):
+    """decode_steps as {rows: steps}: each decode row count takes the entry of the largest key at most it. A
+    call runs as many steps as the nearest request to its max_tokens has left, so a request's last tokens
+    take one call, not one each; the tokens and logprobs stay those of single steps."""
+    assert engine_mod.steps_by_rows({1: 16, 2: 8, 4: 4}, 32) == {1: 16, 2: 8, 4: 4, 8: 4, 16: 4, 32: 4}
+    assert engine_mod.steps_by_rows(3, 5) == {1: 3, 2: 3, 4: 3, 5: 3}
+    assert engine_mod.steps_by_rows({1: 1, 4: 2}, 8) == {1: 1, 2: 1, 4: 2, 8: 2}
+    for bad in (0, {2: 4}, {1: 0}, {1: 4, 0: 2}, {1: 2.5}, "4", {}):
+        with pytest.raises(ValueError, match="decode_steps"):
+            Engine(params, CFG, slots=2, decode_steps=bad)
+    prompts = _prompts(53, (6, 9))
+    s = dict(temperature=1.0, seed=4)
+    one = Engine(params, CFG, slots=2, max_len=64, prefill_chunk=16)
+    lone = Engine(params, CFG, slots=2, max_len=64, prefill_chunk=16, decode_steps={1: 8, 2: 3})
+    ref = one.run([dict(prompt=prompts[0], max_tokens=12, logprobs=1, **s)])[0]
+    out = lone.run([dict(prompt=prompts[0], max_tokens=12, logprobs=1, **s)])[0]
+    # 12 tokens: the prefill's, one step beside it (an arrival's step), then 8 in a call and the last 2 in one
+    assert (lone.stats["decode_steps"], lone.stats["decode_calls"]) == (11, 3)
+    assert out.token_ids == ref.token_ids == _alone(params, CFG, prompts[0], 12, s)
+    np.testing.assert_allclose([t.logprob for t in out.tokens], [t.logprob for t in ref.tokens],
+                               atol=1e-5)
+    # two requests decode over 2 rows: 3 steps a call there
+    lone.stats.clear()
+    outs = lone.run([dict(prompt=p, max_tokens=7, **s) for p in prompts])
+    assert lone.stats["decode_calls"] == 1 + 2 and lone.stats["decode_steps"] == 1 + 3 + 2
+    assert [o.token_ids for o in outs] == [_alone(params, CFG, p, 7, s) for p in prompts]
+
+
 def test_several_decode_steps_per_call_give_the_single_steps_tokens(params):
     """decode_steps=4: while every request in a slot is generating with 4 tokens to go, one call decodes 4
     steps. Tokens, logprobs, alternatives and finish reasons equal single
