@@ -250,3 +250,18 @@ def test_the_cpu_is_chosen_only_where_no_accelerator_can_be(environ, present, pl
     assert updates == ([("jax_platforms", "cpu")] if want else [])
     monkeypatch.setattr(cli, "_installed", lambda name: False)  # neither plugin: nothing to silence
     assert cli.cpu_unless_accelerated({}, exists=lambda p: False, platform="linux") is None
+
+
+def test_serve_decode_steps_flag(capsys):
+    """--decode_steps: N for every batch, or ROWS:N,... by the decode's rows (the engine's dict); anything
+    else is a usage error that says what it expected."""
+    from jaxgpt.cli import serve
+
+    parse = serve.build_parser().parse_args
+    assert parse([]).decode_steps == {1: 16, 2: 8, 4: 4} == serve.DEFAULT_DECODE_STEPS
+    assert parse(["--decode_steps=4"]).decode_steps == 4
+    assert parse(["--decode_steps=1:8,8:2"]).decode_steps == {1: 8, 8: 2}
+    for bad in ("0", "2:4", "1:0", "x", "1:2,3", "1:4,0:2"):
+        with pytest.raises(SystemExit):
+            parse([f"--decode_steps={bad}"])
+        assert "expected N or ROWS:N" in capsys.readouterr().err

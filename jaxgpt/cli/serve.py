@@ -13,6 +13,24 @@ import threading
 from jaxgpt.cli import cpu_unless_accelerated
 
 
+DEFAULT_DECODE_STEPS_TEXT = "1:16,2:8,4:4"
+
+
+def decode_steps_arg(text: str):
+    """--decode_steps: "4" (every batch) or "1:16,2:8,4:4" (rows: steps) -> an int or a dict (Engine's)."""
+    try:
+        table = dict(part.split(":") for part in text.split(",")) if ":" in text else {"1": text}
+        table = {int(r): int(k) for r, k in table.items()}
+        if 1 not in table or min(table) < 1 or min(table.values()) < 1:
+            raise ValueError(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected N or ROWS:N,... (integers >= 1, with ROWS 1), got {text!r}") from e
+    return table[1] if ":" not in text else table
+
+
+DEFAULT_DECODE_STEPS = decode_steps_arg(DEFAULT_DECODE_STEPS_TEXT)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxgpt-serve", description=__doc__)
     p.add_argument("--out_dir", default="out", help="training run folder holding checkpoints/ (default: out)")
@@ -36,11 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens prefilled per engine step, over as many waiting requests as it reaches "
                         "(default: --prefill_chunk): more lets a burst of arrivals in sooner, at the cost of the "
                         "running requests' pace while they enter")
-    p.add_argument("--decode_steps", type=int, default=4,
-                   help="decode steps per compiled call while no prompt is entering (default 4): the same tokens "
-                        "with less fixed cost per token; a request that arrives meanwhile waits up to that many "
-                        "steps, and tokens stream that many at a time (1: a call per token; ignored with "
-                        "--speculative)")
+    p.add_argument("--decode_steps", type=decode_steps_arg, default=DEFAULT_DECODE_STEPS,
+                   help="decode steps per compiled call while no prompt is entering: N for every batch, or "
+                        "ROWS:N,... by the decode's rows (each batch takes the entry of the largest ROWS at most "
+                        f"its own; default {DEFAULT_DECODE_STEPS_TEXT}: a call's fixed cost weighs most on a "
+                        "step over few rows, bench/README.md). The same tokens with less fixed cost per token; a "
+                        "request that arrives meanwhile waits up to that many steps, and tokens stream that many "
+                        "at a time (1: a call per token; ignored with --speculative)")
     p.add_argument("--max_logprobs", type=int, default=20, help="most alternatives a request may ask logprobs for")
     p.add_argument("--max_waiting", type=int, default=256,
                    help="requests that may wait for a slot; past it the server answers 429 at once")
