@@ -6,6 +6,7 @@ every bad input is a 4xx in OpenAI's error form, a dropped stream frees its slot
 (decoding speculatively with n-gram proposals: its answers must still equal `generate`'s)."""
 
 import asyncio
+import collections
 import json
 import os
 import re
@@ -177,6 +178,41 @@ def test_stop_strings_cut_the_text_whole_and_streamed(client, params):
     assert ch["text"] == want and ch["finish_reason"] == "stop"
     texts, reasons, _ = _stream_text(client, body)
     assert texts == {0: want} and reasons == {0: "stop"}
+
+
+def test_a_calls_tokens_stream_as_one_chunk_with_the_whole_answers_logprobs(params):
+    """With several decode steps a call, the tokens a call made reach the stream together, as one chunk per
+    choice: the chunks still add up to the non-streamed answer, text and logprobs (tokens, offsets,
+    alternatives), a stop string's cut included."""
+    app = create_app(Engine(params, CFG, slots=2, prefill_chunk=16, decode_steps=4), TOK, model_name="tiny",
+                     warmup=False)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        _wait_healthy(c)
+        body = {"prompt": "To be", "max_tokens": 19, "temperature": 0.9, "seed": 3, "n": 2, "logprobs": 2}
+        whole = c.post("/v1/completions", json=body).json()["choices"]
+        texts, reasons, lines = _stream_text(c, body)
+        assert texts == {ch["index"]: ch["text"] for ch in whole} and reasons == {0: "length", 1: "length"}
+        got = {0: collections.defaultdict(list), 1: collections.defaultdict(list)}
+        sizes = []
+        for ln in lines[:-1]:
+            for ch in json.loads(ln[len("data: "):])["choices"]:
+                if ch["logprobs"]:
+                    sizes.append(len(ch["logprobs"]["tokens"]))
+                    for key, values in ch["logprobs"].items():
+                        got[ch["index"]][key] += values
+        assert max(sizes) > 1 and sum(sizes) == 2 * 19  # a call's tokens in one chunk
+        for ch in whole:  # (the same tokens; logprobs from other calls' programs: equal to 1e-5)
+            mine, lp = got[ch["index"]], ch["logprobs"]
+            assert (mine["tokens"], mine["text_offset"]) == (lp["tokens"], lp["text_offset"])
+            np.testing.assert_allclose(mine["token_logprobs"], lp["token_logprobs"], atol=1e-5)
+            assert [sorted(t) for t in mine["top_logprobs"]] == [sorted(t) for t in lp["top_logprobs"]]
+            np.testing.assert_allclose([v for t in mine["top_logprobs"] for _, v in sorted(t.items())],
+                                       [v for t in lp["top_logprobs"] for _, v in sorted(t.items())], atol=1e-5)
+        full = whole[0]["text"]
+        stop = full[6:8]
+        cut = {"prompt": "To be", "max_tokens": 19, "temperature": 0.9, "seed": 3, "stop": [stop]}
+        assert c.post("/v1/completions", json=cut).json()["choices"][0]["text"] == full[:full.find(stop)]
+        assert _stream_text(c, cut)[:2] == ({0: full[:full.find(stop)]}, {0: "stop"})
 
 
 @pytest.mark.parametrize("body, status, param", [

@@ -241,30 +241,53 @@ class Generation:
         if choice.finish_reason is None:
             self.svc.metrics.requests.labels(choice.finish(reason)).inc()
 
-    async def run(self):
-        """Yield (choice index, new token or None) as events come, until every choice has finished."""
+    async def run_batches(self):
+        """Yield lists of (choice index, new token or None, whether the choice had stopped once it had that
+        token): each list every event that had arrived (a decode call's tokens come together), until every
+        choice has finished."""
         index = {id(t): i for i, t in enumerate(self.tickets)}
         last = [None] * len(self.tickets)
         left = len(self.tickets)
         while left:
-            ticket, item, at = await self.events.get()
-            i = index[id(ticket)]
-            if isinstance(item, Exception):
-                self.cancel()
-                raise (bad("prompt", str(item)) if isinstance(item, ValueError) else item)
-            choice = self.choices[i]
-            if item.token is not None:
-                self._timing(last, i, at)
-                self.svc.metrics.generation_tokens.inc()
-                choice.push(item.token)
-                if choice.stopped and item.finish_reason is None:
-                    self.svc.worker.cancel(ticket)  # a stop string: free the slot now
-            if item.finish_reason is not None:
-                left -= 1
-                self.completions[i] = item.completion
-                self._ended(choice, item.finish_reason)
-                self.svc.metrics.e2e.observe(at - self.arrived)
-            yield i, item.token
+            items = [await self.events.get()]
+            while not self.events.empty():
+                items.append(self.events.get_nowait())
+            batch = []
+            for ticket, item, at in items:
+                i = index[id(ticket)]
+                if isinstance(item, Exception):
+                    self.cancel()
+                    raise (bad("prompt", str(item)) if isinstance(item, ValueError) else item)
+                choice = self.choices[i]
+                if item.token is not None:
+                    self._timing(last, i, at)
+                    self.svc.metrics.generation_tokens.inc()
+                    choice.push(item.token)
+                    if choice.stopped and item.finish_reason is None:
+                        self.svc.worker.cancel(ticket)  # a stop string: free the slot now
+                if item.finish_reason is not None:
+                    left -= 1
+                    self.completions[i] = item.completion
+                    self._ended(choice, item.finish_reason)
+                    self.svc.metrics.e2e.observe(at - self.arrived)
+                batch.append((i, item.token, choice.stopped))
+            yield batch
+
+    async def run(self):
+        """Yield (choice index, new token or None) as events come, until every choice has finished."""
+        async for batch in self.run_batches():
+            for i, token, _ in batch:
+                yield i, token
+
+    def shown(self, batch: list) -> dict:
+        """{choice index: its tokens in `batch` that the API shows} for the choices with events there (not a
+        hidden end or stop token)."""
+        out: dict = {}
+        for i, token, stopped in batch:
+            tokens = out.setdefault(i, [])
+            if token is not None and not (stopped and token.id in self.choices[i].hidden):
+                tokens.append(token)
+        return out
 
     def _timing(self, last: list, i: int, at: float) -> None:
         if last[i] is None:
@@ -367,15 +390,16 @@ async def _completion_chunks(svc: Service, gen: Generation, head: dict, echo: bo
             text = svc.tokenizer.decode(gen.prompts[gen.prompt_of[i]])
             offsets[i] = len(text)
             yield {**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]}
-    async for i, token in gen.run():
-        choice = gen.choices[i]
-        text, logprobs = choice.delta(), None
-        if k is not None and token is not None and not (choice.stopped and token.id in choice.hidden):
-            logprobs = output.completion_logprobs(svc.tokenizer, output.generated_entries([token], k), offsets[i])
-            offsets[i] += len(logprobs["tokens"][0])
-        if text or logprobs or choice.finish_reason:
-            yield {**head, "choices": [{"index": i, "text": text, "logprobs": logprobs,
-                                        "finish_reason": choice.finish_reason}]}
+    async for batch in gen.run_batches():  # one chunk per choice for what arrived together
+        for i, tokens in gen.shown(batch).items():
+            choice = gen.choices[i]
+            text, logprobs = choice.delta(), None
+            if k is not None and tokens:
+                logprobs = output.completion_logprobs(svc.tokenizer, output.generated_entries(tokens, k), offsets[i])
+                offsets[i] += sum(len(t) for t in logprobs["tokens"])
+            if text or logprobs or choice.finish_reason:
+                yield {**head, "choices": [{"index": i, "text": text, "logprobs": logprobs,
+                                            "finish_reason": choice.finish_reason}]}
     if gen.sampling.include_usage:
         yield {**head, "choices": [], "usage": gen.usage()}
     _log(svc, "completion", gen.prompts, [c.text for c in gen.choices])
@@ -456,13 +480,14 @@ async def _chat_chunks(svc: Service, gen: Generation, head: dict, k: Optional[in
     for i in range(len(gen.choices)):
         yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
-    async for i, token in gen.run():
-        choice = gen.choices[i]
-        text, logprobs = choice.delta(), None
-        if k is not None and token is not None and not (choice.stopped and token.id in choice.hidden):
-            logprobs = output.chat_logprobs(svc.tokenizer, [token], k)
-        if text or logprobs or choice.finish_reason:
-            yield {**head, "choices": [{"index": i, "delta": {"content": text} if text else {},
-                                        "logprobs": logprobs, "finish_reason": choice.finish_reason}]}
+    async for batch in gen.run_batches():  # one chunk per choice for what arrived together
+        for i, tokens in gen.shown(batch).items():
+            choice = gen.choices[i]
+            text, logprobs = choice.delta(), None
+            if k is not None and tokens:
+                logprobs = output.chat_logprobs(svc.tokenizer, tokens, k)
+            if text or logprobs or choice.finish_reason:
+                yield {**head, "choices": [{"index": i, "delta": {"content": text} if text else {},
+                                            "logprobs": logprobs, "finish_reason": choice.finish_reason}]}
     if gen.sampling.include_usage:
         yield {**head, "choices": [], "usage": gen.usage()}

@@ -2,7 +2,8 @@
 
 The HTTP side hands it submissions and cancellations through a thread-safe queue; it steps the engine
 while there is work and blocks on the queue when there is none. Each request's events go back to the
-asyncio loop that asked for it (`loop.call_soon_threadsafe`), stamped with the time they happened. It
+asyncio loop that asked for it, stamped with the time they happened, a step's at once (one
+`loop.call_soon_threadsafe` a loop and step). It
 knows requests only as token ids and `Request` settings: nothing of HTTP.
 """
 
@@ -53,6 +54,7 @@ class EngineWorker:
         self._outstanding = 0  # submitted and not yet finished (under _lock)
         self._running = 0      # the engine's num_running after its latest step (written by the thread)
         self._live: dict[int, Ticket] = {}
+        self._outbox: dict = {}  # asyncio loop -> [(events queue, item)] not handed over yet (engine thread)
         self._thread = threading.Thread(target=self._run, name="jaxgpt-engine", daemon=True)
 
     @classmethod
@@ -125,6 +127,7 @@ class EngineWorker:
             self._running = self.engine.num_running  # (a cancel frees a slot without a step)
             if self.engine.has_work():
                 self._step()
+            self._flush()
 
     def _handle(self, kind: str, ticket: Ticket) -> None:
         if kind == "cancel":
@@ -164,10 +167,17 @@ class EngineWorker:
                 self._outstanding -= 1
 
     def _post(self, ticket: Ticket, item) -> None:
-        try:
-            ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, (ticket, item, time.perf_counter()))
-        except RuntimeError:  # its loop has closed: nobody is listening
-            pass
+        """Queue an item for the ticket's loop, stamped now; `_flush` hands a step's items over at once."""
+        self._outbox.setdefault(ticket.loop, []).append((ticket.events, (ticket, item, time.perf_counter())))
+
+    def _flush(self) -> None:
+        """Hand each asyncio loop its queued items in one call (not one wake-up of its thread per token)."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # its loop has closed: nobody is listening
+                pass
 
     def _cancel_all(self) -> None:
         for ticket in list(self._live.values()):
@@ -181,3 +191,9 @@ class EngineWorker:
                 self._finished(ticket)
                 self._post(ticket, Event(-1, None, "cancelled"))
         self._running = 0
+        self._flush()
+
+
+def _put_all(items: list) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
