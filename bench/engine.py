@@ -60,19 +60,20 @@ def percentile(xs, q) -> float:
 
 
 def step_time(engine: Engine, new_tokens: int, k: int = 8) -> float:
-    """Median seconds of one decode step with every slot generating (a throwaway batch of requests)."""
-    k = max(1, min(k, engine.max_len - 7))
+    """Median seconds of one decode step with every slot generating (a throwaway batch of requests; with
+    several decode steps a call, each call's time over its steps)."""
+    n = max(1, min(k * engine.decode_steps, engine.max_len - 7))
     for i in range(engine.slots):
-        engine.submit([1, 2, 3], max_tokens=k + 4, temperature=1.0, top_k=TOP_K, seed=i)
+        engine.submit([1, 2, 3], max_tokens=n + 4, temperature=1.0, top_k=TOP_K, seed=i)
     engine.step()  # prefill and the first decode
     times = []
-    for _ in range(k):
+    while engine.has_work():
         before = engine.stats["decode_steps"]
         t0 = time.perf_counter()
-        engine.step()  # (with decode_steps > 1, several steps in one call)
-        times.append((time.perf_counter() - t0) / max(1, engine.stats["decode_steps"] - before))
-    while engine.has_work():
         engine.step()
+        steps = engine.stats["decode_steps"] - before
+        if steps:
+            times.append((time.perf_counter() - t0) / steps)
     return float(np.median(times))
 
 
