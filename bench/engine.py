@@ -1,8 +1,9 @@
 """Engine benchmark: c concurrent requests served by jaxgpt.Engine or by Decoder.generate in fixed batches.
 
 python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-new-tokens N] [--min-prompt 16]
-                       [--max-prompt 256] [--max-len N] [--decode-steps 1:16,2:8,4:4] [--top-k 50] [--dtype float32|bfloat16]
-                       [--quantize none|int8|w8a8] [--prefill-budget N] [--packed] [--no-lone] [--tiny]
+                       [--max-prompt 256] [--max-len N] [--decode-steps 1:16,2:8,4:4] [--top-k 50]
+                       [--dtype float32|bfloat16] [--quantize none|int8|w8a8] [--prefill-budget N] [--packed]
+                       [--no-lone] [--tiny]
 
 GPT-2 124M shape, random float32 weights. Each request: a prompt of 16 to 256 random tokens (uniform), 128
 new tokens (no stop), top-k 50 sampling (--top-k) with its own seed. At concurrency c a client keeps c

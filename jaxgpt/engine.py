@@ -355,7 +355,8 @@ def steps_by_rows(decode_steps, slots: int) -> dict:
     e.g. {1: 16, 2: 8, 4: 4}: a call's fixed cost is a larger share of a step over few rows, and the steps
     an arriving request may wait for are shorter there (bench/README.md)."""
     table = decode_steps if isinstance(decode_steps, dict) else {1: decode_steps}
-    if not table or not all(is_int(r) and r >= 1 and is_int(k) and k >= 1 for r, k in table.items()) or 1 not in table:
+    valid = all(is_int(r) and r >= 1 and is_int(k) and k >= 1 for r, k in table.items())
+    if not valid or 1 not in table:
         raise ValueError(f"decode_steps must be an integer >= 1 or a dict {{rows: steps}} of integers >= 1 with "
                          f"the key 1, got {decode_steps!r}")
     return {n: int(table[max(r for r in table if r <= n)]) for n in decode_sizes(slots)}
@@ -412,7 +413,8 @@ class Engine:
     `decode_steps=k` runs up to k decode steps in one compiled call while every request in a slot is
     generating (as many as the nearest to its end has to go, so a request's last tokens take one call too):
     the same tokens, without a call's fixed cost for each token (bench/README.md); a request that arrives
-    meanwhile waits up to k steps, and tokens stream k at a time. Not with `speculative`.
+    meanwhile waits up to k steps, and tokens stream k at a time. A dict {rows: steps} sets k by the decode's
+    rows (`steps_by_rows`; jaxgpt-serve's default {1: 16, 2: 8, 4: 4}). Not with `speculative`.
     Params placed on a mesh by `jaxgpt.shard_params` (say tensor=8) decode there (`mesh` says which); with
     `split_cache=True` the KV cache lies split by kv head over `tensor` where the backend's layout allows
     (`KVCache.on_mesh`): a tensor-th of its bytes per device, but attention runs with every head on each
