@@ -341,13 +341,14 @@ def builtin_client(port: int, vocab_size: int, concurrency: int, num_prompts: in
 
 
 def generate_baseline(folder: str, num_prompts: int, input_len: int, range_ratio: float, output_len: int,
-                      seed: int, quantize=None) -> dict:
+                      seed: int, quantize=None, kv_dtype=None) -> dict:
     """`Decoder.generate` at batch 1 in this process (before any server starts, and again after jaxgpt-serve's
     run at 1 request) on requests like the load's: random prompts in the same length range, `output_len`
     tokens each, drawn over the whole vocabulary at temperature 1 (what the servers' requests ask for), the
     folder's weights. Each request runs once to
     compile its shape, then timed: output tokens over the seconds of the timed calls, prefill included (as
-    a server's figure at 1 request includes its time to first token)."""
+    a server's figure at 1 request includes its time to first token). `quantize` and `kv_dtype` mirror the
+    server's flags, so both sides run the same kernels and cache."""
     import random
 
     import jax
@@ -357,7 +358,7 @@ def generate_baseline(folder: str, num_prompts: int, input_len: int, range_ratio
     from jaxgpt.loading import load
 
     loaded = load(folder, tokenizer=None)
-    decoder = jaxgpt.Decoder(loaded.params, loaded.config, quantize=quantize)
+    decoder = jaxgpt.Decoder(loaded.params, loaded.config, quantize=quantize, kv_dtype=kv_dtype)
     rng = random.Random(seed)
     lo, hi = max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
     prompts = [[rng.randrange(loaded.config.vocab_size - 1) for _ in range(rng.randint(lo, hi))]
@@ -369,18 +370,20 @@ def generate_baseline(folder: str, num_prompts: int, input_len: int, range_ratio
             out = decoder.generate(np.array([prompt], np.int32), output_len, jax.random.key(i), temperature=1.0)
             out.tokens.block_until_ready()
             seconds += (time.perf_counter() - t0) if timed else 0.0
-    return {"requests": num_prompts, "quantize": quantize, "seconds": seconds,
+    return {"requests": num_prompts, "quantize": quantize, "kv_dtype": kv_dtype, "seconds": seconds,
             "output_throughput": num_prompts * output_len / seconds}
 
 
-def jaxgpt_quantize(extra: list):
-    """The --quantize value among jaxgpt-serve's flags (None when absent or none)."""
+def jaxgpt_flag(extra: list, name: str):
+    """The value of jaxgpt-serve's flag `name` ("quantize", "kv_dtype") among its flags, the last one given
+    winning as in the server's parser (None when absent or "none")."""
+    found = None
     for i, a in enumerate(extra):
-        value = a.split("=", 1)[1] if a.startswith("--quantize=") else extra[i + 1] if (
-            a == "--quantize" and i + 1 < len(extra)) else None
+        value = a.split("=", 1)[1] if a.startswith(f"--{name}=") else extra[i + 1] if (
+            a == f"--{name}" and i + 1 < len(extra)) else None
         if value is not None:
-            return None if value == "none" else value
-    return None
+            found = None if value in ("none", "") else value
+    return found
 
 
 # -- the run ---------------------------------------------------------------------------------------------
@@ -482,7 +485,8 @@ def main(argv=None) -> dict:
             rows.append(row)
             if own and c == 1 and baseline is not None:  # generate again right after, the server idle
                 after.update(generate_baseline(folder, baseline["requests"], args.input_len, args.range_ratio,
-                                               args.output_len, args.seed, baseline["quantize"]))
+                                               args.output_len, args.seed, baseline["quantize"],
+                                               baseline["kv_dtype"]))
                 print(f"Decoder.generate at batch 1 again, right after: {after['output_throughput']:.1f} tok/s",
                       flush=True)
             print(table([row]).splitlines()[-1], flush=True)
@@ -493,8 +497,10 @@ def main(argv=None) -> dict:
     rows, errors, vllm_version, baseline, after = [], {}, None, None, {}
     if 1 in args.concurrency and args.generate_prompts > 0 and not args.no_jaxgpt:
         baseline = generate_baseline(folder, 2 if args.smoke else args.generate_prompts, args.input_len,
-                                     args.range_ratio, args.output_len, args.seed, jaxgpt_quantize(jaxgpt_extra))
-        print(f"Decoder.generate at batch 1 (quantize={baseline['quantize']}, {baseline['requests']} requests, prefill "
+                                     args.range_ratio, args.output_len, args.seed,
+                                     jaxgpt_flag(jaxgpt_extra, "quantize"), jaxgpt_flag(jaxgpt_extra, "kv_dtype"))
+        print(f"Decoder.generate at batch 1 (quantize={baseline['quantize']}, kv_dtype={baseline['kv_dtype']}, "
+              f"{baseline['requests']} requests, prefill "
               f"included): {baseline['output_throughput']:.1f} tok/s", flush=True)
 
     def side(name: str, make_server, tag: str) -> None:

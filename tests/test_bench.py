@@ -213,9 +213,13 @@ def test_serve_bench_keeps_its_default_slots_under_extra_jaxgpt_args():
     assert with_default_slots(["--quantize=w8a8"], ["--slots=32"]) == ["--slots=32", "--quantize=w8a8"]
     assert with_default_slots(["--slots=4", "--quantize=w8a8"], ["--slots=32"]) == ["--slots=4", "--quantize=w8a8"]
     assert with_default_slots(["--slots", "4"], ["--slots=32", "--max_len=64"]) == ["--max_len=64", "--slots", "4"]
-    assert serve.jaxgpt_quantize(["--slots=4", "--quantize=w8a8"]) == "w8a8"
-    assert serve.jaxgpt_quantize(["--quantize", "int8"]) == "int8"
-    assert serve.jaxgpt_quantize(["--quantize=none"]) is None and serve.jaxgpt_quantize(["--slots=4"]) is None
+    # the generate baseline runs with the server's --quantize and --kv_dtype, read as its parser reads them
+    assert serve.jaxgpt_flag(["--slots=4", "--quantize=w8a8"], "quantize") == "w8a8"
+    assert serve.jaxgpt_flag(["--quantize", "int8", "--kv_dtype=int8"], "quantize") == "int8"
+    assert serve.jaxgpt_flag(["--quantize", "int8", "--kv_dtype=int8"], "kv_dtype") == "int8"
+    assert serve.jaxgpt_flag(["--quantize=w8a8", "--quantize=none"], "quantize") is None
+    assert serve.jaxgpt_flag(["--kv_dtype=int8", "--kv_dtype", "float32"], "kv_dtype") == "float32"
+    assert serve.jaxgpt_flag(["--slots=4"], "kv_dtype") is None
 
 
 def test_draw_benchmark_smoke(monkeypatch):
