@@ -462,6 +462,14 @@ def test_jaxgpt_serve_with_the_openai_client(tmp_path, params):
         with pytest.raises(openai.BadRequestError, match="chat template"):
             c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
 
+        # the README's openai example as written, pointed at this server
+        from tests.helpers import doc_example
+        readme = doc_example("README.md", "With the `openai` package")
+        ns = {}
+        exec(readme.replace("http://127.0.0.1:8000", url).replace('"unused"', '"sesame"')
+             .replace('"out-shakespeare-char"', '"tiny"'), ns)
+        assert ns["text"] == _greedy(params, "ROMEO:", 32)
+
         assert re.search(r"^jaxgpt_speculative_proposed_tokens \d", httpx.get(url + "/metrics").text, re.M)
         _dropped_streams_and_a_full_queue(c, url, hold)
         _sigterm_finishes_the_request_in_flight(c, proc)
