@@ -87,10 +87,12 @@ def new_token_counts(n: int, lo: int, hi: int, seed: int) -> list:
 
 def replay_engine(engine: Engine, prompts, new_tokens: list, stagger: float) -> dict:
     """A closed loop of engine.slots requests in flight over `prompts` (request i asks for new_tokens[i])."""
-    start, outs, nxt = time.perf_counter(), {}, 0
+    start, outs, nxt, seen = time.perf_counter(), {}, 0, {}
 
     def submit(i, at):
-        engine.submit(prompts[i], max_tokens=new_tokens[i], temperature=1.0, top_k=TOP_K, seed=i)
+        seen[i] = []  # when each of its tokens reached the caller (a call's tokens come together)
+        engine.submit(prompts[i], max_tokens=new_tokens[i], temperature=1.0, top_k=TOP_K, seed=i,
+                      callback=lambda e, i=i: seen[i].append(time.perf_counter()) if e.token is not None else None)
         outs[i] = engine._waiting[-1].out
         outs[i].submitted = at  # its arrival, not when this loop got to it
 
@@ -115,7 +117,8 @@ def replay_engine(engine: Engine, prompts, new_tokens: list, stagger: float) -> 
     return {"seconds": total, "tokens": tokens, "tokens_per_s": tokens / total,
             "ttft_s": [o.first_token - o.submitted for o in done],
             "ttft_past_prefill_s": [o.first_token - o.submitted - o.prefill_s for o in done],
-            "ttft_past_serial_s": [o.first_token - o.submitted - b for o, b in zip(done, serial_bound(done))]}
+            "ttft_past_serial_s": [o.first_token - o.submitted - b for o, b in zip(done, serial_bound(done))],
+            "itl_s": [b - a for i in range(len(prompts)) for a, b in zip(seen[i], seen[i][1:])]}
 
 
 def serial_bound(done) -> list:
@@ -278,6 +281,8 @@ def main(argv=None) -> dict:
                "fixed_ttft_p50_s": percentile(fixed["ttft_s"], 50), "fixed_ttft_p99_s": percentile(fixed["ttft_s"], 99),
                "engine_ttft_past_prefill_p99_steps": percentile(eng["ttft_past_prefill_s"], 99) / step,
                "engine_ttft_past_serial_p99_steps": percentile(eng["ttft_past_serial_s"], 99) / step,
+               "engine_itl_p50_s": percentile(eng["itl_s"], 50), "engine_itl_p99_s": percentile(eng["itl_s"], 99),
+               "prefill_budget": engine.prefill_budget,
                "fixed_seconds": fixed["seconds"], "fixed_prefill_s": fixed["prefill_s"],
                "fixed_prefill_padding_share": fixed["prefill_padding_share"], "engine_calls": calls}
         if args.packed:  # the same requests through an engine that packs whole prompts into one call
@@ -304,6 +309,7 @@ def main(argv=None) -> dict:
               f"{run['engine_ttft_p99_s']:.3f} s fixed {run['fixed_ttft_p50_s']:.3f}/{run['fixed_ttft_p99_s']:.3f} s"
               f"  p99 past prefill {run['engine_ttft_past_prefill_p99_steps']:.2f} steps"
               f" (past serial prefills {run['engine_ttft_past_serial_p99_steps']:.2f})"
+              f"  ITL p50/p99 {1e3 * run['engine_itl_p50_s']:.0f}/{1e3 * run['engine_itl_p99_s']:.0f} ms"
               f"  ({programs} programs, warm-up {warm:.1f} s)\n"
               f"       fixed batches: {fixed['seconds']:.1f} s, their prefill alone {fixed['prefill_s']:.1f} s, "
               f"{100 * fixed['prefill_padding_share']:.0f}% of its positions padding\n"

@@ -126,6 +126,8 @@ def test_engine_benchmark_smoke():
     assert run["packed_tokens_per_s"] > 0 and run["packed_calls"] >= 1
     assert run["fixed_prefill_s"] > 0 and 0 <= run["fixed_prefill_padding_share"] < 1
     assert run["engine_tokens_per_s"] > 0 and run["fixed_tokens_per_s"] > 0 and run["engine_ttft_p99_s"] > 0
+    # the gaps between a request's tokens as they reach the caller (a call's tokens together: gaps of ~0)
+    assert 0 <= run["engine_itl_p50_s"] <= run["engine_itl_p99_s"] and run["engine_itl_p99_s"] > 0
     assert set(results) >= {"lone_request_slots_1", "lone_request_slots_2"}
     # how the load became calls: every token past each request's first from a decode step's row
     calls = run["engine_calls"]
