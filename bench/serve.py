@@ -375,15 +375,12 @@ def generate_baseline(folder: str, num_prompts: int, input_len: int, range_ratio
 
 
 def jaxgpt_flag(extra: list, name: str):
-    """The value of jaxgpt-serve's flag `name` ("quantize", "kv_dtype") among its flags, the last one given
-    winning as in the server's parser (None when absent or "none")."""
-    found = None
-    for i, a in enumerate(extra):
-        value = a.split("=", 1)[1] if a.startswith(f"--{name}=") else extra[i + 1] if (
-            a == f"--{name}" and i + 1 < len(extra)) else None
-        if value is not None:
-            found = None if value in ("none", "") else value
-    return found
+    """The value of jaxgpt-serve's flag `name` ("quantize", "kv_dtype") as its own parser reads `extra`
+    (None for "none", its default)."""
+    from jaxgpt.cli.serve import build_parser
+
+    value = getattr(build_parser().parse_args(extra), name)
+    return None if value == "none" else value
 
 
 # -- the run ---------------------------------------------------------------------------------------------
