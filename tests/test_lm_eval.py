@@ -108,8 +108,9 @@ def test_lm_eval_local_completions_equals_the_engine_in_process(tmp_path):
     # the server's engine has the same sizes: its warm-up finds these programs in the session's XLA cache
     _write_run(tmp_path / "run", params)
     proc, url, err = _start_server(tmp_path / "run", "--slots=4", "--prefill_chunk=16",
-                                   "--served_model_name=tiny")
+                                   "--served_model_name=tiny", "--cpu_dispatch=inline")
     try:
+        assert "; CPU dispatch inline)" in proc.ready_line  # (the other test's server: async, the default)
         t2 = time.perf_counter()
         env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
                    TOKENIZERS_PARALLELISM="false")

@@ -406,6 +406,7 @@ def _start_server(run, *flags, env=None):
     if not m:
         proc.kill()
         raise AssertionError(f"no ready line: {line!r}\n{''.join(err)[-3000:]}")
+    proc.ready_line = line
     return proc, m.group(1), err
 
 
@@ -421,6 +422,7 @@ def test_jaxgpt_serve_with_the_openai_client(tmp_path, params):
                                    "--import=tests.serve_hold", "--speculative=ngram", "--speculative_k=3",
                                    env={"JAXGPT_TEST_HOLD": str(hold)})
     try:
+        assert "; CPU dispatch async)" in proc.ready_line  # (the default: --cpu_dispatch=async)
         c = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
         assert httpx.get(url + "/health").status_code == 200
         r = c.completions.create(model="tiny", prompt="To be or", max_tokens=12, temperature=0)
