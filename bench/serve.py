@@ -1,8 +1,8 @@
 """Serving benchmark: the same load, one client, against jaxgpt-serve and vLLM's CPU build on the same weights.
 
 python bench/serve.py [--vllm /tmp/vllm-cpu] [--concurrency 1 8 32] [--num-prompts 32 256 256]
-                      [--vllm-bindings [default] [both]] [--jaxgpt-args "--slots 32"] [--generate-prompts 8]
-                      [--smoke]
+                      [--vllm-bindings [default] [both]] [--jaxgpt-args "--slots 32" [--jaxgpt-args ...]]
+                      [--rounds 1] [--generate-prompts 8] [--smoke]
 
 GPT-2 124M shape (vocab 50257, 1024 positions, 12 layers, 12 heads, 768 wide), float32, random weights made
 with jaxgpt.init_params and exported with jaxgpt.save_pretrained to one Hugging Face folder (with n_ctx in
@@ -19,7 +19,10 @@ token p50/p99 and inter-token latency p50/p99 per server and concurrency, and fo
 became engine calls (its /metrics counters), and beside its figure at 1 request `Decoder.generate` at
 batch 1 on requests of the same kind, in this process before any server starts and again right after
 jaxgpt-serve's run at 1 request (the server idle: this machine's bandwidth drifts); bench/results/serve.json.
-`--vllm-bindings` with no binding after it measures jaxgpt-serve alone under vLLM's client.
+`--vllm-bindings` with no binding after it measures jaxgpt-serve alone under vLLM's client. Several
+`--jaxgpt-args` compare jaxgpt-serve configurations in one run: one server each, in turn, `--rounds` times
+(A B A B), each at 1 request against `generate` with its own kernels and cache, and a table of each one's
+rounds and their mean (this machine's drifts between runs are as large as most differences worth measuring).
 
 Without --vllm the vLLM side is skipped and jaxgpt-serve is measured with a small built-in client (threads,
 streaming, the same metrics); --smoke runs a tiny model with a few requests that way (the test).
@@ -211,10 +214,10 @@ class Server:
         self._close()
 
 
-def jaxgpt_server(folder: str, port: int, extra: list, log_path: str) -> Server:
+def jaxgpt_server(folder: str, port: int, extra: list, log_path: str, name: str = "jaxgpt-serve") -> Server:
     cmd = [sys.executable, "-m", "jaxgpt.cli.serve", f"--init_from={folder}", "--host=127.0.0.1",
            f"--port={port}", f"--served_model_name={MODEL_NAME}", *extra]
-    return Server("jaxgpt-serve", cmd, dict(os.environ), port, log_path, start_timeout=900)
+    return Server(name, cmd, dict(os.environ), port, log_path, start_timeout=900)
 
 
 VLLM_BINDINGS = {
@@ -395,6 +398,32 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def by_config(rows: list, configs: list) -> list:
+    """Each jaxgpt-serve configuration's figures over its rounds: output tokens/s per concurrency (each
+    round's, and their mean), and at 1 request its ratios to generate."""
+    out = []
+    for k, extra in enumerate(configs, start=1):
+        mine = [r for r in rows if r.get("config") == k and r.get("output_throughput")]
+        tput = {c: [r["output_throughput"] for r in mine if r["concurrency"] == c]
+                for c in dict.fromkeys(r["concurrency"] for r in mine)}
+        around = [r["serve_1_over_generate_around"] for r in mine if "serve_1_over_generate_around" in r]
+        out.append({"config": k, "jaxgpt_args": extra, "output_throughput": tput,
+                    "mean_output_throughput": {c: statistics.fmean(v) for c, v in tput.items()},
+                    "serve_1_over_generate_around": around})
+    return out
+
+
+def summary_table(summaries: list) -> str:
+    lines = ["| configuration | concurrency | output tok/s, each round | mean | at 1: x generate (mean around) |",
+             "| --- | --- | --- | --- | --- |"]
+    for s in summaries:
+        for c, each in s["output_throughput"].items():
+            ratio = ", ".join(f"{x:.2f}" for x in s["serve_1_over_generate_around"]) if c == 1 else ""
+            lines.append(f"| #{s['config']} {' '.join(s['jaxgpt_args'])} | {c} | "
+                         f"{', '.join(f'{x:.1f}' for x in each)} | {s['mean_output_throughput'][c]:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
 def with_default_slots(given: list, defaults: list) -> list:
     """`--jaxgpt-args`' flags after the bench's defaults, less a default --slots when they give their own
     (replacing the defaults outright once measured an 8-slot server at 32 requests in flight)."""
@@ -418,9 +447,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm-bindings", nargs="*", default=["default", "both"], choices=sorted(VLLM_BINDINGS),
                     help="vLLM's servers to measure (none given: jaxgpt-serve only, still with vLLM's client)")
     ap.add_argument("--vllm-kv-cache-gib", type=int, default=4)
-    ap.add_argument("--jaxgpt-args", default=None,
+    ap.add_argument("--jaxgpt-args", action="append", default=None,
                     help="extra jaxgpt-serve flags, after the default --slots=<largest concurrency> (which a --slots "
-                         "of their own replaces)")
+                         "of their own replaces); given more than once, one server per value, measured in turn")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure the jaxgpt-serve configurations this many times, in turn (A B A B with two "
+                         "--jaxgpt-args): alternating, so that the machine's drifts fall on each alike")
     ap.add_argument("--no-jaxgpt", action="store_true", help="measure vLLM only")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--generate-prompts", type=int, default=8,
@@ -438,8 +470,10 @@ def main(argv=None) -> dict:
         jaxgpt_extra = ["--slots=2", "--max_len=64", "--prefill_chunk=16"]
     else:
         jaxgpt_extra = [f"--slots={max(args.concurrency)}"]
-    if args.jaxgpt_args is not None:
-        jaxgpt_extra = with_default_slots(args.jaxgpt_args.split(), jaxgpt_extra)
+    configs = [with_default_slots(a.split(), jaxgpt_extra) for a in args.jaxgpt_args or [""]]
+    jaxgpt_extra = configs[0]
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if len(args.num_prompts) == 1:
         args.num_prompts = args.num_prompts * len(args.concurrency)
     if len(args.num_prompts) != len(args.concurrency):
@@ -454,7 +488,9 @@ def main(argv=None) -> dict:
     print(f"model folder: {folder} ({'tiny' if args.smoke else 'GPT-2 124M shape'}, float32, random); "
           f"client: {client}; logs in {work}", flush=True)
 
-    def load(server: Server, tag: str) -> list:
+    def load(server: Server, tag: str, mirror=None) -> list:
+        """The load at each concurrency; for a jaxgpt-serve, `mirror` is its (quantize, kv_dtype): generate
+        runs again with them right after its run at 1 request."""
         if args.vllm:
             def run(c, n, seed, out_len=args.output_len, rec=tag):
                 return vllm_client(args.vllm, server.port, folder, c, n, args.input_len, out_len,
@@ -470,7 +506,7 @@ def main(argv=None) -> dict:
         # each concurrency its own prompts (vLLM's prefix cache never sees a prompt twice), every server the
         # same ones
         for i, (c, n) in enumerate(zip(args.concurrency, args.num_prompts)):
-            own = server.name == "jaxgpt-serve"
+            own = server.name.startswith("jaxgpt-serve")
             before = engine_counters(server.port) if own else None
             res = run(c, n, args.seed + i)
             row = {"server": server.name, "concurrency": c, "num_prompts": n,
@@ -480,10 +516,10 @@ def main(argv=None) -> dict:
             if own:  # how the load reached the engine (compare bench/engine.py's line for the same load)
                 row["engine"] = engine_summary(before, engine_counters(server.port), n, res.get("duration") or 0.0)
             rows.append(row)
-            if own and c == 1 and baseline is not None:  # generate again right after, the server idle
-                after.update(generate_baseline(folder, baseline["requests"], args.input_len, args.range_ratio,
-                                               args.output_len, args.seed, baseline["quantize"],
-                                               baseline["kv_dtype"]))
+            if own and c == 1 and mirror in baselines:  # generate again right after, the server idle
+                after = generate_baseline(folder, baselines[mirror]["requests"], args.input_len, args.range_ratio,
+                                          args.output_len, args.seed, *mirror)
+                row["generate_after"] = after
                 print(f"Decoder.generate at batch 1 again, right after: {after['output_throughput']:.1f} tok/s",
                       flush=True)
             print(table([row]).splitlines()[-1], flush=True)
@@ -491,29 +527,38 @@ def main(argv=None) -> dict:
                 print("  " + format_engine_summary(row["engine"]), flush=True)
         return rows
 
-    rows, errors, vllm_version, baseline, after = [], {}, None, None, {}
+    rows, errors, vllm_version, baselines = [], {}, None, {}
+    mirrors = [(jaxgpt_flag(extra, "quantize"), jaxgpt_flag(extra, "kv_dtype")) for extra in configs]
     if 1 in args.concurrency and args.generate_prompts > 0 and not args.no_jaxgpt:
-        baseline = generate_baseline(folder, 2 if args.smoke else args.generate_prompts, args.input_len,
-                                     args.range_ratio, args.output_len, args.seed,
-                                     jaxgpt_flag(jaxgpt_extra, "quantize"), jaxgpt_flag(jaxgpt_extra, "kv_dtype"))
-        print(f"Decoder.generate at batch 1 (quantize={baseline['quantize']}, kv_dtype={baseline['kv_dtype']}, "
-              f"{baseline['requests']} requests, prefill "
-              f"included): {baseline['output_throughput']:.1f} tok/s", flush=True)
+        for mirror in dict.fromkeys(mirrors):  # one baseline per kind of kernels and cache the servers run
+            baselines[mirror] = base = generate_baseline(folder, 2 if args.smoke else args.generate_prompts,
+                                                         args.input_len, args.range_ratio, args.output_len,
+                                                         args.seed, *mirror)
+            print(f"Decoder.generate at batch 1 (quantize={base['quantize']}, kv_dtype={base['kv_dtype']}, "
+                  f"{base['requests']} requests, prefill included): {base['output_throughput']:.1f} tok/s",
+                  flush=True)
+    baseline = baselines.get(mirrors[0])
 
-    def side(name: str, make_server, tag: str) -> None:
+    def side(name: str, make_server, tag: str, **own) -> None:
         """One server: started, loaded at each concurrency, stopped; a failure is recorded, the run goes on."""
         try:
             with make_server() as server:
                 print(f"{server.name} ready in {server.start_s:.1f} s", flush=True)
-                rows.extend(load(server, tag))
+                mirror = own.pop("mirror", None)
+                rows.extend({**row, **own} for row in load(server, tag, mirror))
         except RuntimeError as e:
             print(f"{name}: FAILED: {e}", flush=True)
-            errors[name] = str(e)[-2000:]
+            errors[name + (f" (round {own['round']})" if args.rounds > 1 and "round" in own else "")] = str(e)[-2000:]
 
-    if not args.no_jaxgpt:
-        print(f"jaxgpt-serve {' '.join(jaxgpt_extra)}", flush=True)
-        side("jaxgpt-serve", lambda: jaxgpt_server(folder, free_port(), jaxgpt_extra,
-                                                   os.path.join(work, "jaxgpt-serve.log")), "jaxgpt")
+    for r in range(args.rounds if not args.no_jaxgpt else 0):
+        for k, extra in enumerate(configs):
+            name = "jaxgpt-serve" if len(configs) == 1 else f"jaxgpt-serve #{k + 1}"
+            tag = "jaxgpt" + (f"-{k + 1}" if len(configs) > 1 else "") + (f"-r{r + 1}" if args.rounds > 1 else "")
+            print(f"{name} {' '.join(extra)}" + (f" (round {r + 1} of {args.rounds})" if args.rounds > 1 else ""),
+                  flush=True)
+            side(name, lambda extra=extra, name=name, tag=tag: jaxgpt_server(
+                folder, free_port(), extra, os.path.join(work, f"{tag}-serve.log"), name=name), tag,
+                 config=k + 1, round=r + 1, jaxgpt_args=extra, mirror=mirrors[k])
     if args.vllm:
         vllm_version = subprocess.run([os.path.join(args.vllm, "bin", "python"), "-c",
                                        "import importlib.metadata as m; print(m.version('vllm'))"],
@@ -525,19 +570,27 @@ def main(argv=None) -> dict:
     else:
         print("vLLM: skipped (no --vllm DIR)", flush=True)
 
+    for row in rows:  # a jaxgpt-serve at 1 request against generate with its kernels and cache
+        base = baselines.get(mirrors[row["config"] - 1]) if "config" in row else None
+        if row["concurrency"] == 1 and base and row.get("output_throughput"):
+            row["serve_1_over_generate"] = row["output_throughput"] / base["output_throughput"]
+            if row.get("generate_after"):  # against the mean of the two, one on each side of its run in time
+                mean = (base["output_throughput"] + row["generate_after"]["output_throughput"]) / 2
+                row["serve_1_over_generate_around"] = row["output_throughput"] / mean
+    lone = [r for r in rows if r.get("config") == 1 and r["round"] == 1 and r["concurrency"] == 1]
+    after = lone[0].get("generate_after") if lone else None
     results = {"smoke": args.smoke, "config": "tiny" if args.smoke else "gpt2-124m", "dtype": "float32",
                "client": client, "cpus": os.cpu_count(), "input_len": args.input_len,
                "range_ratio": args.range_ratio, "output_len": args.output_len,
                "output_range_ratio": args.output_range_ratio, "seed": args.seed,
-               "jaxgpt_args": jaxgpt_extra, "vllm": vllm_version, "vllm_bindings":
+               "jaxgpt_args": jaxgpt_extra, "jaxgpt_configs": configs, "rounds": args.rounds,
+               "vllm": vllm_version, "vllm_bindings":
                {b: VLLM_BINDINGS[b] for b in args.vllm_bindings} if args.vllm else None, "runs": rows,
-               "errors": errors, "logs": work, "generate_batch_1": baseline, "generate_batch_1_after": after or None}
-    lone = [r for r in rows if r["server"] == "jaxgpt-serve" and r["concurrency"] == 1]
-    if baseline and lone and lone[0].get("output_throughput"):
-        results["serve_1_over_generate"] = lone[0]["output_throughput"] / baseline["output_throughput"]
-        if after:  # against the mean of the two, one on each side of the server's run in time
-            mean = (baseline["output_throughput"] + after["output_throughput"]) / 2
-            results["serve_1_over_generate_around"] = lone[0]["output_throughput"] / mean
+               "errors": errors, "logs": work, "generate_batch_1": baseline, "generate_batch_1_after": after,
+               "generate_batch_1_by_config": [baselines.get(m) for m in mirrors]}
+    for key in ("serve_1_over_generate", "serve_1_over_generate_around"):  # the first configuration's first run
+        if lone and key in lone[0]:
+            results[key] = lone[0][key]
     if not args.model_dir:
         shutil.rmtree(folder, ignore_errors=True)  # the weights (0.5 GB); the logs stay
     print(table(rows))
@@ -547,6 +600,9 @@ def main(argv=None) -> dict:
     if "serve_1_over_generate_around" in results:
         print(f"  x{results['serve_1_over_generate_around']:.2f} of the mean of generate before the servers and "
               f"right after its run at 1 request ({after['output_throughput']:.1f} tok/s)")
+    if len(configs) > 1 or args.rounds > 1:
+        results["by_config"] = by_config(rows, configs)
+        print(summary_table(results["by_config"]))
     if args.out or not args.smoke:
         print("wrote", write_results(args.out or "serve", results))
     return results

@@ -176,6 +176,30 @@ def test_serve_benchmark_smoke(monkeypatch):
     assert results["serve_1_over_generate_around"] == pytest.approx(results["runs"][0]["output_throughput"] / mean)
 
 
+def test_serve_benchmark_compares_configurations_in_one_run(monkeypatch):
+    """Several --jaxgpt-args: one server each, in turn, each at 1 request against generate with its own
+    quantization, and a summary per configuration."""
+    from bench import serve
+
+    monkeypatch.setattr(serve, "write_results", lambda name, results: pytest.fail("the smoke run writes nothing"))
+    results = serve.main(["--smoke", "--jaxgpt-args=--decode_steps=2", "--jaxgpt-args=--quantize=int8"])
+    assert results["errors"] == {} and results["rounds"] == 1
+    runs = results["runs"]
+    assert [(r["server"], r["concurrency"], r["config"]) for r in runs] == [
+        ("jaxgpt-serve #1", 1, 1), ("jaxgpt-serve #1", 2, 1), ("jaxgpt-serve #2", 1, 2), ("jaxgpt-serve #2", 2, 2)]
+    assert runs[0]["jaxgpt_args"][-1] == "--decode_steps=2" and runs[2]["jaxgpt_args"][-1] == "--quantize=int8"
+    assert all(r["completed"] == r["num_prompts"] and r["failed"] == 0 for r in runs)
+    bases = results["generate_batch_1_by_config"]  # generate mirrors each server's kernels
+    assert [b["quantize"] for b in bases] == [None, "int8"]
+    for lone, base in ((runs[0], bases[0]), (runs[2], bases[1])):
+        mean = (base["output_throughput"] + lone["generate_after"]["output_throughput"]) / 2
+        assert lone["serve_1_over_generate_around"] == pytest.approx(lone["output_throughput"] / mean)
+    summary = results["by_config"]
+    assert [s["jaxgpt_args"] for s in summary] == results["jaxgpt_configs"]
+    assert summary[1]["output_throughput"] == {1: [runs[2]["output_throughput"]], 2: [runs[3]["output_throughput"]]}
+    assert summary[1]["serve_1_over_generate_around"] == [runs[2]["serve_1_over_generate_around"]]
+
+
 def test_distilled_draft_is_a_run_the_speculative_bench_takes(tmp_path):
     """bench/distill_draft.py trains a draft on its target's greedy continuations and writes a run folder
     (the draft's config and tokenizer, new params) that bench/decode.py's speculative comparison loads; the
