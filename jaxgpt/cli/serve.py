@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "($JAXGPT_CACHE/xla, where jaxgpt-train keeps them), 'off', or a folder")
     p.add_argument("--cpu_dispatch", default="async", choices=["async", "inline"],
                    help="on a CPU, where compiled calls run: on JAX's own thread (async, the default) or on the "
-                        "engine thread that makes them (inline, as jaxgpt-train runs); async measured faster here "
-                        "(a step at 1 request 4.4-4.5 ms against 5.4-6.3, bench/README.md)")
+                        "engine thread that makes them (inline, as jaxgpt-train runs); async measured as fast or "
+                        "faster at 1, 8 and 32 requests with 32 slots (bench/README.md)")
     p.add_argument("--quantize", default="none", choices=["none", "int8", "w8a8"],
                    help="decode with int8 weights (a scale per output channel, made at load; default none); w8a8: "
                         "the activations rounded to int8 per row too, prompts' included (faster at 8+ rows and in "
