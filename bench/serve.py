@@ -539,16 +539,17 @@ def main(argv=None) -> dict:
                   flush=True)
     baseline = baselines.get(mirrors[0])
 
-    def side(name: str, make_server, tag: str, **own) -> None:
-        """One server: started, loaded at each concurrency, stopped; a failure is recorded, the run goes on."""
+    def side(name: str, make_server, tag: str, mirror=None, **labels) -> None:
+        """One server: started, loaded at each concurrency, stopped; a failure is recorded, the run goes on.
+        `labels` go into each of its rows."""
         try:
             with make_server() as server:
                 print(f"{server.name} ready in {server.start_s:.1f} s", flush=True)
-                mirror = own.pop("mirror", None)
-                rows.extend({**row, **own} for row in load(server, tag, mirror))
+                rows.extend({**row, **labels} for row in load(server, tag, mirror))
         except RuntimeError as e:
             print(f"{name}: FAILED: {e}", flush=True)
-            errors[name + (f" (round {own['round']})" if args.rounds > 1 and "round" in own else "")] = str(e)[-2000:]
+            errors[name + (f" (round {labels['round']})" if args.rounds > 1 and "round" in labels else "")] = \
+                str(e)[-2000:]
 
     for r in range(args.rounds if not args.no_jaxgpt else 0):
         for k, extra in enumerate(configs):
