@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import sys
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -517,40 +518,56 @@ class Engine:
         config and backend, which reuse them)."""
         return sum(TRACES.values()) - self._traces_at_start
 
-    def warmup(self, prompt_logprobs: bool = True) -> int:
+    def warmup(self, prompt_logprobs: bool = True, progress: bool = False) -> int:
         """Compile every program this engine can run (each chunk length, the decode step, the slot copy);
-        returns how many were compiled now. Before any request: it runs them on slot 0 and resets the cache."""
+        returns how many were compiled now. Before any request: it runs them on slot 0 and resets the cache.
+        `progress`: a bar on stderr while they compile (when stderr is a terminal)."""
         if self.has_work():
             raise RuntimeError("warmup() runs the programs on the cache: call it before submitting requests")
+        from tqdm import tqdm
+
         before = sum(TRACES.values())
-        rows = self._rows([None])
-        for c, w in prefill_programs(self.prefill_chunk, self.max_len):
-            for lp in (False, True) if prompt_logprobs else (False,):
-                self.cache, _ = _prefill(self._prefill_weights, self.cache, np.int32(0), np.int32(0),
-                                         np.zeros((1, c), np.int32), np.int32(1), np.zeros((c,), np.int32), rows,
-                                         prompt_logprobs=lp, n_logprobs=self.max_logprobs, window=w, **self._static)
-        g = self._max_segments
-        for c in self._packed_lengths:  # (into slot 0, reset below)
-            self.cache, _ = _prefill_packed(self._prefill_weights, self.cache, np.zeros(c, np.int32),
-                                            np.zeros(c, np.int32), np.zeros(c, np.int32), np.zeros(g, np.int32),
-                                            np.zeros(g, np.int32), np.zeros(g, np.int32), np.ones(g, np.int32),
-                                            self._rows([None] * g), n_logprobs=self.max_logprobs,
-                                            window=self.prefill_chunk, **self._static)
-        for n in decode_sizes(self.slots):
-            self.cache, _ = _decode(self.weights[n], self.cache, np.zeros(n, np.int32), np.zeros(n, bool),
-                                    self._rows([None] * n), n_logprobs=self.max_logprobs, **self._static)
-            if self._steps[n] > 1:
-                self.cache, _ = _decode_steps(self.weights[n], self.cache, np.zeros(n, np.int32), np.zeros(n, bool),
-                                              self._rows([None] * n), np.int32(1), n_logprobs=self.max_logprobs,
-                                              steps=self._steps[n], **self._static)
-            if self.speculative is not None:
-                self.cache, _ = _verify(self.weights[n * self.width], self.cache, np.zeros((n, self.width), np.int32),
-                                        np.zeros(n, np.int32), np.zeros(n, bool), self._rows([None] * n),
-                                        n_logprobs=self.max_logprobs, **self._static)
-        self.cache = _copy(self.cache, np.int32(0), np.int32(0))
+        calls = self._warmup_calls(prompt_logprobs)
+        with tqdm(total=len(calls), desc="compiling", unit="program", dynamic_ncols=True,
+                  disable=not (progress and sys.stderr.isatty())) as bar:
+            for call in calls:
+                self.cache = call(self.cache)
+                bar.update()
         self._cached = [[] for _ in range(self.slots)]
         self.cache = self.cache.replace(lengths=jnp.zeros_like(self.cache.lengths))
         return sum(TRACES.values()) - before
+
+    def warmup_programs(self, prompt_logprobs: bool = True) -> int:
+        """How many programs `warmup` runs (compiling those not compiled yet)."""
+        return len(self._warmup_calls(prompt_logprobs))
+
+    def _warmup_calls(self, prompt_logprobs: bool) -> list:
+        """One call of each program, on slot 0: functions from the cache to the cache they leave."""
+        calls, st = [], dict(n_logprobs=self.max_logprobs, **self._static)
+        rows = self._rows([None])
+        for c, w in prefill_programs(self.prefill_chunk, self.max_len):
+            for lp in (False, True) if prompt_logprobs else (False,):
+                calls.append(lambda cache, c=c, w=w, lp=lp: _prefill(
+                    self._prefill_weights, cache, np.int32(0), np.int32(0), np.zeros((1, c), np.int32), np.int32(1),
+                    np.zeros((c,), np.int32), rows, prompt_logprobs=lp, window=w, **st)[0])
+        g = self._max_segments
+        for c in self._packed_lengths:  # (into slot 0, reset after)
+            calls.append(lambda cache, c=c: _prefill_packed(
+                self._prefill_weights, cache, *[np.zeros(c, np.int32)] * 3, *[np.zeros(g, np.int32)] * 3,
+                np.ones(g, np.int32), self._rows([None] * g), window=self.prefill_chunk, **st)[0])
+        for n in decode_sizes(self.slots):
+            def args(cache, n=n):
+                return self.weights[n], cache, np.zeros(n, np.int32), np.zeros(n, bool), self._rows([None] * n)
+            calls.append(lambda cache, args=args: _decode(*args(cache), **st)[0])
+            if self._steps[n] > 1:
+                calls.append(lambda cache, args=args, k=self._steps[n]: _decode_steps(
+                    *args(cache), np.int32(1), steps=k, **st)[0])
+            if self.speculative is not None:
+                calls.append(lambda cache, n=n: _verify(
+                    self.weights[n * self.width], cache, np.zeros((n, self.width), np.int32), np.zeros(n, np.int32),
+                    np.zeros(n, bool), self._rows([None] * n), **st)[0])
+        calls.append(lambda cache: _copy(cache, np.int32(0), np.int32(0)))
+        return calls
 
     # -- requests -----------------------------------------------------------------------------------
 

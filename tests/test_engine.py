@@ -3,6 +3,8 @@ prompt chunks or slot reuse; logprobs equal the full forward's log-softmax; scor
 bounded set of programs; per-row sampling equal to `sample_logits`."""
 
 import collections
+import io
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -189,6 +191,7 @@ def test_no_program_is_compiled_for_new_settings_lengths_or_counts(params):
     assert engine_mod.prefill_windows(8, 44) == (8, 32, 44)
     assert engine_mod.prefill_programs(8, 44) == [(c, w) for w in (8, 32, 44) for c in (1, 2, 4, 8)]
     programs = 2 * len(engine_mod.prefill_programs(8, 44)) + len(engine_mod.decode_sizes(3)) + 1
+    assert eng.warmup_programs() == programs
     assert eng.warmup() == programs
     before = dict(engine_mod.TRACES)
     prompts = _prompts(8, (1, 2, 3, 5, 7, 8, 9, 17, 30))
@@ -200,6 +203,23 @@ def test_no_program_is_compiled_for_new_settings_lengths_or_counts(params):
     assert dict(engine_mod.TRACES) == before
     assert eng.programs_compiled == programs
     assert eng.warmup() == 0
+
+
+def test_warmup_shows_its_progress_on_a_terminal_only(params, monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    eng = Engine(params, CFG, slots=3, max_len=44, prefill_chunk=8)  # (the shape of the test above)
+    n = eng.warmup_programs(prompt_logprobs=False)
+    assert n == len(engine_mod.prefill_programs(8, 44)) + len(engine_mod.decode_sizes(3)) + 1
+    for progress, tty, shown in ((True, True, True), (True, False, False), (False, True, False)):
+        err = Terminal() if tty else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        eng.warmup(prompt_logprobs=False, progress=progress)
+        assert ("compiling: 100%" in err.getvalue() and f"{n}/{n}" in err.getvalue()) == shown, err.getvalue()
+    monkeypatch.undo()
+    assert eng.run([dict(prompt=[1, 2, 3], max_tokens=2)])[0].token_ids  # the cache was left usable
 
 
 def test_prefill_budget_lets_several_prompts_in_per_step(params):

@@ -420,13 +420,26 @@ def test_jaxgpt_serve_with_the_openai_client(tmp_path, params):
     proc, url, err = _start_server(tmp_path / "run", "--slots=2", "--max_waiting=1", "--prefill_chunk=16",
                                    "--api_key=sesame", "--served_model_name=tiny", "--grace_period=30",
                                    "--import=tests.serve_hold", "--speculative=ngram", "--speculative_k=3",
-                                   env={"JAXGPT_TEST_HOLD": str(hold)})
+                                   "--log_requests", env={"JAXGPT_TEST_HOLD": str(hold)})
     try:
         assert "; CPU dispatch async)" in proc.ready_line  # (the default: --cpu_dispatch=async)
+        for _ in range(100):  # the warm-up said what it does, on stderr (stdout's first line is the ready one)
+            if any("the engine's programs are ready" in line for line in err):
+                break
+            time.sleep(0.05)
+        said = [re.search(r"compiling the engine's (\d+) programs", line) for line in err]
+        assert any(m and int(m.group(1)) > 0 for m in said), "".join(err)[-2000:]
+        assert any(re.search(r"the engine's programs are ready \(\d+\.\d s\)", line) for line in err)
         c = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
         assert httpx.get(url + "/health").status_code == 200
         r = c.completions.create(model="tiny", prompt="To be or", max_tokens=12, temperature=0)
         assert r.choices[0].text == _greedy(params, "To be or", 12)
+        for _ in range(100):  # --log_requests: the prompt and the output, on stderr
+            if any("jaxgpt.serve: completion prompt=" in line and repr(r.choices[0].text) in line for line in err):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("no request log line: " + "".join(err)[-2000:])
         args = dict(model="tiny", prompt="KING", max_tokens=16, temperature=0.9, seed=4)
         whole = c.completions.create(**args).choices[0].text
         assert "".join(ch.choices[0].text for ch in c.completions.create(**args, stream=True)) == whole

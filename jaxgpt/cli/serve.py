@@ -175,7 +175,17 @@ def main(argv=None) -> int:
     from jaxgpt.engine import Engine
     from jaxgpt.speculative import Speculative
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # the server's own lines (warm-up, --log_requests, errors) at INFO on stderr, through a handler of its
+    # own: the root logger's level and handler are not ours to set (absl sets them when orbax is imported,
+    # which made a basicConfig here a no-op, and with it --log_requests), and at INFO they would let
+    # every library's chatter through
+    own = logging.getLogger("jaxgpt")
+    if not own.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        own.addHandler(handler)
+    own.setLevel(logging.INFO)
+    own.propagate = False
     try:
         config, params, tok, name, template = _load(args)
         engine = Engine(params, config, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
@@ -191,7 +201,7 @@ def main(argv=None) -> int:
         return fail(e)
     app = create_app(engine, tok, model_name=args.served_model_name or name, max_waiting=args.max_waiting,
                      api_key=args.api_key or os.environ.get("JAXGPT_API_KEY"), log_requests=args.log_requests,
-                     chat_template=template)
+                     chat_template=template, progress=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.grace_period, lifespan="on"))
     worker = app.state.service.worker

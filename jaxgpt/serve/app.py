@@ -55,10 +55,11 @@ class Service:
 
 def create_app(engine: Engine, tokenizer, *, model_name: str = "jaxgpt", max_waiting: Optional[int] = 256,
                api_key: Optional[str] = None, log_requests: bool = False, chat_template: Optional[str] = None,
-               warmup: bool = True) -> FastAPI:
+               warmup: bool = True, progress: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` with `tokenizer` (encode, decode, vocab_size, eos_id). Its engine
-    thread starts (and warms the engine up: /health is 503 until then) with the app's lifespan."""
-    worker = EngineWorker.for_engine(engine, max_waiting, warmup=warmup)
+    thread starts (and warms the engine up: /health is 503 until then; `progress`: a bar on stderr
+    meanwhile, on a terminal) with the app's lifespan."""
+    worker = EngineWorker.for_engine(engine, max_waiting, warmup=warmup, progress=progress)
     svc = Service(worker, tokenizer, model_name=model_name, max_len=engine.max_len,
                   vocab_size=engine.config.vocab_size, max_logprobs=engine.max_logprobs, api_key=api_key,
                   log_requests=log_requests, chat_template=chat_template)

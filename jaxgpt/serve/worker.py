@@ -43,10 +43,11 @@ class EngineWorker:
     """Runs `engine` on its own thread. `submit` admits up to `capacity` requests at once (running plus
     waiting; None: no limit); `num_running` and `num_waiting` are read from any thread."""
 
-    def __init__(self, engine: Engine, *, capacity: Optional[int] = None, warmup: bool = True):
+    def __init__(self, engine: Engine, *, capacity: Optional[int] = None, warmup: bool = True,
+                 progress: bool = False):
         self.engine = engine
         self.capacity = capacity
-        self.warmup = warmup
+        self.warmup, self.progress = warmup, progress  # progress: the warm-up's bar (on a terminal)
         self.ready = threading.Event()
         self.failed: Optional[BaseException] = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -58,9 +59,11 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="jaxgpt-engine", daemon=True)
 
     @classmethod
-    def for_engine(cls, engine: Engine, max_waiting: Optional[int], warmup: bool = True) -> "EngineWorker":
+    def for_engine(cls, engine: Engine, max_waiting: Optional[int], warmup: bool = True,
+                   progress: bool = False) -> "EngineWorker":
         """A worker that lets `max_waiting` requests wait for a slot beyond the engine's slots."""
-        return cls(engine, capacity=None if max_waiting is None else engine.slots + max_waiting, warmup=warmup)
+        return cls(engine, capacity=None if max_waiting is None else engine.slots + max_waiting, warmup=warmup,
+                   progress=progress)
 
     # -- from the HTTP side (any thread) --------------------------------------------------------------
 
@@ -106,7 +109,11 @@ class EngineWorker:
     def _run(self) -> None:
         try:
             if self.warmup:
-                self.engine.warmup()
+                t0 = time.perf_counter()
+                log.info("compiling the engine's %d programs (or loading them from the compile cache)",
+                         self.engine.warmup_programs())
+                self.engine.warmup(progress=self.progress)
+                log.info("the engine's programs are ready (%.1f s)", time.perf_counter() - t0)
         except BaseException as e:  # reported by the CLI; /health stays 503
             self.failed = e
             log.exception("engine warm-up failed")
