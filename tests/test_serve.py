@@ -434,8 +434,9 @@ def test_jaxgpt_serve_with_the_openai_client(tmp_path, params):
         assert httpx.get(url + "/health").status_code == 200
         r = c.completions.create(model="tiny", prompt="To be or", max_tokens=12, temperature=0)
         assert r.choices[0].text == _greedy(params, "To be or", 12)
+        logged = f"jaxgpt.serve: completion prompt=['To be or'] output=[{r.choices[0].text!r}]"
         for _ in range(100):  # --log_requests: the prompt and the output, on stderr
-            if any("jaxgpt.serve: completion prompt=" in line and repr(r.choices[0].text) in line for line in err):
+            if any(logged in line for line in err):
                 break
             time.sleep(0.05)
         else:

@@ -335,8 +335,9 @@ async def _until_disconnect(request: Request, gen: Generation):
 
 
 def _log(svc: Service, kind: str, prompts, texts) -> None:
+    """--log_requests: each prompt (token ids, as the engine got them) as text, and the outputs."""
     if svc.log_requests:
-        log.info("%s prompt=%r output=%r", kind, prompts, texts)
+        log.info("%s prompt=%r output=%r", kind, [svc.tokenizer.decode(list(p)) for p in prompts], texts)
 
 
 # -- /v1/completions ----------------------------------------------------------------------------------
