@@ -343,6 +343,60 @@ class GPT2Tokenizer(Tokenizer):
         return {"type": "gpt2", "bpe_dir": self.bpe_dir}
 
 
+class VocabTokenizer(Tokenizer):
+    """Only a vocabulary's size and end token, for token ids that came without their tokenizer (llm.c's
+    Llama-3 shards with no tokenizer file beside them): enough to train on, not to encode or decode."""
+
+    name = "vocab"
+
+    def __init__(self, vocab_size: int, eos_id: int | None = None, label: str = ""):
+        self.vocab_size, self.eos_id, self.label = int(vocab_size), eos_id, label
+
+    def _unknown(self) -> ValueError:
+        what = f"{self.label}'s" if self.label else "a"
+        return ValueError(
+            f"only {what} vocabulary size ({self.vocab_size}) is known for this data, not its tokenizer: "
+            "text cannot be encoded or decoded; put the tokenizer file (shards.json, which jaxgpt-prepare "
+            "--shards writes) beside the shards, or prepare them again with jaxgpt-prepare --shards")
+
+    def encode_array(self, text: str) -> np.ndarray:
+        raise self._unknown()
+
+    def decode(self, ids: Ids) -> str:
+        raise self._unknown()
+
+    def to_dict(self) -> dict:
+        return {"type": "vocab", "vocab_size": self.vocab_size, "eos_id": self.eos_id, "label": self.label}
+
+
+class LazyTokenizer(Tokenizer):
+    """A tokenizer known by its to_dict(), vocabulary size and end token, built only when text is encoded
+    or decoded: training on token ids then needs no BPE files (GPT-2's), only sampling does."""
+
+    def __init__(self, d: dict, vocab_size: int, eos_id: int | None):
+        self._d, self.vocab_size, self.eos_id = d, int(vocab_size), eos_id
+        self.name = d.get("type", "")
+        self._tok: Tokenizer | None = None
+
+    def built(self) -> Tokenizer:
+        """The real tokenizer (ValueError saying what is missing, e.g. GPT-2's BPE files)."""
+        if self._tok is None:
+            self._tok = tokenizer_from_dict(self._d)
+        return self._tok
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return self.built().encode_array(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return self.built().encode_batch(texts)
+
+    def decode(self, ids: Ids) -> str:
+        return self.built().decode(ids)
+
+    def to_dict(self) -> dict:
+        return dict(self._d)
+
+
 def get_tokenizer(name: str, **kwargs: Any) -> Tokenizer:
     """A tokenizer by name: 'char' (chars= or texts=), 'byte', 'bpe' (tokenizer_json=, or texts= and
     vocab_size=), 'gpt2' (bpe_dir=)."""
@@ -396,6 +450,8 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
     if kind == "gpt2":  # the files are known by their hashes: look elsewhere if the folder has gone
         bpe_dir = d.get("bpe_dir")
         return GPT2Tokenizer(bpe_dir=bpe_dir if bpe_dir and Path(bpe_dir).is_dir() else None)
+    if kind == "vocab":
+        return VocabTokenizer(d["vocab_size"], d.get("eos_id"), d.get("label", ""))
     raise ValueError(f"unknown tokenizer type {kind!r}; choose one of {', '.join(TOKENIZERS)}")
 
 

@@ -47,9 +47,11 @@ def default_config():
 
     c.model = _model_section()
     c.data = config_dict.ConfigDict()
-    c.data.corpus = "shakespeare"  # shakespeare | tinyshakespeare | file | hf
-    c.data.path = placeholder(str)  # file/folder for `file`, local copy for `tinyshakespeare`, dataset for `hf`
-    c.data.tokenizer = "char"       # char | byte | bpe | gpt2
+    c.data.corpus = "shakespeare"  # shakespeare | tinyshakespeare | file | hf | shards (llm.c's token shards)
+    # file/folder for `file`, local copy for `tinyshakespeare`, dataset for `hf`, a folder or glob for `shards`
+    c.data.path = placeholder(str)
+    c.data.val_path = placeholder(str)  # shards: the validation shards (a folder or glob); None: names with _val_
+    c.data.tokenizer = "char"       # char | byte | bpe | gpt2 | auto (shards: their shards.json, else by version)
     c.data.vocab_size = placeholder(int)  # for `bpe`
     c.data.val_fraction = 0.1
     c.data.cache_dir = placeholder(str)   # None: $JAXGPT_CACHE or ~/.cache/jaxgpt
@@ -202,6 +204,30 @@ def batch_devices(t, device_count: Optional[int]) -> int:
     return math.prod(size for name, size in mesh_sizes(mesh_text(t.mesh, t.fsdp), device_count) if name in batch)
 
 
+def _check_data(d) -> None:
+    """config.data: a corpus the loop knows, and the tokenizer and paths that go with it."""
+    from jaxgpt.data import CORPORA, TOKENIZERS
+
+    corpora = CORPORA + ("shards",)
+    if d.corpus not in corpora:
+        raise ValueError(f"config.data.corpus: must be one of {corpora}, got {d.corpus!r}")
+    if d.corpus == "shards":
+        if not d.path:
+            raise ValueError("config.data.path: corpus 'shards' needs a folder or a glob of llm.c shard files, e.g. "
+                             "--config.data.path='fineweb10B/fineweb_*.bin'")
+        if d.tokenizer not in ("auto", "gpt2", "byte", "bpe"):
+            raise ValueError(f"config.data.tokenizer: {d.tokenizer!r} does not go with corpus 'shards', whose ids "
+                             "come tokenized: set 'auto' (the shards' own tokenizer file, else GPT-2's vocabulary "
+                             "for version-1 shards and Llama-3's for version 7) or 'gpt2'")
+        return
+    if d.get("val_path") is not None:
+        raise ValueError("config.data.val_path: applies to corpus 'shards' only (text corpora split by "
+                         "data.val_fraction)")
+    if d.tokenizer not in TOKENIZERS:
+        raise ValueError(f"config.data.tokenizer: must be one of {TOKENIZERS} for a text corpus ('auto' is for "
+                         f"corpus 'shards'), got {d.tokenizer!r}")
+
+
 def validate_config(config, device_count: Optional[int] = None) -> None:
     """Raise ValueError naming the key for unknown keys or values that cannot work; `device_count` (the
     devices the step will run on) None leaves out the checks that need it."""
@@ -263,6 +289,7 @@ def validate_config(config, device_count: Optional[int] = None) -> None:
     need(t.peak_flops is None or (is_real(t.peak_flops) and t.peak_flops > 0), "train.peak_flops",
          f"must be a finite number > 0 (FLOP/s of one device; None: measured or known), got {t.peak_flops!r}")
     need(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
+    _check_data(d)
     need(d.tokenizer != "bpe" or (d.vocab_size or 0) > 256, "data.vocab_size",
          "the bpe tokenizer needs data.vocab_size > 256")
     cache_folder(config.compile_cache)

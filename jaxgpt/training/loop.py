@@ -19,6 +19,7 @@ from jaxgpt import compile_cache, loading
 from jaxgpt.backends import resolve
 from jaxgpt.backends.cpu import cpu_dispatch
 from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset, tokenizer_difference, tokenizer_fingerprint
+from jaxgpt.data.shards import open_shards, shards_difference
 from jaxgpt.lora import LoraSpec
 from jaxgpt.model import convert_layers, flops_per_token, num_params
 from jaxgpt.report import warn
@@ -44,12 +45,17 @@ class StopNow(KeyboardInterrupt):
 
 def _load_data(config, process_index: int, process_count: int):
     d = config.data
+    t = config.train
+    if d.corpus == "shards":  # llm.c's shards: every header checked here, before anything compiles
+        ds = open_shards(d.path, d.get("val_path"), d.tokenizer)
+        train = BatchSampler(ds.train, t.batch_size, config.model.block_size, config.seed, process_index,
+                             process_count)
+        return ds, train
     # every process prepares (or finds) the bins itself: the cache is built under a temporary name and
     # renamed into place, so processes sharing a filesystem do not clash
     ds = prepare_dataset(corpus=d.corpus, path=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
                          val_fraction=d.val_fraction, cache_dir=d.cache_dir,
                          progress=config.train.progress and process_index == 0)
-    t = config.train
     train = BatchSampler(ds.train, t.batch_size, config.model.block_size, config.seed, process_index, process_count)
     return ds, train
 
@@ -240,6 +246,7 @@ class _Run:
         def attempt(step):
             meta = checkpointer.restore_meta(step)
             _check_resume_meta(meta, gcfg, self.tokenizer)  # clear words before orbax's
+            _check_resume_data(meta, self.ds.meta)
             _check_resume_optimizer(meta, self.cfg_t)
             # restored in the layer layout it was saved in, on any device count, converted below
             saved = gcfg.replace(scan_layers=bool(meta.get("model", {}).get("scan_layers", False)))
@@ -303,7 +310,8 @@ class _Run:
         n = self.cfg_t.eval_steps
         out = {"step": step, "train_loss": float(losses[:n].mean()), "val_loss": float(losses[n:].mean())}
         out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
-        out["val_bpb"] = out["val_loss"] / math.log(2) / self.bytes_per_token
+        # (None for shards whose tokenizer file does not record the bytes of text per token)
+        out["val_bpb"] = None if not self.bytes_per_token else out["val_loss"] / math.log(2) / self.bytes_per_token
         return out
 
     def meta_for(self, step: int) -> dict:
@@ -404,7 +412,8 @@ class _Run:
         ev["best_val_loss"] = self.best_val
         self.log.write(ev)
         self.note(f"eval {self.step:6d} | train {ev['train_loss']:.4f} | val {ev['val_loss']:.4f} | val ppl "
-                  f"{ev['val_ppl']:.2f} | val bits/byte {ev['val_bpb']:.3f} | best val {self.best_val:.4f}")
+                  f"{ev['val_ppl']:.2f} | " + ("" if ev["val_bpb"] is None else f"val bits/byte {ev['val_bpb']:.3f} | ")
+                  + f"best val {self.best_val:.4f}")
         self.summary.update(ev)
         return ev["val_loss"]
 
@@ -513,6 +522,22 @@ def _check_resume_meta(meta: dict, gcfg, tokenizer) -> None:
         raise ckpt_lib.CheckpointError(
             "the checkpoint's model differs from the config: " +
             ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items()))
+
+
+def _check_resume_data(meta: dict, now: dict) -> None:
+    """Refuse, in one line, a checkpoint trained on llm.c shards other than the config's (files added,
+    removed or changed: the sampler's windows would fall elsewhere)."""
+    saved = meta.get("dataset") or {}
+    if now.get("corpus") != "shards" and saved.get("corpus") != "shards":
+        return
+    if saved.get("corpus") != now.get("corpus"):
+        diff = f"{saved.get('corpus') or 'a text corpus'} before, {now.get('corpus') or 'a text corpus'} now"
+    else:
+        diff = shards_difference(saved, now)
+    if diff:
+        raise ckpt_lib.CheckpointError(
+            f"the data is not the checkpoint's: {diff}. Resuming would not continue the run's batches; resume "
+            "with the shards it was trained on (config.data.path), or start a new run")
 
 
 # The train settings that shape the optimizer state, and what of each does: which optimizer, and whether
