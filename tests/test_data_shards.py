@@ -272,3 +272,110 @@ def test_a_run_over_a_thousand_shard_files_starts_and_trains(tmp_path):
     assert ds.train.open_files() <= 64
     c = _config(tmp_path, folder, max_steps=2, eval_interval=2, checkpoint_interval=2)
     assert train(c)["steps"] == 2
+
+
+# --- jaxgpt-prepare --shards ------------------------------------------------------------------------
+
+_WORDS = "the king is dead long live queen my lord what say you of this night and day".split()
+
+
+def _docs(n=150, seed=0):
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(_WORDS, size=int(rng.integers(3, 50)))) + ("\n" if i % 3 else "") for i in range(n)]
+
+
+def _jsonl(folder, docs, parts=3):
+    folder.mkdir(parents=True, exist_ok=True)
+    for p in range(parts):
+        with open(folder / f"part{p}.jsonl", "w") as f:
+            for d in docs[p * len(docs) // parts : (p + 1) * len(docs) // parts]:
+                f.write(json.dumps({"id": 1, "body": d}) + "\n")
+    return folder
+
+
+def _read_shards(folder):
+    """(names, token arrays) of every .bin in `folder`, read as the format describes: each header's magic and
+    version, its count equal to the file's size."""
+    names, arrays = sorted(f for f in os.listdir(folder) if f.endswith(".bin")), []
+    for n in names:
+        raw = (folder / n).read_bytes()
+        magic, version, count = np.frombuffer(raw[:12], dtype="<i4")
+        assert (magic, version) == (20240520, 1) and len(raw) == 1024 + 2 * count, n
+        arrays.append(np.frombuffer(raw[1024:], dtype="<u2"))
+    return names, arrays
+
+
+def _sha256s(folder):
+    import hashlib
+    return {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))}
+
+
+def test_prepared_shards_hold_each_document_after_the_end_token_and_train(tmp_path):
+    from jaxgpt.data.shard_writer import prepare_shards
+    from jaxgpt.data.tokenizer import tokenizer_from_dict
+    from jaxgpt.training import train
+
+    docs = _docs()
+    out = tmp_path / "shards"
+    d = prepare_shards(out, corpus="jsonl", path=_jsonl(tmp_path / "docs", docs), tokenizer="bpe", vocab_size=300,
+                       shard_tokens=700, val_tokens=500, workers=1, progress=False, text_field="body")
+    names, arrays = _read_shards(out)
+    assert names[-1] == "docs_val_000000.bin" and names[0] == "docs_train_000001.bin"
+    val, train_parts = arrays[-1], arrays[:-1]
+    assert len(val) == 500 and all(len(a) == 700 for a in train_parts[:-1]) and 0 < len(train_parts[-1]) <= 700
+    side = json.loads((out / "shards.json").read_text())
+    tok = tokenizer_from_dict(side["tokenizer"])
+    eos = side["separator_id"]
+    assert eos == tok.eos_id == d["eos_id"]
+    want = np.concatenate([np.concatenate([[eos], tok.encode(doc)]) for doc in docs])
+    assert np.array_equal(np.concatenate([val] + train_parts), want)  # the end token before every document
+    # a Parquet folder of the same documents gives the same bytes
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    (tmp_path / "pq").mkdir()
+    for p in range(2):
+        pq.write_table(pa.table({"body": docs[p * 75 : (p + 1) * 75]}), tmp_path / "pq" / f"p{p}.parquet")
+    prepare_shards(tmp_path / "from_pq", corpus="parquet", path=tmp_path / "pq", tokenizer="bpe", vocab_size=300,
+                   shard_tokens=700, val_tokens=500, workers=1, progress=False, text_field="body", name="docs")
+    bins = lambda folder: {k: v for k, v in _sha256s(folder).items() if k.endswith(".bin")}  # noqa: E731
+    assert bins(tmp_path / "from_pq") == bins(out)
+    c = _config(tmp_path / "run", out, max_steps=2, eval_interval=2, checkpoint_interval=2)
+    c.data.tokenizer = "auto"  # the bpe of shards.json, vocab 300
+    summary = train(c)
+    assert summary["steps"] == 2 and summary["state"].params["wte"]["embedding"].shape[0] == 300
+
+
+def test_a_tokenizer_without_an_end_token_is_refused(tmp_path):
+    from jaxgpt.data.shard_writer import prepare_shards
+
+    with pytest.raises(ValueError, match="byte tokenizer has no end-of-text token"):
+        prepare_shards(tmp_path / "o", corpus="jsonl", path=_jsonl(tmp_path / "d", _docs(10)), tokenizer="byte",
+                       text_field="body", progress=False, workers=1)
+
+
+def test_a_killed_preparation_resumes_to_byte_identical_shards(tmp_path):
+    from jaxgpt.data.shard_writer import KILL_ENV
+
+    docs = _jsonl(tmp_path / "docs", _docs(300, seed=1))
+    base = [sys.executable, "-m", "jaxgpt.cli.prepare", "--corpus=jsonl", f"--path={docs}", "--text_field=body",
+            "--tokenizer=bpe", "--vocab_size=300", "--shard_tokens=900", "--val_tokens=600", "--quiet"]
+    env = {k: v for k, v in os.environ.items() if k != KILL_ENV}
+
+    def run(out, *extra, **more):
+        return subprocess.run(base + [f"--shards={out}", *extra], cwd=REPO, capture_output=True, text=True,
+                              env=dict(env, **more), timeout=120)
+
+    whole = run(tmp_path / "whole", "--workers=2")
+    assert whole.returncode == 0, whole.stderr
+    killed = run(tmp_path / "part", "--workers=1", **{KILL_ENV: "3"})
+    assert killed.returncode == 137
+    left = os.listdir(tmp_path / "part")
+    assert any(f.startswith(".docs_train_000003.bin.tmp") for f in left) and "docs_train_000003.bin" not in left
+    with pytest.raises(ShardError, match="no validation shard|no shard"):  # (a reader never sees the half file)
+        open_shards(str(tmp_path / "part" / "*train_000003*"))
+    other = run(tmp_path / "part", "--workers=1", "--shard_tokens=800")
+    assert other.returncode == 2 and "other settings" in other.stderr and other.stderr.count("\n") == 1
+    resumed = run(tmp_path / "part", "--workers=2")
+    assert resumed.returncode == 0 and "resumed" in resumed.stdout, resumed.stderr
+    assert _sha256s(tmp_path / "part") == _sha256s(tmp_path / "whole")  # every shard and shards.json
+    assert len(_sha256s(tmp_path / "whole")) > 6

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator
 
 from jaxgpt.report import one_line
 
-CORPORA = ("shakespeare", "tinyshakespeare", "file", "hf")
+CORPORA = ("shakespeare", "tinyshakespeare", "file", "hf", "jsonl", "parquet")
 
 TINYSHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -427,6 +427,90 @@ def _unit_hash(i: int) -> float:
     return (z >> 11) / float(1 << 53)
 
 
+_DOCUMENT_SUFFIXES = {"jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"), "parquet": (".parquet",)}
+
+
+class DocumentFiles(Corpus):
+    """JSON Lines or Parquet files (how FineWeb, DCLM and most corpora ship): each row's `text_field` is a
+    document; split by a hash of the row's index, like a Hugging Face dataset. The fingerprint is the files'
+    names, sizes and modification times (hashing tens of GB on every prepare would cost minutes)."""
+
+    def __init__(self, kind: str, files: list[Path], root: Path, text_field: str):
+        super().__init__(name=kind, spec={"name": kind, "path": str(root), "text_field": text_field})
+        self.kind, self.files, self.root, self.field = kind, files, root, text_field
+        self.documents = True
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for f in self.files:
+            st = f.stat()
+            h.update(f"{f.relative_to(self.root).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        return h.hexdigest()
+
+    def describe(self) -> dict:
+        return dict(super().describe(), files=len(self.files))
+
+    def n_documents(self) -> int | None:
+        if self.kind != "parquet":
+            return None
+        import pyarrow.parquet as pq
+
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+
+    def _texts(self) -> Iterator[str]:
+        for f in self.files:
+            yield from (self._jsonl(f) if self.kind == "jsonl" else self._parquet(f))
+
+    def _jsonl(self, f: Path) -> Iterator[str]:
+        import gzip
+
+        with (gzip.open(f, "rt", encoding="utf-8") if f.suffix == ".gz" else open(f, encoding="utf-8")) as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"{f} line {n} is not JSON: {e}") from None
+                if not isinstance(row, dict) or self.field not in row:
+                    fields = sorted(row) if isinstance(row, dict) else type(row).__name__
+                    raise ValueError(f"{f} line {n} has no text field {self.field!r} (it has {fields}); choose the "
+                                     "field with --text_field")
+                yield row[self.field] or ""
+
+    def _parquet(self, f: Path) -> Iterator[str]:
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(f)
+        if self.field not in pf.schema_arrow.names:
+            raise ValueError(f"{f} has no text column {self.field!r} (it has {pf.schema_arrow.names}); choose the "
+                             "column with --text_field")
+        for batch in pf.iter_batches(columns=[self.field], batch_size=1024):
+            yield from (t or "" for t in batch.column(0).to_pylist())
+
+    def pieces(self, val_fraction: float) -> Iterator[Piece]:
+        for i, text in enumerate(self._texts()):
+            yield ("val" if _unit_hash(i) < val_fraction else "train"), text, True
+
+
+def document_files(kind: str, path: str | os.PathLike) -> tuple[list[Path], Path]:
+    """The JSON Lines or Parquet files a file, folder (searched recursively) or glob names, sorted."""
+    import glob
+
+    p = Path(path).expanduser()
+    suffixes = _DOCUMENT_SUFFIXES[kind]
+    if p.is_file():
+        return [p.resolve()], p.resolve().parent
+    if p.is_dir():
+        files, root = [q for q in p.rglob("*") if q.is_file() and q.name.endswith(suffixes)], p
+    else:
+        files, root = [Path(q) for q in glob.glob(str(p), recursive=True) if os.path.isfile(q)], p.parent
+    if not files:
+        raise FileNotFoundError(f"corpus '{kind}': {p} holds no {' / '.join(suffixes)} files; pass a file, a folder "
+                                "or a glob of them")
+    return sorted(q.resolve() for q in files), root.resolve()
+
+
 def get_corpus(
     name: str,
     path: str | os.PathLike | None = None,
@@ -458,6 +542,11 @@ def get_corpus(
         if not path:
             raise ValueError("corpus 'hf' needs path=<dataset name>, e.g. path='openwebtext'")
         return HFCorpus(str(path), hf_config, hf_split, text_field, **(hf_kwargs or {}))
+    if name in _DOCUMENT_SUFFIXES:
+        if path is None:
+            raise ValueError(f"corpus '{name}' needs path=... (a {name} file, a folder of them or a glob)")
+        files, root = document_files(name, path)
+        return DocumentFiles(name, files, root, text_field)
     raise ValueError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)}")
 
 
