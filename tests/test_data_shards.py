@@ -379,3 +379,21 @@ def test_a_killed_preparation_resumes_to_byte_identical_shards(tmp_path):
     assert resumed.returncode == 0 and "resumed" in resumed.stdout, resumed.stderr
     assert _sha256s(tmp_path / "part") == _sha256s(tmp_path / "whole")  # every shard and shards.json
     assert len(_sha256s(tmp_path / "whole")) > 6
+
+
+def test_the_log_says_how_long_the_step_waited_for_data_and_the_loaders_speed(tmp_path, monkeypatch, capsys):
+    import time
+
+    from jaxgpt.training import train
+
+    real = BatchSampler.batch
+    monkeypatch.setattr(BatchSampler, "batch", lambda self, step: time.sleep(0.2) or real(self, step))
+    c = _config(tmp_path, _folder(tmp_path), max_steps=6, log_interval=1, eval_interval=6, checkpoint_interval=6,
+                warmup_steps=1)
+    train(c)
+    with open(os.path.join(c.out_dir, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if "loss" in r]
+    assert len(rows) == 6 and all("data_wait_s" in r and "loader_tokens_per_s" in r for r in rows)
+    starved = [r for r in rows[3:] if r["data_wait_s"] > 0.05]  # once the batches made ahead are used up
+    assert starved and all(r["loader_tokens_per_s"] > 0 for r in starved)
+    assert "waited for data" in capsys.readouterr().out  # (a loader 0.2 s a batch starves a ms step)

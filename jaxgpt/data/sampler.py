@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -167,6 +168,7 @@ class Prefetcher:
         self._stateful = source if hasattr(source, "state_dict") else None
         self._state = self._stateful.state_dict() if self._stateful is not None else None
         self._transform = transform
+        self.produced, self.produce_s = 0, 0.0  # items made and the thread's seconds making them (loader speed)
         self._queue: queue.Queue = queue.Queue(maxsize=size)
         self._stop = threading.Event()
         self._done = False
@@ -176,6 +178,7 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                t0 = time.perf_counter()
                 try:
                     item = self._produce()
                 except StopIteration:
@@ -183,6 +186,8 @@ class Prefetcher:
                     return
                 if self._transform is not None:
                     item = self._transform(item)
+                self.produce_s += time.perf_counter() - t0
+                self.produced += 1
                 state = self._stateful.state_dict() if self._stateful is not None else None
                 self._put((item, state))
         except BaseException as e:  # handed to the consumer, raised there

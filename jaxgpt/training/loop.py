@@ -337,6 +337,8 @@ class _Run:
         self.prefetch = Prefetcher(self.sampler, size=max(2, self.cfg_t.steps_per_call))
         self.summary = {"start_step": self.start_step, "out_dir": self.out_dir}
         self.last_log = (time.time(), self.start_step)
+        self.data_wait = 0.0  # seconds the loop has waited for the prefetcher's batches
+        self.data_mark = (0.0, 0, 0.0)  # (data_wait, batches made, seconds making them) at the last log line
         self.last_finished = self.last_log[0]  # when the last program call read finished
         self.step, self.saved_step = self.start_step, self.start_step if self.resume else None
         failed = False
@@ -367,9 +369,9 @@ class _Run:
         while self.step < cfg_t.max_steps:
             count = _steps_to_run(self.step, cfg_t)
             if count == 1:
-                self.state, metrics = self.runner.step(self.state, *next(self.prefetch))
+                self.state, metrics = self.runner.step(self.state, *self._next_batch())
             else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
-                xs, ys = zip(*(next(self.prefetch) for _ in range(count)))
+                xs, ys = zip(*(self._next_batch() for _ in range(count)))
                 self.state, metrics = self.runner.steps(self.state, np.stack(xs), np.stack(ys))
             finished = time.time() if _is_ready(metrics) else None
             first, self.step = self.step + 1, self.step + count
@@ -468,11 +470,32 @@ class _Run:
             mfu = None if self.peak is None else self.flops_per_token * tok_s / self.peak
             if mfu is not None and mfu > 1 and self.peak_measured:
                 mfu = self.flops_per_token * tok_s / self._remeasure_peak(self.flops_per_token * tok_s)
+            wait, loader = self._data_rates()
             self.last_log = (now, s)
-            self.log.write({"step": s, **m, "tokens_per_s": tok_s, "mfu": mfu, "elapsed_s": now - self.t0})
+            self.log.write({"step": s, **m, "tokens_per_s": tok_s, "mfu": mfu, "elapsed_s": now - self.t0,
+                            "data_wait_s": wait, "loader_tokens_per_s": loader})
+            waited = wait / max(now - last_time, 1e-9)  # the share of the time the step waited for data
             self.note(f"step {s:6d} | loss {m['loss']:.4f} | lr {m.get('lr', 0):.2e} | grad norm "
                       f"{m['grad_norm']:.3f} | {tok_s:,.0f} tok/s | MFU "
-                      f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'} | {now - self.t0:.1f}s")
+                      f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'} | {now - self.t0:.1f}s"
+                      + (f" | waited for data {100 * waited:.0f}% (loader {loader:,.0f} tok/s per process)"
+                         if waited >= 0.02 else ""))
+
+    def _next_batch(self):
+        """The next batch from the prefetcher, the time waited for it counted."""
+        t0 = time.perf_counter()
+        batch = next(self.prefetch)
+        self.data_wait += time.perf_counter() - t0
+        return batch
+
+    def _data_rates(self) -> tuple[float, Optional[float]]:
+        """(seconds waited for data, the loader's tokens/s on this process) since the last log line."""
+        p = self.prefetch
+        wait0, made0, busy0 = self.data_mark
+        self.data_mark = (self.data_wait, p.produced, p.produce_s)
+        made, busy = p.produced - made0, p.produce_s - busy0
+        tokens = self.sampler.local_batch_size * self.gcfg.block_size * made
+        return self.data_wait - wait0, (tokens / busy if made and busy > 0 else None)
 
     def _remeasure_peak(self, attained: float) -> float:
         """The run went faster than the CPU's measured peak, so that matmul was timed while something else
