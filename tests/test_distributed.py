@@ -170,7 +170,7 @@ def test_distributed_config_validation_and_auto_mode(monkeypatch):
 # mode -> (train.parallel, train.fsdp, train.mesh); "mesh-dcn": the dcn axis across the two processes, the
 # state sharded over each process's own devices
 MODES = {"pmap": ("pmap", False, ""), "mesh": ("mesh", False, ""), "mesh-fsdp": ("mesh", True, ""),
-         "mesh-dcn": ("mesh", False, "dcn=2,fsdp=-1")}
+         "mesh-dcn": ("mesh", False, "dcn=2,fsdp=-1"), "pmap-shards": ("pmap", False, "")}
 
 
 def _config(root, mode, out, **train_kw):
@@ -181,7 +181,22 @@ def _config(root, mode, out, **train_kw):
     c = tiny_config(root, **kw)
     c.model.n_layer = 1
     c.out_dir = str(root / out)
+    if mode.endswith("-shards"):  # llm.c's shards: each process reads its own rows of the global batch
+        c.data.corpus, c.data.path, c.data.tokenizer = "shards", str(_shards(root / "shards")), "byte"
     return c
+
+
+def _shards(folder):
+    """Three tiny llm.c shards (a writer from the format's description: 256 int32 of header, uint16 ids)."""
+    if not folder.exists():
+        rng = np.random.default_rng(0)
+        folder.mkdir()
+        for name in ("t_val_000000.bin", "t_train_000001.bin", "t_train_000002.bin"):
+            ids = rng.integers(0, 256, size=500)
+            header = np.zeros(256, dtype="<i4")
+            header[:3] = 20240520, 1, ids.size
+            (folder / name).write_bytes(header.tobytes() + ids.astype("<u2").tobytes())
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +253,8 @@ def test_fsdp_shards_params_and_equals_replicated_training(one_process):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["pmap", "mesh-fsdp", "mesh-dcn"])  # ("mesh": "mesh-dcn" is its data axis)
+# ("mesh": "mesh-dcn" is its data axis; "pmap-shards": llm.c's shards, each process reading its own rows)
+@pytest.mark.parametrize("mode", ["pmap", "mesh-fsdp", "mesh-dcn", "pmap-shards"])
 def test_two_processes_match_one_process_and_resume_here(one_process, mode):
     root = one_process.root
     c = _config(root, mode, f"two-{mode}", max_steps=3)

@@ -239,7 +239,8 @@ def _resume_state(out: Path, name: str, settings: dict, force: bool) -> dict | N
                              "start over")
         for rec in prog["shards"]:
             f = out / rec["file"]
-            if not f.is_file() or f.stat().st_size != 4 * HEADER_INTS + rec["tokens"] * DTYPES[prog["version"]].itemsize:
+            size = 4 * HEADER_INTS + rec["tokens"] * DTYPES[prog["version"]].itemsize
+            if not f.is_file() or f.stat().st_size != size:
                 raise ValueError(f"shard {f}, recorded as complete in {prog_file.name}, is missing or changed; pass "
                                  "--force to prepare again from the start")
         return prog
