@@ -265,3 +265,21 @@ def test_draw_benchmark_smoke(monkeypatch):
     logits = jax.random.normal(jax.random.key(4), (4, 300))
     expected = [int(jax.random.categorical(k, x)) for k, x in zip(keys, logits)]
     assert np.asarray(draw.gumbel_rows(keys, logits)).tolist() == expected  # the old draw's tokens
+
+
+def test_data_benchmark_smoke(tmp_path):
+    """bench/data.py prepares shards with jaxgpt and with llm.c's recipe (the same bytes), and times the
+    loader; the start-up part (training processes) is left out here."""
+    import subprocess
+    import sys
+
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"line {i} of the king and the queen\n" for i in range(400)))
+    out = tmp_path / "data.json"
+    # (its own process: the process pools fork, which a test process running JAX's threads should not)
+    subprocess.run([sys.executable, "bench/data.py", "--text", str(text), "--smoke", "--no_startup", "--out",
+                    str(out)], check=True, capture_output=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["prepare"]["same_shards_as_llmc_recipe"] is True
+    assert all(v > 0 for v in r["prepare"]["tokens_per_s"].values())
+    assert r["loader"]["sampler_tokens_per_s"] > 0 and r["smoke"] is True

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from jaxgpt.data.corpora import Corpus, get_corpus
 from jaxgpt.data.shards import DTYPES, HEADER_INTS, MAGIC, SIDECAR, SIDECAR_FORMAT
-from jaxgpt.data.tokenizer import Tokenizer, tokenizer_from_dict
+from jaxgpt.data.tokenizer import Tokenizer, tokenizer_fingerprint, tokenizer_from_dict
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c's
 _CHUNK_CHARS = 1 << 20  # text sent to a worker at a time
@@ -178,7 +178,7 @@ class _ShardStream:
         self.progress["shards"].append({"file": path.name, "tokens": int(self.fill), "bytes": self.bytes,
                                         "sha256": hashlib.sha256(header.tobytes() + data).hexdigest()})
         self.progress.update(units=units, carry=carry, in_doc=in_doc)
-        _write_json(self.out / f"{self.name}_progress.json", self.progress)
+        _save_progress(self.out, self.name, self.progress)
         self.index += 1
         self.buf = np.empty(self._target(), dtype=self.dtype) if self.buf.size != self._target() else self.buf
         self.fill, self.bytes = 0, 0
@@ -232,7 +232,7 @@ def _resume_state(out: Path, name: str, settings: dict, force: bool) -> dict | N
         _remove_outputs(out, name)
         return None
     if prog_file.is_file():
-        prog = json.loads(prog_file.read_text(encoding="utf-8"))
+        prog = _load_progress(out, name)
         if prog.get("settings") != settings:
             raise ValueError(f"{out} holds an unfinished preparation of {name!r} with other settings (corpus, "
                              "tokenizer or shard sizes); run it again as it was to resume, or pass --force to "
@@ -254,6 +254,25 @@ def _new_progress(tok: Tokenizer, settings: dict) -> dict:
     version = 1 if tok.vocab_size <= 1 << 16 else 7
     return {"settings": settings, "tokenizer": tok.to_dict(), "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
             "version": version, "shards": [], "units": 0, "carry": 0, "in_doc": False}
+
+
+def _save_progress(out: Path, name: str, prog: dict) -> None:
+    """The progress file, without the tokenizer (shards.json holds it; its SHA-256 here ties the two)."""
+    tok = prog["tokenizer"]
+    _write_json(out / f"{name}_progress.json", dict({k: v for k, v in prog.items() if k != "tokenizer"},
+                                                    tokenizer_sha256=tokenizer_fingerprint(tok)))
+
+
+def _load_progress(out: Path, name: str) -> dict:
+    """The progress file with its tokenizer from shards.json (ValueError when they do not belong together)."""
+    prog = json.loads((out / f"{name}_progress.json").read_text(encoding="utf-8"))
+    side = out / SIDECAR
+    tok = json.loads(side.read_text(encoding="utf-8")).get("tokenizer") if side.is_file() else None
+    if not isinstance(tok, dict) or tokenizer_fingerprint(tok) != prog.get("tokenizer_sha256"):
+        raise ValueError(f"{side} does not hold the tokenizer of the unfinished preparation of {name!r} in {out}; "
+                         "pass --force to prepare again from the start")
+    prog["tokenizer"] = tok
+    return prog
 
 
 def _sidecar(prog: dict, name: str, complete: bool) -> dict:
