@@ -36,7 +36,8 @@ gc.set_threshold(50_000, 50, 100)
 # collection order.
 _HEAVY_FIRST = ("test_backends.py", "test_distributed.py", "test_training.py", "test_checkpoint.py",
                 "test_lora.py", "test_recipe.py", "test_model_scan.py", "test_chunked_loss.py",
-                "test_sampling.py", "test_aot.py", "test_extension.py", "test_cli_errors.py", "test_cache.py",
+                "test_sampling.py", "test_aot.py", "test_extension.py", "test_data_shards.py", "test_cli_errors.py",
+                "test_cache.py",
                 "test_attention.py", "test_llama.py", "test_bench.py", "test_mesh2d.py", "test_model.py")
 
 
