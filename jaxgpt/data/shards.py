@@ -108,14 +108,14 @@ def read_header(path: str | os.PathLike) -> Shard:
 
 
 def shard_files(spec: str | os.PathLike, key: str = "data.path") -> list[Path]:
-    """The shard files `spec` names (a folder's .bin files, a glob, or one file), sorted by path."""
+    """The shard files `spec` names (a folder's .bin files, a glob's, or one file), sorted by path."""
     p = Path(spec).expanduser()
     if p.is_dir():
         files = [f for f in p.iterdir() if f.suffix == ".bin" and not f.name.startswith(".") and f.is_file()]
     elif p.is_file():
         files = [p]
     else:
-        files = [Path(f) for f in glob.glob(str(p)) if os.path.isfile(f)]
+        files = [Path(f) for f in glob.glob(str(p)) if f.endswith(".bin") and os.path.isfile(f)]  # not shards.json
     if not files:
         raise ShardError(f"{key}={str(spec)!r} names no shard files: give a folder of .bin shards or a glob such "
                          "as 'fineweb10B/fineweb_*.bin'")
