@@ -1,9 +1,10 @@
 """jaxgpt-serve: the OpenAI API (vLLM's form) over the engine. In process through the app (Starlette's test
 client, the engine thread running): greedy text equals `generate`, streams equal their whole answers,
 seeded sampling holds among concurrent requests, echo logprobs equal the full forward's log-softmax,
-every bad input is a 4xx in OpenAI's error form, a dropped stream frees its slot, a full queue answers
-429 at once. One slow test runs `jaxgpt-serve` in a subprocess against the `openai` client and SIGTERM
-(decoding speculatively with n-gram proposals: its answers must still equal `generate`'s)."""
+every bad input is a 4xx in OpenAI's error form (a request that can never fit a 400), a dropped stream
+frees its slot, a full queue answers 429 at once. One slow test runs `jaxgpt-serve` in a subprocess
+against the `openai` client and SIGTERM (decoding speculatively with n-gram proposals: its answers must
+still equal `generate`'s)."""
 
 import asyncio
 import collections
@@ -231,12 +232,44 @@ def test_a_calls_tokens_stream_as_one_chunk_with_the_whole_answers_logprobs(para
     ({"prompt": {"x": 1}}, 400, "prompt"),
     ({}, 400, "prompt"),
     ({"prompt": "ab", "model": "gpt-4"}, 404, "model"),
+    # integers: whole, and within int32 (seed: int64), a huge one not echoed whole; token ids in the vocabulary
+    ({"prompt": "ab", "max_tokens": 1.5}, 400, "max_tokens"),
+    ({"prompt": "ab", "max_tokens": 1e300}, 400, "max_tokens"),
+    ({"prompt": "ab", "max_tokens": 10 ** 830}, 400, "max_tokens"),
+    ({"prompt": "ab", "n": 1e300}, 400, "n"),
+    ({"prompt": "ab", "top_k": 2 ** 31}, 400, "top_k"),
+    ({"prompt": "ab", "seed": 10 ** 30}, 400, "seed"),
+    ({"prompt": "ab", "logprobs": 2.5}, 400, "logprobs"),
+    ({"prompt": "ab", "stop_token_ids": [999]}, 400, "stop_token_ids"),
+    ({"prompt": ["a"] * 300, "max_tokens": 1}, 400, "prompt"),  # more than 4 slots + 256 waiting ever hold
 ])
 def test_bad_inputs_are_openai_errors(client, body, status, param):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["code"] == status and err["message"] and err["type"]
+    assert len(err["message"]) < 250, err["message"]
+
+
+def test_a_top_k_past_the_vocabulary_keeps_the_whole_vocabulary(client):
+    body = {"prompt": "To be", "max_tokens": 6, "temperature": 1.0, "seed": 3}
+    whole = client.post("/v1/completions", json={**body, "top_k": CFG.vocab_size}).json()["choices"][0]["text"]
+    r = client.post("/v1/completions", json={**body, "top_k": 2 ** 31 - 1})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == whole
+
+
+def test_a_request_that_can_never_fit_is_a_400_naming_the_limit(params):
+    """1 slot + 2 waiting: 4 completions can never be held at once, so no retry would help (not a 429). The
+    app is not started: the 400 comes before the server's readiness, as every bad parameter's does."""
+    app = create_app(Engine(params, CFG, slots=1, prefill_chunk=16), TOK, max_waiting=2, warmup=False)
+    c = TestClient(app, raise_server_exceptions=False)
+    for body, param in (({"prompt": "ab", "n": 4}, "n"), ({"prompt": ["ab", "cd"], "n": 2}, "prompt"),
+                        ({"prompt": [[1], [2], [3], [4]], "max_tokens": 1}, "prompt")):
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "(3: --slots 1 + --max_waiting 2)" in err["message"], err
+    assert c.post("/v1/completions", json={"prompt": "ab", "n": 3}).status_code == 503  # fits: not refused
 
 
 def test_malformed_requests_and_keys(client, params):
@@ -311,6 +344,8 @@ def test_chat_with_a_template_and_the_end_token(params):
             chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln and ln != "data: [DONE]"]
         assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == greedy
         assert c.post("/tokenize", json={"messages": msgs}).json()["count"] == len(rendered)
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * 80}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"  # past the context
 
 
 # -- load and faults ----------------------------------------------------------------------------------

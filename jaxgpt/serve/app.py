@@ -202,7 +202,7 @@ class Generation:
     """The engine requests of one API request (one per prompt and choice) and their choices' text."""
 
     def __init__(self, svc: Service, prompts: list, sampling: protocol.Sampling, logprobs: Optional[int],
-                 prompt_logprobs: bool):
+                 prompt_logprobs: bool, prompt_param: str = "prompt"):
         self.svc, self.prompts, self.sampling, self.k = svc, prompts, sampling, logprobs
         self.events: asyncio.Queue = asyncio.Queue()
         hidden = list(sampling.stop_token_ids)
@@ -211,7 +211,7 @@ class Generation:
         seed = sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2 ** 31)
         self.requests, self.choices, self.prompt_of = [], [], []
         for i, p in enumerate(prompts):
-            max_tokens = _max_tokens(svc, p, sampling.max_tokens)
+            max_tokens = _max_tokens(svc, p, sampling.max_tokens, prompt_param)
             for j in range(sampling.n):
                 self.requests.append((p, dict(max_tokens=max_tokens, temperature=sampling.temperature,
                                               top_k=sampling.top_k, top_p=sampling.top_p,
@@ -303,11 +303,13 @@ class Generation:
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
-def _max_tokens(svc: Service, prompt: list, asked: Optional[int]) -> int:
+def _max_tokens(svc: Service, prompt: list, asked: Optional[int], prompt_param: str = "prompt") -> int:
+    """The completion's length: `asked`, or by default 16 or what the context leaves; a 400 past the
+    context (on `prompt_param`: the chat's messages are its prompt)."""
     room = svc.max_len - len(prompt)
     if room < 0:
-        raise bad("prompt", f"This model's maximum context length is {svc.max_len} tokens; the prompt has "
-                            f"{len(prompt)} tokens: shorten it")
+        raise bad(prompt_param, f"This model's maximum context length is {svc.max_len} tokens; the prompt has "
+                                f"{len(prompt)} tokens: shorten it")
     if asked is None:
         return min(16, room)
     if asked > room:
@@ -344,15 +346,29 @@ def _log(svc: Service, kind: str, prompts, texts) -> None:
 
 def _parse_completion(svc: Service, body: dict) -> tuple:
     svc.check_model(body)
-    sampling = protocol.parse_sampling(body, svc.max_logprobs)
+    sampling = protocol.parse_sampling(body, vocab_size=svc.vocab_size)
     k = protocol.completion_logprobs(body, svc.max_logprobs)
     echo = protocol.get_bool(body, "echo", False)
     if "prompt" not in body:
         raise bad("prompt", "prompt is required")
     prompts = protocol.parse_prompts(body["prompt"], svc.tokenizer, svc.vocab_size)
+    _check_fits(svc, len(prompts), sampling.n)
     if sampling.stream and echo and k is not None:
         raise bad("echo", "echo with logprobs is not supported when streaming; ask without stream")
     return sampling, k, echo, prompts
+
+
+def _check_fits(svc: Service, prompts: int, n: int) -> None:
+    """A request for more completions than the server ever holds at once is a 400 naming that limit: a 429
+    would have its client retry for ever (429 stays for a request that fits once the queue drains)."""
+    capacity = svc.worker.capacity
+    if capacity is None or prompts * n <= capacity:
+        return
+    slots = svc.worker.engine.slots
+    raise bad("n" if prompts == 1 else "prompt",
+              f"this request asks for {prompts * n} completions ({prompts} prompts x n = {n}), more than this "
+              f"server ever holds at once ({capacity}: --slots {slots} + --max_waiting {capacity - slots}); "
+              f"send at most {capacity} per request")
 
 
 async def _completions(svc: Service, request: Request, body: dict):
@@ -457,13 +473,14 @@ def _render_chat(svc: Service, body: dict) -> str:
 async def _chat(svc: Service, request: Request, body: dict):
     svc.check_model(body)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    sampling = protocol.parse_sampling(body, svc.max_logprobs, max_tokens_name=name)
+    sampling = protocol.parse_sampling(body, vocab_size=svc.vocab_size, max_tokens_name=name)
     k = protocol.chat_logprobs(body, svc.max_logprobs)
     prompt = protocol.encode(svc.tokenizer, _render_chat(svc, body), "messages")
     if not prompt:
         raise bad("messages", "the messages render to no tokens")
+    _check_fits(svc, 1, sampling.n)
     svc.check_ready()
-    gen = Generation(svc, [prompt], sampling, k, prompt_logprobs=False)
+    gen = Generation(svc, [prompt], sampling, k, prompt_logprobs=False, prompt_param="messages")
     gen.submit()
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
     if sampling.stream:
