@@ -1,10 +1,11 @@
 """jaxgpt-serve: the OpenAI API (vLLM's form) over the engine. In process through the app (Starlette's test
 client, the engine thread running): greedy text equals `generate`, streams equal their whole answers,
 seeded sampling holds among concurrent requests, echo logprobs equal the full forward's log-softmax,
-every bad input is a 4xx in OpenAI's error form (a request that can never fit a 400), a dropped stream
-frees its slot, a full queue answers 429 at once. One slow test runs `jaxgpt-serve` in a subprocess
-against the `openai` client and SIGTERM (decoding speculatively with n-gram proposals: its answers must
-still equal `generate`'s)."""
+every bad input is a 4xx in OpenAI's error form (a body past the size limit a 413 left unread, a request
+that can never fit a 400), a large body is parsed off the event loop, a dropped stream frees its slot, a
+full queue answers 429 at once. One slow test runs `jaxgpt-serve` in a subprocess against the `openai`
+client and SIGTERM (decoding speculatively with n-gram proposals: its answers must still equal
+`generate`'s)."""
 
 import asyncio
 import collections
@@ -286,6 +287,95 @@ def test_malformed_requests_and_keys(client, params):
     wrong = keyed.get("/v1/models", headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "AuthenticationError"
     assert keyed.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+
+
+def _asgi_post(app, path, chunks, content_length=None):
+    """POST `chunks` (the body's parts, as a chunked body arrives) to the ASGI app itself: (status, the answer's
+    JSON, how many parts the app read)."""
+    headers = [(b"content-type", b"application/json"), (b"host", b"t")]
+    if content_length is not None:
+        headers.append((b"content-length", str(content_length).encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+             "server": ("t", 80), "client": ("c", 1)}
+    read, sent = [], []
+
+    async def receive():
+        if len(read) == len(chunks):
+            await asyncio.sleep(3600)  # (the client stays; the test's wait_for ends a hang)
+        read.append(chunks[len(read)])
+        return {"type": "http.request", "body": read[-1], "more_body": len(read) < len(chunks)}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 60))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(body), len(read)
+
+
+def test_a_body_past_the_limit_is_a_413_and_is_not_read_further(params):
+    """--max_request_bytes (16 MiB by default; 1000 here): a larger body is a 413 in OpenAI's form, refused by
+    its Content-Length before any of it is read, and without one (chunked) once what arrived passes the limit."""
+    from jaxgpt.cli.serve import build_parser
+    from jaxgpt.serve.app import MAX_REQUEST_BYTES
+
+    assert build_parser().parse_args([]).max_request_bytes == MAX_REQUEST_BYTES == 16 * 2 ** 20
+    app = create_app(Engine(params, CFG, slots=1, prefill_chunk=16), TOK, warmup=False, max_request_bytes=1000)
+    c = TestClient(app, raise_server_exceptions=False)  # (/tokenize needs no engine thread)
+    ok = c.post("/tokenize", json={"prompt": "a" * 900})
+    assert ok.status_code == 200 and ok.json()["count"] == 900
+    for r in (c.post("/tokenize", json={"prompt": "a" * 1000}),
+              c.post("/v1/completions", content=(b'{"prompt": "' + b"a" * 300 + b'"' for _ in range(4)))):
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["code"] == 413 and err["type"] and "1000 bytes" in err["message"]
+    body = json.dumps({"prompt": "a" * 3000}).encode()
+    parts = [body[i:i + 300] for i in range(0, len(body), 300)]
+    for path in ("/v1/completions", "/tokenize"):
+        status, answer, read = _asgi_post(app, path, parts, content_length=len(body))
+        assert (status, answer["error"]["code"], read) == (413, 413, 0)  # by its Content-Length: nothing read
+        status, answer, read = _asgi_post(app, path, parts)
+        assert (status, answer["error"]["code"], read) == (413, 413, 4)  # chunked: 1200 bytes read, then no more
+    status, answer, read = _asgi_post(app, "/tokenize", [b'{"prompt": ', b'"To be"}'])
+    assert (status, answer["count"], read) == (200, 5, 2)
+
+
+class _GatedTokenizer(CharTokenizer):
+    """A char tokenizer whose `encode` of a long text waits until the test releases it (`released`: whether
+    it was released rather than timed out)."""
+
+    def __init__(self, chars):
+        super().__init__(chars)
+        self.entered, self.release, self.released = threading.Event(), threading.Event(), None
+
+    def encode(self, text):
+        if len(text) > 10_000:
+            self.entered.set()
+            self.released = self.release.wait(20)
+        return super().encode(text)
+
+
+@pytest.mark.parametrize("path, status", [("/tokenize", 200), ("/v1/completions", 400)])
+def test_health_answers_while_a_large_request_is_tokenized(params, path, status):
+    """A 100 KB prompt is parsed and tokenized on a worker thread: while its tokenizing waits, /health (on the
+    same event loop) answers. On the loop itself it would hold /health until the tokenizing ended."""
+    tok = _GatedTokenizer(CHARS)
+    app = create_app(Engine(params, CFG, slots=1, prefill_chunk=16), tok, warmup=False)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        _wait_healthy(c)
+        big = {}
+        thread = threading.Thread(target=lambda: big.update(r=c.post(path, json={"prompt": "a" * 100_000})))
+        thread.start()
+        try:
+            assert tok.entered.wait(60)
+            health = c.get("/health")  # the large request's tokenizing is still waiting for `release`
+        finally:
+            tok.release.set()
+            thread.join(60)
+    assert health.status_code == 200 and tok.released, "/health waited for the large request's tokenizing"
+    assert big["r"].status_code == status  # (the completion: longer than the context)
 
 
 def test_tokenize_detokenize_and_tokenizer_info(client):

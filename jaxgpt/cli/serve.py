@@ -29,6 +29,7 @@ def decode_steps_arg(text: str):
 
 
 DEFAULT_DECODE_STEPS = decode_steps_arg(DEFAULT_DECODE_STEPS_TEXT)
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2 ** 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_logprobs", type=int, default=20, help="most alternatives a request may ask logprobs for")
     p.add_argument("--max_waiting", type=int, default=256,
                    help="requests that may wait for a slot; past it the server answers 429 at once")
+    p.add_argument("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted, in bytes (default 16 MiB, 16777216); a larger one is "
+                        "answered 413 without being read further")
     p.add_argument("--api_key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/ (default: none; also $JAXGPT_API_KEY)")
     p.add_argument("--served_model_name", default=None,
@@ -200,6 +204,7 @@ def main(argv=None) -> int:
     except (ValueError, CheckpointError, OSError, ImportError) as e:
         return fail(e)
     app = create_app(engine, tok, model_name=args.served_model_name or name, max_waiting=args.max_waiting,
+                     max_request_bytes=args.max_request_bytes,
                      api_key=args.api_key or os.environ.get("JAXGPT_API_KEY"), log_requests=args.log_requests,
                      chat_template=template, progress=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",

@@ -19,6 +19,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxgpt.engine import Engine
@@ -29,13 +30,18 @@ from jaxgpt.serve.worker import EngineWorker
 
 log = logging.getLogger("jaxgpt.serve")
 
+MAX_REQUEST_BYTES = 16 * 2 ** 20  # the largest request body accepted by default (jaxgpt-serve's --max_request_bytes)
+INLINE_BYTES = 64 * 2 ** 10       # a body past this is parsed and tokenized on a worker thread, off the event loop
+
 
 class Service:
     """What the routes share: the tokenizer, the worker, the metrics and the model's name and sizes."""
 
     def __init__(self, worker: EngineWorker, tokenizer, *, model_name: str, max_len: int, vocab_size: int,
-                 max_logprobs: int, api_key: Optional[str], log_requests: bool, chat_template: Optional[str]):
+                 max_logprobs: int, api_key: Optional[str], log_requests: bool, chat_template: Optional[str],
+                 max_request_bytes: int = MAX_REQUEST_BYTES):
         self.worker, self.tokenizer, self.model_name = worker, tokenizer, model_name
+        self.max_request_bytes = max_request_bytes
         self.max_len, self.vocab_size, self.max_logprobs = max_len, vocab_size, max_logprobs
         self.api_key, self.log_requests, self.chat_template = api_key, log_requests, chat_template
         self.metrics = Metrics(worker)
@@ -55,14 +61,16 @@ class Service:
 
 def create_app(engine: Engine, tokenizer, *, model_name: str = "jaxgpt", max_waiting: Optional[int] = 256,
                api_key: Optional[str] = None, log_requests: bool = False, chat_template: Optional[str] = None,
-               warmup: bool = True, progress: bool = False) -> FastAPI:
+               warmup: bool = True, progress: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app serving `engine` with `tokenizer` (encode, decode, vocab_size, eos_id). Its engine
     thread starts (and warms the engine up: /health is 503 until then; `progress`: a bar on stderr
-    meanwhile, on a terminal) with the app's lifespan."""
+    meanwhile, on a terminal) with the app's lifespan. A request body past `max_request_bytes` is a 413."""
+    if not (isinstance(max_request_bytes, int) and max_request_bytes >= 1):
+        raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
     worker = EngineWorker.for_engine(engine, max_waiting, warmup=warmup, progress=progress)
     svc = Service(worker, tokenizer, model_name=model_name, max_len=engine.max_len,
                   vocab_size=engine.config.vocab_size, max_logprobs=engine.max_logprobs, api_key=api_key,
-                  log_requests=log_requests, chat_template=chat_template)
+                  log_requests=log_requests, chat_template=chat_template, max_request_bytes=max_request_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -126,8 +134,29 @@ def _auth(app: FastAPI, svc: Service) -> None:
         app.add_middleware(_KeyCheck, key=svc.api_key)
 
 
-async def _body(request: Request) -> dict:
-    raw = await request.body()
+# -- request bodies -----------------------------------------------------------------------------------
+
+async def _read(request: Request, limit: int) -> bytes:
+    """The request's body; 413 past `limit` bytes: before reading it by its Content-Length, and for a body
+    sent without one (chunked) as soon as what has arrived passes the limit (the rest is not read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit, f" ({int(declared)} bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int, size: str = "") -> ApiError:
+    return ApiError(413, f"the request body{size} is larger than this server's limit of {limit} bytes "
+                         "(jaxgpt-serve --max_request_bytes)")
+
+
+def _json_object(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -135,6 +164,24 @@ async def _body(request: Request) -> dict:
     if not isinstance(body, dict):
         raise bad("body", "the request body must be a JSON object")
     return body
+
+
+async def _parsed(request: Request, svc: Service, parse):
+    """`parse(body)` of the request's JSON object body. A body past INLINE_BYTES is parsed (JSON, then
+    `parse`: checks, tokenizing, chat templates) on a worker thread, so that a large request never holds
+    up the event loop and the requests it serves meanwhile (/health among them)."""
+    raw = await _read(request, svc.max_request_bytes)
+    if len(raw) <= INLINE_BYTES:
+        return parse(_json_object(raw))
+    return await run_in_threadpool(lambda: parse(_json_object(raw)))
+
+
+def _json_list(items: list, step: int = 2 ** 16) -> str:
+    """json.dumps(items), a slice at a time: each call into the C encoder holds the GIL, and so the event
+    loop's thread, for one slice (one call for millions of token ids would hold it for all of them)."""
+    parts = (json.dumps(items[i:i + step], ensure_ascii=False, separators=(",", ":"))[1:-1]
+             for i in range(0, len(items), step))
+    return "[" + ",".join(parts) + "]"
 
 
 # -- routes -------------------------------------------------------------------------------------------
@@ -158,34 +205,19 @@ def _routes(app: FastAPI, svc: Service) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _completions(svc, request, await _body(request))
+        return await _completions(svc, request, await _parsed(request, svc, lambda b: _parse_completion(svc, b)))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _chat(svc, request, await _body(request))
+        return await _chat(svc, request, await _parsed(request, svc, lambda b: _parse_chat(svc, b)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await _body(request)
-        svc.check_model(body)
-        if "messages" in body:
-            ids = protocol.encode(svc.tokenizer, _render_chat(svc, body), "messages")
-        elif isinstance(body.get("prompt"), str):
-            ids = protocol.encode(svc.tokenizer, body["prompt"])
-        else:
-            raise bad("prompt", "tokenize takes a string prompt (or chat messages)")
-        strs = [output.token_str(svc.tokenizer, t) for t in ids] if body.get("return_token_strs") else None
-        return {"count": len(ids), "max_model_len": svc.max_len, "tokens": ids, "token_strs": strs}
+        return await _parsed(request, svc, lambda b: _tokenize(svc, b))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await _body(request)
-        svc.check_model(body)
-        ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                and 0 <= t < svc.vocab_size for t in ids):
-            raise bad("tokens", f"tokens must be a list of token ids in [0, {svc.vocab_size})")
-        return {"prompt": svc.tokenizer.decode(ids)}
+        return await _parsed(request, svc, lambda b: _detokenize(svc, b))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -194,6 +226,30 @@ def _routes(app: FastAPI, svc: Service) -> None:
                 "eos_token": None if eos is None else output.token_str(svc.tokenizer, eos),
                 "eos_token_id": eos, "bos_token": None, "pad_token": None, "vocab_size": svc.vocab_size,
                 "model_max_length": svc.max_len, "chat_template": svc.chat_template}
+
+
+def _tokenize(svc: Service, body: dict) -> Response:
+    """/tokenize's answer, its JSON rendered here (on the worker thread for a large body)."""
+    svc.check_model(body)
+    if "messages" in body:
+        ids = protocol.encode(svc.tokenizer, _render_chat(svc, body), "messages")
+    elif isinstance(body.get("prompt"), str):
+        ids = protocol.encode(svc.tokenizer, body["prompt"])
+    else:
+        raise bad("prompt", "tokenize takes a string prompt (or chat messages)")
+    strs = [output.token_str(svc.tokenizer, t) for t in ids] if body.get("return_token_strs") else None
+    text = (f'{{"count":{len(ids)},"max_model_len":{svc.max_len},"tokens":{_json_list(ids)},'
+            f'"token_strs":{"null" if strs is None else _json_list(strs)}}}')
+    return Response(text.encode("utf-8"), media_type="application/json")
+
+
+def _detokenize(svc: Service, body: dict) -> JSONResponse:
+    svc.check_model(body)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                            and 0 <= t < svc.vocab_size for t in ids):
+        raise bad("tokens", f"tokens must be a list of token ids in [0, {svc.vocab_size})")
+    return JSONResponse({"prompt": svc.tokenizer.decode(ids)})
 
 
 # -- generation ---------------------------------------------------------------------------------------
@@ -371,8 +427,8 @@ def _check_fits(svc: Service, prompts: int, n: int) -> None:
               f"send at most {capacity} per request")
 
 
-async def _completions(svc: Service, request: Request, body: dict):
-    sampling, k, echo, prompts = _parse_completion(svc, body)
+async def _completions(svc: Service, request: Request, parsed: tuple):
+    sampling, k, echo, prompts = parsed
     svc.check_ready()
     gen = Generation(svc, prompts, sampling, k, prompt_logprobs=echo and k is not None)
     gen.submit()
@@ -470,7 +526,7 @@ def _render_chat(svc: Service, body: dict) -> str:
         raise bad("messages", f"the chat template could not render these messages: {e}") from None
 
 
-async def _chat(svc: Service, request: Request, body: dict):
+def _parse_chat(svc: Service, body: dict) -> tuple:
     svc.check_model(body)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = protocol.parse_sampling(body, vocab_size=svc.vocab_size, max_tokens_name=name)
@@ -479,6 +535,11 @@ async def _chat(svc: Service, request: Request, body: dict):
     if not prompt:
         raise bad("messages", "the messages render to no tokens")
     _check_fits(svc, 1, sampling.n)
+    return sampling, k, prompt
+
+
+async def _chat(svc: Service, request: Request, parsed: tuple):
+    sampling, k, prompt = parsed
     svc.check_ready()
     gen = Generation(svc, [prompt], sampling, k, prompt_logprobs=False, prompt_param="messages")
     gen.submit()
