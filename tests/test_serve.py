@@ -378,6 +378,21 @@ def test_health_answers_while_a_large_request_is_tokenized(params, path, status)
     assert big["r"].status_code == status  # (the completion: longer than the context)
 
 
+@pytest.mark.parametrize("flag", ["--port=70000", "--port=-1", "--slots=0", "--max_len=1", "--max_waiting=-1",
+                                  "--max_request_bytes=0", "--speculative_k=16", "--grace_period=nan"])
+def test_jaxgpt_serve_refuses_a_number_out_of_range_before_loading(flag, monkeypatch, capsys):
+    """In one line, status 2, before it loads (or compiles) anything."""
+    from jaxgpt.cli import serve
+
+    def load(args):
+        raise AssertionError("loaded the model before checking the flags")
+
+    monkeypatch.setattr(serve, "_load", load)
+    assert serve.main([flag, "--out_dir=/nonexistent", "--compile_cache=off"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"jaxgpt-serve: {flag.split('=')[0]} must be"), lines
+
+
 def test_tokenize_detokenize_and_tokenizer_info(client):
     r = client.post("/tokenize", json={"prompt": "To be", "add_special_tokens": False}).json()
     assert r == {"count": 5, "max_model_len": 64, "tokens": TOK.encode("To be"), "token_strs": None}
