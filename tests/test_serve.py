@@ -2,14 +2,15 @@
 client, the engine thread running): greedy text equals `generate`, streams equal their whole answers,
 seeded sampling holds among concurrent requests, echo logprobs equal the full forward's log-softmax,
 every bad input is a 4xx in OpenAI's error form (a body past the size limit a 413 left unread, a request
-that can never fit a 400), a large body is parsed off the event loop, a dropped stream frees its slot, a
-full queue answers 429 at once. One slow test runs `jaxgpt-serve` in a subprocess against the `openai`
-client and SIGTERM (decoding speculatively with n-gram proposals: its answers must still equal
-`generate`'s)."""
+that can never fit a 400), a large body is parsed off the event loop, a bug's 500 is logged once, a
+dropped stream frees its slot, a full queue answers 429 at once. One slow test runs `jaxgpt-serve` in a
+subprocess against the `openai` client and SIGTERM (decoding speculatively with n-gram proposals: its
+answers must still equal `generate`'s)."""
 
 import asyncio
 import collections
 import json
+import logging
 import os
 import re
 import signal
@@ -344,13 +345,15 @@ def test_a_body_past_the_limit_is_a_413_and_is_not_read_further(params):
 
 class _GatedTokenizer(CharTokenizer):
     """A char tokenizer whose `encode` of a long text waits until the test releases it (`released`: whether
-    it was released rather than timed out)."""
+    it was released rather than timed out); "boom" is a bug (a KeyError)."""
 
     def __init__(self, chars):
         super().__init__(chars)
         self.entered, self.release, self.released = threading.Event(), threading.Event(), None
 
     def encode(self, text):
+        if text == "boom":
+            raise KeyError("boom")
         if len(text) > 10_000:
             self.entered.set()
             self.released = self.release.wait(20)
@@ -376,6 +379,22 @@ def test_health_answers_while_a_large_request_is_tokenized(params, path, status)
             thread.join(60)
     assert health.status_code == 200 and tok.released, "/health waited for the large request's tokenizing"
     assert big["r"].status_code == status  # (the completion: longer than the context)
+
+
+def test_an_internal_error_is_logged_once_with_its_request_id(params):
+    """A bug's 500: its traceback logged once, with the request id the answer gives; the exception does not
+    leave the app (uvicorn would log it a second time; here the test client would raise it)."""
+    app = create_app(Engine(params, CFG, slots=1, prefill_chunk=16), _GatedTokenizer(CHARS), warmup=False)
+    records, handler, own = [], logging.Handler(logging.ERROR), logging.getLogger("jaxgpt.serve")
+    handler.emit = records.append
+    own.addHandler(handler)
+    try:
+        r = TestClient(app, raise_server_exceptions=True).post("/tokenize", json={"prompt": "boom"})
+    finally:
+        own.removeHandler(handler)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
+    rid = re.search(r"KeyError; request id (\w+)", r.json()["error"]["message"]).group(1)
+    assert len(records) == 1 and rid in records[0].getMessage() and records[0].exc_info
 
 
 @pytest.mark.parametrize("flag", ["--port=70000", "--port=-1", "--slots=0", "--max_len=1", "--max_waiting=-1",

@@ -107,10 +107,35 @@ def _errors(app: FastAPI) -> None:
     async def validation_error(request, e):
         return _json_error(400, str(e))
 
-    @app.exception_handler(Exception)
-    async def internal(request, e):  # a bug, not the client's doing: say so without the traceback
-        log.exception("internal error")
-        return _json_error(500, f"internal server error ({type(e).__name__})")
+    app.add_middleware(_InternalErrors)
+
+
+class _InternalErrors:
+    """A bug, not the client's doing: its traceback logged once, with a request id that the 500's message
+    gives the client, and no traceback in the answer. (Starlette's handler for Exception re-raises once it
+    has answered, and uvicorn logs the same traceback a second time: hence a middleware that ends it.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_and_note(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception as e:
+            rid = uuid.uuid4().hex
+            log.exception("internal error in request %s (%s %s)", rid, scope.get("method"), scope.get("path"))
+            if not started:  # (once the answer has begun, the client can only see the connection end)
+                response = _json_error(500, f"internal server error ({type(e).__name__}; request id {rid})")
+                await response(scope, receive, send)
 
 
 class _KeyCheck:
@@ -435,7 +460,7 @@ async def _completions(svc: Service, request: Request, parsed: tuple):
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": svc.model_name}
     if sampling.stream:
-        return _sse(_completion_chunks(svc, gen, head, echo, k), gen)
+        return _sse(_completion_chunks(svc, gen, head, echo, k), gen, rid)
     async with _until_disconnect(request, gen):
         async for _ in gen.run():
             pass
@@ -479,9 +504,10 @@ async def _completion_chunks(svc: Service, gen: Generation, head: dict, echo: bo
     _log(svc, "completion", gen.prompts, [c.text for c in gen.choices])
 
 
-def _sse(chunks, gen: Generation) -> StreamingResponse:
+def _sse(chunks, gen: Generation, rid: str) -> StreamingResponse:
     """Server-sent events: `data: {json}` per chunk, then `data: [DONE]`; a dropped client (or an error
-    past the first byte) cancels the generation's engine requests."""
+    past the first byte) cancels the generation's engine requests. An internal error is logged once, with
+    the response's id `rid`, and told in the stream."""
     async def events():
         try:
             async for chunk in chunks:
@@ -489,8 +515,9 @@ def _sse(chunks, gen: Generation) -> StreamingResponse:
         except ApiError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         except Exception as e:  # past the first byte, an error can only be told in the stream
-            log.exception("error while streaming")
-            yield f"data: {json.dumps(protocol.error_body(500, f'internal server error ({type(e).__name__})'))}\n\n"
+            log.exception("internal error while streaming %s", rid)
+            message = f"internal server error ({type(e).__name__}; request id {rid})"
+            yield f"data: {json.dumps(protocol.error_body(500, message))}\n\n"
         finally:
             gen.cancel()
         yield "data: [DONE]\n\n"
@@ -545,7 +572,7 @@ async def _chat(svc: Service, request: Request, parsed: tuple):
     gen.submit()
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
     if sampling.stream:
-        return _sse(_chat_chunks(svc, gen, {**head, "object": "chat.completion.chunk"}, k), gen)
+        return _sse(_chat_chunks(svc, gen, {**head, "object": "chat.completion.chunk"}, k), gen, head["id"])
     async with _until_disconnect(request, gen):
         async for _ in gen.run():
             pass
