@@ -1,13 +1,16 @@
 """jaxgpt-serve: the OpenAI API (vLLM's form) over the engine. In process through the app (Starlette's test
 client, the engine thread running): greedy text equals `generate`, streams equal their whole answers,
 seeded sampling holds among concurrent requests, echo logprobs equal the full forward's log-softmax,
-every bad input is a 4xx in OpenAI's error form, a dropped stream frees its slot, a full queue answers
-429 at once. One slow test runs `jaxgpt-serve` in a subprocess against the `openai` client and SIGTERM
-(decoding speculatively with n-gram proposals: its answers must still equal `generate`'s)."""
+every bad input is a 4xx in OpenAI's error form (a body past the size limit a 413 left unread, a request
+that can never fit a 400), a large body is parsed off the event loop, a bug's 500 is logged once, a
+dropped stream frees its slot, a full queue answers 429 at once. One slow test runs `jaxgpt-serve` in a
+subprocess against the `openai` client and SIGTERM (decoding speculatively with n-gram proposals: its
+answers must still equal `generate`'s)."""
 
 import asyncio
 import collections
 import json
+import logging
 import os
 import re
 import signal
@@ -231,12 +234,44 @@ def test_a_calls_tokens_stream_as_one_chunk_with_the_whole_answers_logprobs(para
     ({"prompt": {"x": 1}}, 400, "prompt"),
     ({}, 400, "prompt"),
     ({"prompt": "ab", "model": "gpt-4"}, 404, "model"),
+    # integers: whole, and within int32 (seed: int64), a huge one not echoed whole; token ids in the vocabulary
+    ({"prompt": "ab", "max_tokens": 1.5}, 400, "max_tokens"),
+    ({"prompt": "ab", "max_tokens": 1e300}, 400, "max_tokens"),
+    ({"prompt": "ab", "max_tokens": 10 ** 830}, 400, "max_tokens"),
+    ({"prompt": "ab", "n": 1e300}, 400, "n"),
+    ({"prompt": "ab", "top_k": 2 ** 31}, 400, "top_k"),
+    ({"prompt": "ab", "seed": 10 ** 30}, 400, "seed"),
+    ({"prompt": "ab", "logprobs": 2.5}, 400, "logprobs"),
+    ({"prompt": "ab", "stop_token_ids": [999]}, 400, "stop_token_ids"),
+    ({"prompt": ["a"] * 300, "max_tokens": 1}, 400, "prompt"),  # more than 4 slots + 256 waiting ever hold
 ])
 def test_bad_inputs_are_openai_errors(client, body, status, param):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["code"] == status and err["message"] and err["type"]
+    assert len(err["message"]) < 250, err["message"]
+
+
+def test_a_top_k_past_the_vocabulary_keeps_the_whole_vocabulary(client):
+    body = {"prompt": "To be", "max_tokens": 6, "temperature": 1.0, "seed": 3}
+    whole = client.post("/v1/completions", json={**body, "top_k": CFG.vocab_size}).json()["choices"][0]["text"]
+    r = client.post("/v1/completions", json={**body, "top_k": 2 ** 31 - 1})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == whole
+
+
+def test_a_request_that_can_never_fit_is_a_400_naming_the_limit(params):
+    """1 slot + 2 waiting: 4 completions can never be held at once, so no retry would help (not a 429). The
+    app is not started: the 400 comes before the server's readiness, as every bad parameter's does."""
+    app = create_app(Engine(params, CFG, slots=1, prefill_chunk=16), TOK, max_waiting=2, warmup=False)
+    c = TestClient(app, raise_server_exceptions=False)
+    for body, param in (({"prompt": "ab", "n": 4}, "n"), ({"prompt": ["ab", "cd"], "n": 2}, "prompt"),
+                        ({"prompt": [[1], [2], [3], [4]], "max_tokens": 1}, "prompt")):
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "(3: --slots 1 + --max_waiting 2)" in err["message"], err
+    assert c.post("/v1/completions", json={"prompt": "ab", "n": 3}).status_code == 503  # fits: not refused
 
 
 def test_malformed_requests_and_keys(client, params):
@@ -253,6 +288,128 @@ def test_malformed_requests_and_keys(client, params):
     wrong = keyed.get("/v1/models", headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "AuthenticationError"
     assert keyed.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+
+
+def _asgi_post(app, path, chunks, content_length=None):
+    """POST `chunks` (the body's parts, as a chunked body arrives) to the ASGI app itself: (status, the answer's
+    JSON, how many parts the app read)."""
+    headers = [(b"content-type", b"application/json"), (b"host", b"t")]
+    if content_length is not None:
+        headers.append((b"content-length", str(content_length).encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+             "server": ("t", 80), "client": ("c", 1)}
+    read, sent = [], []
+
+    async def receive():
+        if len(read) == len(chunks):
+            await asyncio.sleep(3600)  # (the client stays; the test's wait_for ends a hang)
+        read.append(chunks[len(read)])
+        return {"type": "http.request", "body": read[-1], "more_body": len(read) < len(chunks)}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 60))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(body), len(read)
+
+
+def test_a_body_past_the_limit_is_a_413_and_is_not_read_further(params):
+    """--max_request_bytes (16 MiB by default; 1000 here): a larger body is a 413 in OpenAI's form, refused by
+    its Content-Length before any of it is read, and without one (chunked) once what arrived passes the limit."""
+    from jaxgpt.cli.serve import build_parser
+    from jaxgpt.serve.app import MAX_REQUEST_BYTES
+
+    assert build_parser().parse_args([]).max_request_bytes == MAX_REQUEST_BYTES == 16 * 2 ** 20
+    app = create_app(Engine(params, CFG, slots=1, prefill_chunk=16), TOK, warmup=False, max_request_bytes=1000)
+    c = TestClient(app, raise_server_exceptions=False)  # (/tokenize needs no engine thread)
+    ok = c.post("/tokenize", json={"prompt": "a" * 900})
+    assert ok.status_code == 200 and ok.json()["count"] == 900
+    for r in (c.post("/tokenize", json={"prompt": "a" * 1000}),
+              c.post("/v1/completions", content=(b'{"prompt": "' + b"a" * 300 + b'"' for _ in range(4)))):
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["code"] == 413 and err["type"] and "1000 bytes" in err["message"]
+    body = json.dumps({"prompt": "a" * 3000}).encode()
+    parts = [body[i:i + 300] for i in range(0, len(body), 300)]
+    for path in ("/v1/completions", "/tokenize"):
+        status, answer, read = _asgi_post(app, path, parts, content_length=len(body))
+        assert (status, answer["error"]["code"], read) == (413, 413, 0)  # by its Content-Length: nothing read
+        status, answer, read = _asgi_post(app, path, parts)
+        assert (status, answer["error"]["code"], read) == (413, 413, 4)  # chunked: 1200 bytes read, then no more
+    status, answer, read = _asgi_post(app, "/tokenize", [b'{"prompt": ', b'"To be"}'])
+    assert (status, answer["count"], read) == (200, 5, 2)
+
+
+class _GatedTokenizer(CharTokenizer):
+    """A char tokenizer whose `encode` of a long text waits until the test releases it (`released`: whether
+    it was released rather than timed out); "boom" is a bug (a KeyError)."""
+
+    def __init__(self, chars):
+        super().__init__(chars)
+        self.entered, self.release, self.released = threading.Event(), threading.Event(), None
+
+    def encode(self, text):
+        if text == "boom":
+            raise KeyError("boom")
+        if len(text) > 10_000:
+            self.entered.set()
+            self.released = self.release.wait(20)
+        return super().encode(text)
+
+
+@pytest.mark.parametrize("path, status", [("/tokenize", 200), ("/v1/completions", 400)])
+def test_health_answers_while_a_large_request_is_tokenized(params, path, status):
+    """A 100 KB prompt is parsed and tokenized on a worker thread: while its tokenizing waits, /health (on the
+    same event loop) answers. On the loop itself it would hold /health until the tokenizing ended."""
+    tok = _GatedTokenizer(CHARS)
+    app = create_app(Engine(params, CFG, slots=1, prefill_chunk=16), tok, warmup=False)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        _wait_healthy(c)
+        big = {}
+        thread = threading.Thread(target=lambda: big.update(r=c.post(path, json={"prompt": "a" * 100_000})))
+        thread.start()
+        try:
+            assert tok.entered.wait(60)
+            health = c.get("/health")  # the large request's tokenizing is still waiting for `release`
+        finally:
+            tok.release.set()
+            thread.join(60)
+    assert health.status_code == 200 and tok.released, "/health waited for the large request's tokenizing"
+    assert big["r"].status_code == status  # (the completion: longer than the context)
+
+
+def test_an_internal_error_is_logged_once_with_its_request_id(params):
+    """A bug's 500: its traceback logged once, with the request id the answer gives; the exception does not
+    leave the app (uvicorn would log it a second time; here the test client would raise it)."""
+    app = create_app(Engine(params, CFG, slots=1, prefill_chunk=16), _GatedTokenizer(CHARS), warmup=False)
+    records, handler, own = [], logging.Handler(logging.ERROR), logging.getLogger("jaxgpt.serve")
+    handler.emit = records.append
+    own.addHandler(handler)
+    try:
+        r = TestClient(app, raise_server_exceptions=True).post("/tokenize", json={"prompt": "boom"})
+    finally:
+        own.removeHandler(handler)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
+    rid = re.search(r"KeyError; request id (\w+)", r.json()["error"]["message"]).group(1)
+    assert len(records) == 1 and rid in records[0].getMessage() and records[0].exc_info
+
+
+@pytest.mark.parametrize("flag", ["--port=70000", "--port=-1", "--slots=0", "--max_len=1", "--max_waiting=-1",
+                                  "--max_request_bytes=0", "--speculative_k=16", "--grace_period=nan"])
+def test_jaxgpt_serve_refuses_a_number_out_of_range_before_loading(flag, monkeypatch, capsys):
+    """In one line, status 2, before it loads (or compiles) anything."""
+    from jaxgpt.cli import serve
+
+    def load(args):
+        raise AssertionError("loaded the model before checking the flags")
+
+    monkeypatch.setattr(serve, "_load", load)
+    assert serve.main([flag, "--out_dir=/nonexistent", "--compile_cache=off"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"jaxgpt-serve: {flag.split('=')[0]} must be"), lines
 
 
 def test_tokenize_detokenize_and_tokenizer_info(client):
@@ -311,6 +468,8 @@ def test_chat_with_a_template_and_the_end_token(params):
             chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln and ln != "data: [DONE]"]
         assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == greedy
         assert c.post("/tokenize", json={"messages": msgs}).json()["count"] == len(rendered)
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * 80}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"  # past the context
 
 
 # -- load and faults ----------------------------------------------------------------------------------

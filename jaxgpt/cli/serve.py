@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -29,6 +30,29 @@ def decode_steps_arg(text: str):
 
 
 DEFAULT_DECODE_STEPS = decode_steps_arg(DEFAULT_DECODE_STEPS_TEXT)
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2 ** 20
+
+# the numeric flags' ranges (None: no bound that side), checked before anything loads or compiles
+_RANGES = {"port": (0, 65535), "step": (0, None), "slots": (1, None), "max_len": (2, None),
+           "prefill_chunk": (1, None), "prefill_budget": (1, None), "max_logprobs": (1, None),
+           "max_waiting": (0, None), "max_request_bytes": (1, None), "speculative_k": (1, 15), "ngram": (1, None)}
+
+
+def check_numbers(args) -> str | None:
+    """What is wrong with the numeric flags, in one line (None: nothing): each in its range, so that a bad
+    one is refused at once, not after minutes of loading and compiling (or, for a port past 65535, by
+    serving on another port than the one announced)."""
+    for name, (lo, hi) in _RANGES.items():
+        value = getattr(args, name)
+        if value is None or ((lo is None or value >= lo) and (hi is None or value <= hi)):
+            continue
+        if hi is None:
+            return f"--{name} must be >= {lo}, got {value}"
+        zero = " (0: any free port)" if name == "port" else ""
+        return f"--{name} must be in {lo}..{hi}{zero}, got {value}"
+    if not (math.isfinite(args.grace_period) and args.grace_period >= 0):
+        return f"--grace_period must be a number of seconds >= 0, got {args.grace_period}"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_logprobs", type=int, default=20, help="most alternatives a request may ask logprobs for")
     p.add_argument("--max_waiting", type=int, default=256,
                    help="requests that may wait for a slot; past it the server answers 429 at once")
+    p.add_argument("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted, in bytes (default 16 MiB, 16777216); a larger one is "
+                        "answered 413 without being read further")
     p.add_argument("--api_key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/ (default: none; also $JAXGPT_API_KEY)")
     p.add_argument("--served_model_name", default=None,
@@ -149,6 +176,10 @@ def _watch_warmup(server, worker) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    problem = check_numbers(args)
+    if problem:
+        print(f"jaxgpt-serve: {problem}", file=sys.stderr)
+        return 2
     from jaxgpt.backends.cpu import single_malloc_arena
 
     single_malloc_arena()  # before JAX's threads: the engine thread's temporaries stay in the process
@@ -195,11 +226,10 @@ def main(argv=None) -> int:
                         kv_dtype=None if args.kv_dtype == "none" else args.kv_dtype,
                         speculative=None if args.speculative == "none" else
                         Speculative(k=args.speculative_k, ngram=args.ngram))
-        if args.max_waiting < 0:
-            raise ValueError(f"--max_waiting must be >= 0, got {args.max_waiting}")
     except (ValueError, CheckpointError, OSError, ImportError) as e:
         return fail(e)
     app = create_app(engine, tok, model_name=args.served_model_name or name, max_waiting=args.max_waiting,
+                     max_request_bytes=args.max_request_bytes,
                      api_key=args.api_key or os.environ.get("JAXGPT_API_KEY"), log_requests=args.log_requests,
                      chat_template=template, progress=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",

@@ -19,6 +19,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxgpt.engine import Engine
@@ -29,13 +30,18 @@ from jaxgpt.serve.worker import EngineWorker
 
 log = logging.getLogger("jaxgpt.serve")
 
+MAX_REQUEST_BYTES = 16 * 2 ** 20  # the largest request body accepted by default (jaxgpt-serve's --max_request_bytes)
+INLINE_BYTES = 64 * 2 ** 10       # a body past this is parsed and tokenized on a worker thread, off the event loop
+
 
 class Service:
     """What the routes share: the tokenizer, the worker, the metrics and the model's name and sizes."""
 
     def __init__(self, worker: EngineWorker, tokenizer, *, model_name: str, max_len: int, vocab_size: int,
-                 max_logprobs: int, api_key: Optional[str], log_requests: bool, chat_template: Optional[str]):
+                 max_logprobs: int, api_key: Optional[str], log_requests: bool, chat_template: Optional[str],
+                 max_request_bytes: int = MAX_REQUEST_BYTES):
         self.worker, self.tokenizer, self.model_name = worker, tokenizer, model_name
+        self.max_request_bytes = max_request_bytes
         self.max_len, self.vocab_size, self.max_logprobs = max_len, vocab_size, max_logprobs
         self.api_key, self.log_requests, self.chat_template = api_key, log_requests, chat_template
         self.metrics = Metrics(worker)
@@ -55,14 +61,16 @@ class Service:
 
 def create_app(engine: Engine, tokenizer, *, model_name: str = "jaxgpt", max_waiting: Optional[int] = 256,
                api_key: Optional[str] = None, log_requests: bool = False, chat_template: Optional[str] = None,
-               warmup: bool = True, progress: bool = False) -> FastAPI:
+               warmup: bool = True, progress: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app serving `engine` with `tokenizer` (encode, decode, vocab_size, eos_id). Its engine
     thread starts (and warms the engine up: /health is 503 until then; `progress`: a bar on stderr
-    meanwhile, on a terminal) with the app's lifespan."""
+    meanwhile, on a terminal) with the app's lifespan. A request body past `max_request_bytes` is a 413."""
+    if not (isinstance(max_request_bytes, int) and max_request_bytes >= 1):
+        raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
     worker = EngineWorker.for_engine(engine, max_waiting, warmup=warmup, progress=progress)
     svc = Service(worker, tokenizer, model_name=model_name, max_len=engine.max_len,
                   vocab_size=engine.config.vocab_size, max_logprobs=engine.max_logprobs, api_key=api_key,
-                  log_requests=log_requests, chat_template=chat_template)
+                  log_requests=log_requests, chat_template=chat_template, max_request_bytes=max_request_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -99,10 +107,35 @@ def _errors(app: FastAPI) -> None:
     async def validation_error(request, e):
         return _json_error(400, str(e))
 
-    @app.exception_handler(Exception)
-    async def internal(request, e):  # a bug, not the client's doing: say so without the traceback
-        log.exception("internal error")
-        return _json_error(500, f"internal server error ({type(e).__name__})")
+    app.add_middleware(_InternalErrors)
+
+
+class _InternalErrors:
+    """A bug, not the client's doing: its traceback logged once, with a request id that the 500's message
+    gives the client, and no traceback in the answer. (Starlette's handler for Exception re-raises once it
+    has answered, and uvicorn logs the same traceback a second time: hence a middleware that ends it.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_and_note(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception as e:
+            rid = uuid.uuid4().hex
+            log.exception("internal error in request %s (%s %s)", rid, scope.get("method"), scope.get("path"))
+            if not started:  # (once the answer has begun, the client can only see the connection end)
+                response = _json_error(500, f"internal server error ({type(e).__name__}; request id {rid})")
+                await response(scope, receive, send)
 
 
 class _KeyCheck:
@@ -126,8 +159,29 @@ def _auth(app: FastAPI, svc: Service) -> None:
         app.add_middleware(_KeyCheck, key=svc.api_key)
 
 
-async def _body(request: Request) -> dict:
-    raw = await request.body()
+# -- request bodies -----------------------------------------------------------------------------------
+
+async def _read(request: Request, limit: int) -> bytes:
+    """The request's body; 413 past `limit` bytes: before reading it by its Content-Length, and for a body
+    sent without one (chunked) as soon as what has arrived passes the limit (the rest is not read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit, f" ({int(declared)} bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int, size: str = "") -> ApiError:
+    return ApiError(413, f"the request body{size} is larger than this server's limit of {limit} bytes "
+                         "(jaxgpt-serve --max_request_bytes)")
+
+
+def _json_object(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -135,6 +189,24 @@ async def _body(request: Request) -> dict:
     if not isinstance(body, dict):
         raise bad("body", "the request body must be a JSON object")
     return body
+
+
+async def _parsed(request: Request, svc: Service, parse):
+    """`parse(body)` of the request's JSON object body. A body past INLINE_BYTES is parsed (JSON, then
+    `parse`: checks, tokenizing, chat templates) on a worker thread, so that a large request never holds
+    up the event loop and the requests it serves meanwhile (/health among them)."""
+    raw = await _read(request, svc.max_request_bytes)
+    if len(raw) <= INLINE_BYTES:
+        return parse(_json_object(raw))
+    return await run_in_threadpool(lambda: parse(_json_object(raw)))
+
+
+def _json_list(items: list, step: int = 2 ** 16) -> str:
+    """json.dumps(items), a slice at a time: each call into the C encoder holds the GIL, and so the event
+    loop's thread, for one slice (one call for millions of token ids would hold it for all of them)."""
+    parts = (json.dumps(items[i:i + step], ensure_ascii=False, separators=(",", ":"))[1:-1]
+             for i in range(0, len(items), step))
+    return "[" + ",".join(parts) + "]"
 
 
 # -- routes -------------------------------------------------------------------------------------------
@@ -158,34 +230,19 @@ def _routes(app: FastAPI, svc: Service) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _completions(svc, request, await _body(request))
+        return await _completions(svc, request, await _parsed(request, svc, lambda b: _parse_completion(svc, b)))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _chat(svc, request, await _body(request))
+        return await _chat(svc, request, await _parsed(request, svc, lambda b: _parse_chat(svc, b)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await _body(request)
-        svc.check_model(body)
-        if "messages" in body:
-            ids = protocol.encode(svc.tokenizer, _render_chat(svc, body), "messages")
-        elif isinstance(body.get("prompt"), str):
-            ids = protocol.encode(svc.tokenizer, body["prompt"])
-        else:
-            raise bad("prompt", "tokenize takes a string prompt (or chat messages)")
-        strs = [output.token_str(svc.tokenizer, t) for t in ids] if body.get("return_token_strs") else None
-        return {"count": len(ids), "max_model_len": svc.max_len, "tokens": ids, "token_strs": strs}
+        return await _parsed(request, svc, lambda b: _tokenize(svc, b))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await _body(request)
-        svc.check_model(body)
-        ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                and 0 <= t < svc.vocab_size for t in ids):
-            raise bad("tokens", f"tokens must be a list of token ids in [0, {svc.vocab_size})")
-        return {"prompt": svc.tokenizer.decode(ids)}
+        return await _parsed(request, svc, lambda b: _detokenize(svc, b))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -196,13 +253,37 @@ def _routes(app: FastAPI, svc: Service) -> None:
                 "model_max_length": svc.max_len, "chat_template": svc.chat_template}
 
 
+def _tokenize(svc: Service, body: dict) -> Response:
+    """/tokenize's answer, its JSON rendered here (on the worker thread for a large body)."""
+    svc.check_model(body)
+    if "messages" in body:
+        ids = protocol.encode(svc.tokenizer, _render_chat(svc, body), "messages")
+    elif isinstance(body.get("prompt"), str):
+        ids = protocol.encode(svc.tokenizer, body["prompt"])
+    else:
+        raise bad("prompt", "tokenize takes a string prompt (or chat messages)")
+    strs = [output.token_str(svc.tokenizer, t) for t in ids] if body.get("return_token_strs") else None
+    text = (f'{{"count":{len(ids)},"max_model_len":{svc.max_len},"tokens":{_json_list(ids)},'
+            f'"token_strs":{"null" if strs is None else _json_list(strs)}}}')
+    return Response(text.encode("utf-8"), media_type="application/json")
+
+
+def _detokenize(svc: Service, body: dict) -> JSONResponse:
+    svc.check_model(body)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                            and 0 <= t < svc.vocab_size for t in ids):
+        raise bad("tokens", f"tokens must be a list of token ids in [0, {svc.vocab_size})")
+    return JSONResponse({"prompt": svc.tokenizer.decode(ids)})
+
+
 # -- generation ---------------------------------------------------------------------------------------
 
 class Generation:
     """The engine requests of one API request (one per prompt and choice) and their choices' text."""
 
     def __init__(self, svc: Service, prompts: list, sampling: protocol.Sampling, logprobs: Optional[int],
-                 prompt_logprobs: bool):
+                 prompt_logprobs: bool, prompt_param: str = "prompt"):
         self.svc, self.prompts, self.sampling, self.k = svc, prompts, sampling, logprobs
         self.events: asyncio.Queue = asyncio.Queue()
         hidden = list(sampling.stop_token_ids)
@@ -211,7 +292,7 @@ class Generation:
         seed = sampling.seed if sampling.seed is not None else random.SystemRandom().randrange(2 ** 31)
         self.requests, self.choices, self.prompt_of = [], [], []
         for i, p in enumerate(prompts):
-            max_tokens = _max_tokens(svc, p, sampling.max_tokens)
+            max_tokens = _max_tokens(svc, p, sampling.max_tokens, prompt_param)
             for j in range(sampling.n):
                 self.requests.append((p, dict(max_tokens=max_tokens, temperature=sampling.temperature,
                                               top_k=sampling.top_k, top_p=sampling.top_p,
@@ -303,11 +384,13 @@ class Generation:
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
-def _max_tokens(svc: Service, prompt: list, asked: Optional[int]) -> int:
+def _max_tokens(svc: Service, prompt: list, asked: Optional[int], prompt_param: str = "prompt") -> int:
+    """The completion's length: `asked`, or by default 16 or what the context leaves; a 400 past the
+    context (on `prompt_param`: the chat's messages are its prompt)."""
     room = svc.max_len - len(prompt)
     if room < 0:
-        raise bad("prompt", f"This model's maximum context length is {svc.max_len} tokens; the prompt has "
-                            f"{len(prompt)} tokens: shorten it")
+        raise bad(prompt_param, f"This model's maximum context length is {svc.max_len} tokens; the prompt has "
+                                f"{len(prompt)} tokens: shorten it")
     if asked is None:
         return min(16, room)
     if asked > room:
@@ -344,26 +427,40 @@ def _log(svc: Service, kind: str, prompts, texts) -> None:
 
 def _parse_completion(svc: Service, body: dict) -> tuple:
     svc.check_model(body)
-    sampling = protocol.parse_sampling(body, svc.max_logprobs)
+    sampling = protocol.parse_sampling(body, vocab_size=svc.vocab_size)
     k = protocol.completion_logprobs(body, svc.max_logprobs)
     echo = protocol.get_bool(body, "echo", False)
     if "prompt" not in body:
         raise bad("prompt", "prompt is required")
     prompts = protocol.parse_prompts(body["prompt"], svc.tokenizer, svc.vocab_size)
+    _check_fits(svc, len(prompts), sampling.n)
     if sampling.stream and echo and k is not None:
         raise bad("echo", "echo with logprobs is not supported when streaming; ask without stream")
     return sampling, k, echo, prompts
 
 
-async def _completions(svc: Service, request: Request, body: dict):
-    sampling, k, echo, prompts = _parse_completion(svc, body)
+def _check_fits(svc: Service, prompts: int, n: int) -> None:
+    """A request for more completions than the server ever holds at once is a 400 naming that limit: a 429
+    would have its client retry for ever (429 stays for a request that fits once the queue drains)."""
+    capacity = svc.worker.capacity
+    if capacity is None or prompts * n <= capacity:
+        return
+    slots = svc.worker.engine.slots
+    raise bad("n" if prompts == 1 else "prompt",
+              f"this request asks for {prompts * n} completions ({prompts} prompts x n = {n}), more than this "
+              f"server ever holds at once ({capacity}: --slots {slots} + --max_waiting {capacity - slots}); "
+              f"send at most {capacity} per request")
+
+
+async def _completions(svc: Service, request: Request, parsed: tuple):
+    sampling, k, echo, prompts = parsed
     svc.check_ready()
     gen = Generation(svc, prompts, sampling, k, prompt_logprobs=echo and k is not None)
     gen.submit()
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": svc.model_name}
     if sampling.stream:
-        return _sse(_completion_chunks(svc, gen, head, echo, k), gen)
+        return _sse(_completion_chunks(svc, gen, head, echo, k), gen, rid)
     async with _until_disconnect(request, gen):
         async for _ in gen.run():
             pass
@@ -407,9 +504,10 @@ async def _completion_chunks(svc: Service, gen: Generation, head: dict, echo: bo
     _log(svc, "completion", gen.prompts, [c.text for c in gen.choices])
 
 
-def _sse(chunks, gen: Generation) -> StreamingResponse:
+def _sse(chunks, gen: Generation, rid: str) -> StreamingResponse:
     """Server-sent events: `data: {json}` per chunk, then `data: [DONE]`; a dropped client (or an error
-    past the first byte) cancels the generation's engine requests."""
+    past the first byte) cancels the generation's engine requests. An internal error is logged once, with
+    the response's id `rid`, and told in the stream."""
     async def events():
         try:
             async for chunk in chunks:
@@ -417,8 +515,9 @@ def _sse(chunks, gen: Generation) -> StreamingResponse:
         except ApiError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         except Exception as e:  # past the first byte, an error can only be told in the stream
-            log.exception("error while streaming")
-            yield f"data: {json.dumps(protocol.error_body(500, f'internal server error ({type(e).__name__})'))}\n\n"
+            log.exception("internal error while streaming %s", rid)
+            message = f"internal server error ({type(e).__name__}; request id {rid})"
+            yield f"data: {json.dumps(protocol.error_body(500, message))}\n\n"
         finally:
             gen.cancel()
         yield "data: [DONE]\n\n"
@@ -454,20 +553,26 @@ def _render_chat(svc: Service, body: dict) -> str:
         raise bad("messages", f"the chat template could not render these messages: {e}") from None
 
 
-async def _chat(svc: Service, request: Request, body: dict):
+def _parse_chat(svc: Service, body: dict) -> tuple:
     svc.check_model(body)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    sampling = protocol.parse_sampling(body, svc.max_logprobs, max_tokens_name=name)
+    sampling = protocol.parse_sampling(body, vocab_size=svc.vocab_size, max_tokens_name=name)
     k = protocol.chat_logprobs(body, svc.max_logprobs)
     prompt = protocol.encode(svc.tokenizer, _render_chat(svc, body), "messages")
     if not prompt:
         raise bad("messages", "the messages render to no tokens")
+    _check_fits(svc, 1, sampling.n)
+    return sampling, k, prompt
+
+
+async def _chat(svc: Service, request: Request, parsed: tuple):
+    sampling, k, prompt = parsed
     svc.check_ready()
-    gen = Generation(svc, [prompt], sampling, k, prompt_logprobs=False)
+    gen = Generation(svc, [prompt], sampling, k, prompt_logprobs=False, prompt_param="messages")
     gen.submit()
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
     if sampling.stream:
-        return _sse(_chat_chunks(svc, gen, {**head, "object": "chat.completion.chunk"}, k), gen)
+        return _sse(_chat_chunks(svc, gen, {**head, "object": "chat.completion.chunk"}, k), gen, head["id"])
     async with _until_disconnect(request, gen):
         async for _ in gen.run():
             pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from typing import Any, Optional
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
@@ -42,16 +43,24 @@ def _is_number(v) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-def get_int(body: dict, name: str, default, lo: Optional[int] = None, hi: Optional[int] = None):
+INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
+
+
+def _shown(v) -> str:
+    """A value for an error message, cut short (an 830-digit integer, a long list: their ends elided)."""
+    return reprlib.repr(v)
+
+
+def get_int(body: dict, name: str, default, lo: int = INT32_MIN, hi: int = INT32_MAX):
+    """An integer field in [lo, hi] (by default int32's range: what the engine's arrays hold); a float
+    without a fractional part counts as its integer (16.0), any other float is refused."""
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f" >= {lo}" if hi is None and lo is not None else f" in [{lo}, {hi}]" if hi is not None else ""
-        raise bad(name, f"{name} must be an integer{rng}, got {v!r}")
-    return v
+    n = int(v) if isinstance(v, float) and v.is_integer() else v
+    if not _is_int(n) or not lo <= n <= hi:
+        raise bad(name, f"{name} must be an integer in [{lo}, {hi}], got {_shown(v)}")
+    return n
 
 
 def get_number(body: dict, name: str, default):
@@ -103,7 +112,9 @@ class Sampling:
     logprobs: Optional[int]
 
 
-def parse_sampling(body: dict, max_logprobs: int, *, max_tokens_name: str = "max_tokens") -> Sampling:
+def parse_sampling(body: dict, *, vocab_size: int, max_tokens_name: str = "max_tokens") -> Sampling:
+    """The sampling fields, each checked (integers within int32, seed within int64 as vLLM takes it); a
+    top_k past the vocabulary is the vocabulary (it keeps every token)."""
     max_tokens = get_int(body, max_tokens_name, None, lo=0)
     temperature = get_number(body, "temperature", 1.0)
     if temperature < 0:
@@ -112,18 +123,22 @@ def parse_sampling(body: dict, max_logprobs: int, *, max_tokens_name: str = "max
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise bad("top_p", f"top_p must be in (0, 1], got {top_p!r}")
     top_k = get_int(body, "top_k", None, lo=-1)
-    seed = get_int(body, "seed", None)
+    seed = get_int(body, "seed", None, lo=-2 ** 63, hi=2 ** 63 - 1)
     n = get_int(body, "n", 1, lo=1, hi=128)
     if body.get("best_of") not in (None, n):
         raise bad("best_of", "best_of is not supported (only best_of = n)")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-        raise bad("stop_token_ids", f"stop_token_ids must be a list of token ids, got {stop_ids!r}")
+        raise bad("stop_token_ids", f"stop_token_ids must be a list of token ids, got {_shown(stop_ids)}")
+    outside = [t for t in stop_ids if not 0 <= t < vocab_size]
+    if outside:
+        raise bad("stop_token_ids", f"stop token {_shown(outside[0])} is outside the vocabulary [0, {vocab_size})")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("stream_options", "stream_options must be an object")
     return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=None if top_p == 1.0 else top_p,
-                    top_k=top_k if top_k and top_k > 0 else None, seed=seed, n=n, stop=get_stop(body),
+                    top_k=min(top_k, vocab_size) if top_k and top_k > 0 else None, seed=seed, n=n,
+                    stop=get_stop(body),
                     stop_token_ids=stop_ids, ignore_eos=get_bool(body, "ignore_eos", False),
                     stream=get_bool(body, "stream", False),
                     include_usage=get_bool(options, "include_usage", False), logprobs=None)
