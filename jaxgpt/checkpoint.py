@@ -1,10 +1,12 @@
-"""Orbax checkpoints: the train state plus a JSON `meta` item (config, tokenizer, sampler state, ...).
-Loading a model from them for sampling, serving or init_from is jaxgpt.loading's."""
+"""Orbax checkpoints: the train state plus a JSON `meta` item (config, tokenizer, sampler state, ...), and
+the SHA-256 of every file they wrote (checked at restore). Loading a model from them for sampling, serving
+or init_from is jaxgpt.loading's."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import sys
@@ -21,11 +23,17 @@ from jaxgpt.report import one_line
 
 CHECKPOINT_SUBDIR = "checkpoints"
 DAMAGED_SUBDIR = "damaged-checkpoints"
+CHECKSUMS = "checksums.sha256"  # in each step folder, in sha256sum's format: `sha256sum -c` checks it too
+_ITEMS = ("state", "meta")  # the step folder's items (orbax rewrites the files beside them, e.g. its metadata)
 T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or does not fit the current model."""
+
+
+class ChecksumMismatch(Exception):
+    """A checkpoint file whose bytes are not those that were saved."""
 
 
 class UnreadableCheckpoint(CheckpointError):
@@ -58,10 +66,15 @@ class Checkpointer:
             LatestN(n=keep),
             BestN(get_metric_fn=lambda m: -m["val_loss"], n=1, keep_checkpoints_without_metrics=False),
         ])
-        options = ocp.CheckpointManagerOptions(preservation_policy=policy, create=not read_only,
-                                               enable_async_checkpointing=True)
+        # the checksums are written in orbax's background thread once every file is, before the rename that
+        # publishes the step: the save stays asynchronous and no finished step lacks them
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policy, create=not read_only, enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_checksums))
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self._saving: Optional[int] = None  # the step of the save in flight
+        self._hashing: Optional[int] = None  # the step whose checksums the callback writes
+        self.last_checksums: Optional[tuple[int, float]] = None  # (bytes hashed, seconds) of the latest save
         self._out_of_space = False  # a save ran out of disk space (and was reported)
         _install_failure_filter()
 
@@ -75,6 +88,7 @@ class Checkpointer:
         _check_global(state)
         self.wait()  # (orbax's save waits for the previous one too: this tells whose failure it is)
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
+        self._hashing = step  # (before save: a small save may finish before it returns)
         with self._reporting_full_disk(step):
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                             meta=ocp.args.JsonSave(meta)),
@@ -87,6 +101,7 @@ class Checkpointer:
     def restore_meta(self, step: Optional[int] = None) -> dict:
         step = self._step(step)
         try:
+            self._verify(step, ("meta",))
             return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax raises many kinds for a damaged folder
             raise self._unreadable(step, e) from e
@@ -95,6 +110,7 @@ class Checkpointer:
         """Restore checkpoint `step` (default: latest) into the shapes and shardings of `abstract_state`."""
         step = self._step(step)
         try:
+            self._verify(step, _ITEMS)
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         except Exception as e:  # a damaged folder, or (past the meta checks) a model of another shape
@@ -106,6 +122,7 @@ class Checkpointer:
         step = self._step(step)
         target = {"params": abstract_params}
         try:
+            self._verify(step, ("state",))  # (the params share their files with the optimizer state)
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
                 target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
         except Exception as e:
@@ -154,6 +171,22 @@ class Checkpointer:
                 raise CheckpointError(f"no checkpoint found in {self.directory}")
         return step
 
+    def _write_checksums(self) -> None:
+        """orbax's post-finalization callback: on process 0, in its background thread, once every process's
+        files are written and before the step's folder is renamed into place."""
+        step = self._hashing
+        folder = os.path.join(self.directory, f"{step}{ocp.path.atomicity.TMP_DIR_SUFFIX}")
+        if not os.path.isdir(folder):  # (a storage that orbax publishes in place)
+            folder = os.path.join(self.directory, str(step))
+        if step is not None and os.path.isdir(folder):
+            t0 = time.perf_counter()
+            self.last_checksums = (write_checksums(folder), time.perf_counter() - t0)
+
+    def _verify(self, step: int, items: tuple) -> None:
+        """ChecksumMismatch when a file of `items` differs from what the save wrote (a step saved before
+        checksums existed has none: it restores unchecked)."""
+        verify_checksums(os.path.join(self.directory, str(step)), items)
+
     def _unreadable(self, step: int, error: BaseException) -> UnreadableCheckpoint:
         _hide_closed_loop_callbacks()
         return UnreadableCheckpoint(step, self.directory, error)
@@ -198,6 +231,57 @@ class Checkpointer:
                 f"no space left on the device for {which} in {self.directory}; the earlier checkpoints are "
                 "whole: free some space (or lower train.keep_checkpoints), then continue with "
                 "--config.init_from=resume") from None
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()  # (hashlib drops the GIL while it hashes)
+
+
+def _item_files(step_dir: str) -> list[str]:
+    """The files of a step folder's items, as sorted paths relative to it."""
+    found = []
+    for item in _ITEMS:
+        for root, _, files in os.walk(os.path.join(step_dir, item)):
+            found += [os.path.relpath(os.path.join(root, name), step_dir) for name in files]
+    return sorted(found)
+
+
+def write_checksums(step_dir: str) -> int:
+    """Write step_dir/checksums.sha256: the SHA-256 of each file of its items; returns the bytes hashed."""
+    lines, total = [], 0
+    for rel in _item_files(step_dir):
+        path = os.path.join(step_dir, rel)
+        lines.append(f"{_sha256(path)}  {rel}\n")
+        total += os.path.getsize(path)
+    with open(os.path.join(step_dir, CHECKSUMS), "w", encoding="utf-8") as f:
+        f.writelines(lines)
+    return total
+
+
+def verify_checksums(step_dir: str, items: tuple = _ITEMS) -> Optional[int]:
+    """Check the files of `items` in step_dir against its checksums.sha256: the bytes checked, None when it
+    has no checksums (saved before they were written); ChecksumMismatch names the first file that differs
+    or is gone."""
+    path = os.path.join(step_dir, CHECKSUMS)
+    if not os.path.isfile(path):
+        return None
+    total = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        listed = f.read().splitlines()
+    for n, line in enumerate(listed, 1):
+        digest, _, rel = line.partition("  ")
+        if len(digest) != 64 or not rel or os.path.isabs(rel) or ".." in rel.split("/"):
+            raise ChecksumMismatch(f"{CHECKSUMS} line {n} is not '<sha256>  <file in the step folder>'")
+        if rel.split("/")[0] not in items:
+            continue
+        file = os.path.join(step_dir, rel)
+        if not os.path.isfile(file):
+            raise ChecksumMismatch(f"{rel} is gone (listed in {CHECKSUMS})")
+        if _sha256(file) != digest:
+            raise ChecksumMismatch(f"{rel} does not match its SHA-256 in {CHECKSUMS}: changed since it was saved")
+        total += os.path.getsize(file)
+    return total
 
 
 def _disk_full(error: BaseException) -> bool:

@@ -16,7 +16,7 @@ from jaxgpt.config import GPTConfig
 from jaxgpt.data import Tokenizer, get_tokenizer, tokenizer_from_dict
 from jaxgpt.lora import LoraSpec, base_fingerprint, init_adapters, merge
 from jaxgpt.model import convert_layers, init_params
-from jaxgpt.pretrained import from_pretrained
+from jaxgpt.pretrained import TOKENIZER_FILE, from_pretrained
 from jaxgpt.report import one_line, warn
 from jaxgpt.user_modules import Names, import_modules, require_parts
 
@@ -172,8 +172,13 @@ def tokenizer_config(folder: str) -> dict:
 
 
 def folder_tokenizer(folder: str, fallback: str) -> Tokenizer:
-    """The tokenizer a Hugging Face folder carries (tokenizer.json), its end token from
-    tokenizer_config.json when that names one; else the tokenizer named `fallback`."""
+    """The tokenizer a Hugging Face folder carries: jaxgpt's own file (a char or byte tokenizer that
+    save_pretrained wrote), else tokenizer.json, its end token from tokenizer_config.json when that names
+    one; else the tokenizer named `fallback`."""
+    own = os.path.join(folder, TOKENIZER_FILE)
+    if os.path.isfile(own):
+        with open(own, encoding="utf-8") as f:
+            return tokenizer_from_dict(json.load(f))
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(path):
         return get_tokenizer(fallback)

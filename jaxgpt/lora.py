@@ -70,22 +70,53 @@ def _columns(module: tuple, targets: dict, aliases: set, target: str) -> tuple[b
     return tuple(module[-len(suffix):]) == suffix, None
 
 
-def init_adapters(params, config: GPTConfig, spec: LoraSpec, rng: jax.Array) -> dict:
-    """Fresh adapters for `params` (either layer layout) on the dense kernels (schema role "matrix")
-    that `spec.targets` name: a ~ N(0, 1/in), b = 0."""
+def _selected(params, config: GPTConfig, spec: LoraSpec) -> list:
+    """(module path, kernel, output column parts) of each dense kernel (schema role "matrix") that
+    `spec.targets` name, in path order; ValueError for a target that names none."""
     flat = traverse_util.flatten_dict(params)
     kernels = {path[:-1]: (flat[path], dict(info.targets))
                for path, info in leaf_infos(params, config).items() if info.role == "matrix"}
     aliases = {name for _, targets in kernels.values() for name in targets}
-    adapters: dict = {}
-    used = set()
-    for i, (module, (kernel, targets)) in enumerate(sorted(kernels.items(), key=lambda e: e[0])):
+    selected, used = [], set()
+    for module, (kernel, targets) in sorted(kernels.items(), key=lambda e: e[0]):
         parts = set()
         for target in spec.targets:
             hit, part = _columns(module, targets, aliases, target)
             if hit:
                 used.add(target)
                 parts.add(part)
+        selected.append((module, kernel, parts))
+    unused = sorted(set(spec.targets) - used)
+    if unused:
+        names = sorted({".".join(m[-2:]) for m in kernels})
+        raise ValueError(f"train.lora.targets {unused} name no dense layer of this model; its layers are {names} "
+                         f"(and the names they answer to: {', '.join(sorted(aliases))})")
+    return selected
+
+
+def _check_rank(rank: int, selected: list) -> None:
+    """A rank past an adapted matrix's smaller side adds nothing over training the matrix itself, and its
+    adapters and activations grow with it (rank 100000 on a 128-wide model: 12+ GB): refused up front."""
+    widths = []
+    for module, kernel, parts in selected:
+        fan_in, fan_out = kernel.shape[-2:]
+        cols = sum(fan_out if part is None else part[1] - part[0] for part in parts)  # (parts do not overlap)
+        if parts:
+            widths.append((min(fan_in, cols, fan_out), ".".join(module), fan_in, min(cols, fan_out)))
+    width, name, fan_in, cols = min(widths)
+    if rank > width:
+        raise ValueError(f"config.train.lora.rank={rank} is past the width of the layers it adapts: {name} is "
+                         f"{fan_in} x {cols}, so the rank can be at most {width}; lower --config.train.lora.rank")
+
+
+def init_adapters(params, config: GPTConfig, spec: LoraSpec, rng: jax.Array) -> dict:
+    """Fresh adapters for `params` (either layer layout) on the dense kernels (schema role "matrix")
+    that `spec.targets` name: a ~ N(0, 1/in), b = 0. ValueError, before anything is allocated, for a
+    rank past a target's width."""
+    selected = _selected(params, config, spec)
+    _check_rank(spec.rank, selected)
+    adapters: dict = {}
+    for i, (module, kernel, parts) in enumerate(selected):
         if not parts:
             continue
         *lead, fan_in, fan_out = kernel.shape  # lead: [L] for stacked layers
@@ -102,11 +133,6 @@ def init_adapters(params, config: GPTConfig, spec: LoraSpec, rng: jax.Array) -> 
         for name in module[:-1]:
             node = node.setdefault(name, {})
         node[module[-1]] = leaf
-    unused = sorted(set(spec.targets) - used)
-    if unused:
-        names = sorted({".".join(m[-2:]) for m in kernels})
-        raise ValueError(f"train.lora.targets {unused} name no dense layer of this model; its layers are {names} "
-                         f"(and the names they answer to: {', '.join(sorted(aliases))})")
     return adapters
 
 

@@ -409,9 +409,28 @@ def hf_architecture(config: GPTConfig) -> str:
 _NOT_IN_TRANSFORMERS = {"qk_norm": False, "logit_softcap": 0.0, "embed_skip": False, "value_embeds": 0}
 
 
-def save_pretrained(params, config: GPTConfig, out_dir: PathLike) -> Path:
+# a char or byte tokenizer (transformers has no such tokenizer) in jaxgpt's own JSON, beside the HF files
+TOKENIZER_FILE = "jaxgpt_tokenizer.json"
+
+
+def _write_tokenizer(tokenizer, vocab_size: int, out: Path) -> None:
+    """The files that carry `tokenizer` (a jaxgpt Tokenizer) to whoever loads the folder: tokenizer.json for
+    a BPE one (transformers and jaxgpt read it), jaxgpt_tokenizer.json for char and byte ones (jaxgpt-sample,
+    jaxgpt-serve and loading.load read it), none for GPT-2's (their default)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens and the model {vocab_size}: "
+                         "pass the tokenizer the model was trained with")
+    d = tokenizer.to_dict()
+    if d["type"] == "bpe":
+        (out / "tokenizer.json").write_text(d["tokenizer_json"], encoding="utf-8")
+    elif d["type"] != "gpt2":
+        (out / TOKENIZER_FILE).write_text(json.dumps(d, ensure_ascii=False), encoding="utf-8")
+
+
+def save_pretrained(params, config: GPTConfig, out_dir: PathLike, tokenizer=None) -> Path:
     """Write `config.json` and `model.safetensors` that transformers loads (GPT2LMHeadModel or
-    LlamaForCausalLM, by `hf_architecture`); returns the folder.
+    LlamaForCausalLM, by `hf_architecture`), and the files of `tokenizer` (a jaxgpt Tokenizer, e.g. a
+    run's from `loading.load_model`) that jaxgpt's loader reads back; returns the folder.
 
     A GPT-2 export takes any GPT-2-style config: biases that it lacks are written as zeros, and
     grouped-query attention as multi-head attention with each key/value head repeated (both exactly the
@@ -444,6 +463,8 @@ def save_pretrained(params, config: GPTConfig, out_dir: PathLike) -> Path:
                          "that can be written") from None
     save_file(named, str(out / _WEIGHTS), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    if tokenizer is not None:
+        _write_tokenizer(tokenizer, config.vocab_size, out)
     return out
 
 

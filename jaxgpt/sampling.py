@@ -323,10 +323,32 @@ def _check_rng(rng) -> None:
                          f"{getattr(rng, 'shape', '')}")
 
 
+def _as_rows(prompts, prompt_lengths) -> tuple[np.ndarray, object]:
+    """prompts as an array; a list of prompts of different lengths padded at the end, with their lengths."""
+    if isinstance(prompts, (list, tuple)) and prompts and all(np.ndim(row) == 1 for row in prompts):
+        rows = [np.asarray(row) for row in prompts]
+        lengths = [len(row) for row in rows]
+        if len(set(lengths)) > 1:
+            if prompt_lengths is not None:
+                raise ValueError("prompts of different lengths give their own lengths: leave prompt_lengths out, "
+                                 "or pass the prompts as one [batch, prompt_len] array padded at the end")
+            if min(lengths) == 0:
+                raise ValueError(f"prompt {lengths.index(0)} is empty; every prompt needs at least one token")
+            padded = np.zeros((len(rows), max(lengths)), np.result_type(*rows))
+            for padded_row, row in zip(padded, rows):
+                padded_row[:len(row)] = row
+            return padded, np.asarray(lengths)
+    try:
+        return np.asarray(prompts), prompt_lengths
+    except ValueError:  # numpy's "inhomogeneous shape": nested deeper than rows of tokens
+        raise ValueError("prompts must be token ids [batch, prompt_len] (or a list of prompts, each a list of "
+                         "ids); pad them to one length and pass prompt_lengths") from None
+
+
 def _prepare(config: GPTConfig, prompts, max_new_tokens, prompt_lengths, temperature, top_k, top_p, eos_id,
              pad_id, rng) -> tuple[np.ndarray, np.ndarray, int]:
     """Validate generate's arguments; returns (padded prompts int32 [B, P], prompt lengths [B], N)."""
-    prompts = np.asarray(prompts)
+    prompts, prompt_lengths = _as_rows(prompts, prompt_lengths)
     if prompts.ndim == 1:
         prompts = prompts[None, :]
     if prompts.ndim != 2 or prompts.shape[1] == 0 or prompts.shape[0] == 0:

@@ -121,6 +121,34 @@ def test_a_hugging_face_folder_loads_as_from_pretrained_does(tmp_path):
         loading.load(str(tmp_path / "hf"), step=3)
 
 
+def test_an_exported_char_run_samples_the_text_of_its_run_folder(tmp_path, capsys):
+    """save_pretrained wrote no tokenizer: the exported folder fell back to GPT-2's, 50257 tokens for a
+    65-token model."""
+    from jaxgpt import save_pretrained
+    from jaxgpt.cli import sample
+    from jaxgpt.data import CharTokenizer
+    from jaxgpt.pretrained import TOKENIZER_FILE
+    from jaxgpt.training import train
+
+    c = _tiny(tmp_path / "run")
+    train(c)
+    config, params, tok, _ = loading.load_model(c.out_dir)
+    assert isinstance(tok, CharTokenizer)
+    folder = save_pretrained(params, config, tmp_path / "hf", tokenizer=tok)
+    assert (folder / TOKENIZER_FILE).is_file() and not (folder / "tokenizer.json").exists()
+    assert loading.load(str(folder)).tokenizer.to_dict() == tok.to_dict()
+    capsys.readouterr()
+    texts = []
+    for source in (f"--out_dir={c.out_dir}", f"--init_from={folder}"):
+        assert sample.main([source, "--prompt=KING:", "--num_samples=2", "--max_new_tokens=12", "--seed=3"]) == 0
+        texts.append([line for line in capsys.readouterr().out.splitlines() if not line.startswith("# settings")])
+    assert texts[0] == texts[1] and sum(line.startswith("KING:") for line in texts[0]) == 2
+    other = CharTokenizer([chr(33 + i) for i in range(config.vocab_size + 1)])
+    with pytest.raises(ValueError, match=f"the tokenizer has {config.vocab_size + 1} tokens and the model "
+                                         f"{config.vocab_size}: pass the tokenizer the model was trained with"):
+        save_pretrained(params, config, tmp_path / "other", tokenizer=other)
+
+
 def test_a_custom_block_run_records_its_module_and_samples_with_import_in_a_new_process(custom_run, tmp_path):
     code, c, summary = custom_run
     assert summary["steps"] == 4

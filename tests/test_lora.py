@@ -198,6 +198,39 @@ def test_lora_needs_a_base_and_init_from_checks_the_tokenizer(tmp_path, base_run
         train(c)
 
 
+def test_a_rank_past_a_layers_width_is_refused():
+    cfg = _cfg("llama")  # n_embd 32; c_attn is 32 x 64: q 32 columns, k and v 16 each (2 kv heads of 8)
+    base = init_params(cfg, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"rank=33 is past the width .* is 32 x 64, so the rank can be at most 32"):
+        init_adapters(base, cfg, LoraSpec(33, 16.0, ("c_attn",)), jax.random.key(1))
+    with pytest.raises(ValueError, match=r"rank=17 .* h_0.attn.c_attn is 32 x 16, so the rank can be at most 16"):
+        init_adapters(base, cfg, LoraSpec(17, 16.0, ("v",)), jax.random.key(1))  # v's 16 columns only
+    for rank, targets in ((32, ("c_attn",)), (16, ("v",)), (32, ("q", "v"))):  # at the width: allowed
+        adapters = init_adapters(base, cfg, LoraSpec(rank, 16.0, targets), jax.random.key(1))
+        assert adapters["h_0"]["attn"]["c_attn"]["a"].shape == (32, rank)
+
+
+def test_a_huge_rank_ends_training_in_one_line_before_it_allocates(tmp_path, base_run):
+    """rank 100000 on a 128-wide model allocated 12+ GB and was killed (rc 137, no message)."""
+    import subprocess
+    import sys
+
+    from tests.test_cli_errors import REPO
+
+    config = tmp_path / "huge_rank.py"
+    config.write_text(
+        "import pathlib\nfrom tests.test_lora import _lora_config\n\n\n"
+        "class Base:\n    out_dir = " + repr(base_run.out_dir) + "\n\n\n"
+        "def get_config():\n"
+        f"    c = _lora_config(pathlib.Path({str(tmp_path / 'run')!r}), Base, max_steps=2)\n"
+        "    c.train.lora.rank = 100000\n    return c\n")
+    out = subprocess.run([sys.executable, "train.py", f"--config={config}"], cwd=REPO, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "config.train.lora.rank=100000 is past the width of the layers it adapts" in out.stderr, out.stderr
+    assert "so the rank can be at most 32" in out.stderr, out.stderr
+
+
 def _short_base(folder, seed):
     from jaxgpt.training import train
     from tests.helpers import tiny_config

@@ -1,12 +1,13 @@
 """Resume and sampling when checkpoints are damaged or do not match the data: fall back, or refuse in one line."""
 
 import json
+import math
 import os
 import shutil
 
 import pytest
 
-from jaxgpt.checkpoint import CheckpointError, existing_steps
+from jaxgpt.checkpoint import CHECKSUMS, ChecksumMismatch, CheckpointError, existing_steps, verify_checksums
 from jaxgpt.loading import load_model
 from jaxgpt.data import CharTokenizer, tokenizer_difference, tokenizer_fingerprint
 from jaxgpt.training import train
@@ -36,6 +37,77 @@ def _truncate_data(out_dir, step):
             if os.path.basename(root) == "d":  # the arrays' data files
                 with open(os.path.join(root, name), "r+b") as f:
                     f.truncate(3)
+
+
+def _stored_chunks(step_dir, prefix):
+    """(data file, offset, length) of each array chunk under `prefix` ('params.', 'opt_state.') that
+    orbax's OCDBT store keeps in a data file (small values sit inline in its b-tree)."""
+    import tensorstore as ts
+    kv = ts.KvStore.open(f"file://{step_dir}/state/").result()
+    version = ts.ocdbt.dump(kv).result()["versions"][-1]
+    assert version["root_height"] == 0  # a tiny state: one leaf node holds every key
+    found = []
+    for entry in ts.ocdbt.dump(kv, version["root"]["location"]).result()["entries"]:
+        ref = entry.get("indirect_value")  # "value:ocdbt.process_0/:d/<file>:<offset>:<length>"
+        if entry["key"].startswith(prefix.encode()) and ref:
+            _, folder, file, offset, length = ref.split(":")
+            found.append((os.path.join(step_dir, "state", folder, file), int(offset), int(length)))
+    return found
+
+
+def _flip_bytes(step_dir, prefix, count=400):
+    """Invert `count` bytes in the middle of the largest stored chunk under `prefix`."""
+    path, offset, length = max(_stored_chunks(step_dir, prefix), key=lambda c: c[2])
+    start = offset + length // 3
+    count = min(count, length // 2)
+    with open(path, "r+b") as f:
+        f.seek(start)
+        flipped = bytes(b ^ 0xFF for b in f.read(count))
+        f.seek(start)
+        f.write(flipped)
+
+
+@pytest.mark.parametrize("part", ["opt_state.", "params."])
+def test_flipped_bytes_fail_the_checksum_and_resume_falls_back(two_checkpoints, tmp_path, capsys, part):
+    c = _copy(two_checkpoints, tmp_path)
+    _flip_bytes(os.path.join(c.out_dir, "checkpoints", "10"), part)
+    c.train.max_steps = 15  # trains on from 5 and writes step 10 again
+    s = train(c)
+    assert s["start_step"] == 5 and s["steps"] == 15 and math.isfinite(s["best_val_loss"])
+    assert existing_steps(c.out_dir) == [10, 15]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "checkpoint 10 in" in err and "does not match its SHA-256" in err and "resuming from checkpoint 5" in err
+    assert os.path.isdir(os.path.join(c.out_dir, "damaged-checkpoints", "10", "state"))  # kept, not deleted
+
+
+def test_sampling_skips_flipped_bytes_and_checksums_check_each_file(two_checkpoints, tmp_path, capsys):
+    c = _copy(two_checkpoints, tmp_path)
+    step_dir = os.path.join(c.out_dir, "checkpoints", "10")
+    files = [line.split("  ")[1] for line in open(os.path.join(step_dir, CHECKSUMS)).read().splitlines()]
+    assert {f.split("/")[0] for f in files} == {"state", "meta"} and "meta/metadata" in files
+    assert verify_checksums(step_dir) == sum(os.path.getsize(os.path.join(step_dir, f)) for f in files)
+    _flip_bytes(step_dir, "params.", count=1)
+    with pytest.raises(ChecksumMismatch, match=r"state/ocdbt\.process_0/d/\w+ does not match"):
+        verify_checksums(step_dir)
+    assert verify_checksums(step_dir, ("meta",)) > 0  # the items are checked apart
+    _, _, _, meta = load_model(c.out_dir)
+    assert meta["step"] == 5 and "does not match its SHA-256" in capsys.readouterr().err
+    os.remove(os.path.join(step_dir, "meta", "metadata"))
+    with pytest.raises(ChecksumMismatch, match="meta/metadata is gone"):
+        verify_checksums(step_dir, ("meta",))
+
+
+def test_checkpoints_without_checksums_restore_unchecked(two_checkpoints, tmp_path, capsys):
+    c = _copy(two_checkpoints, tmp_path)
+    for step in (5, 10):  # as saved before checksums were written
+        os.remove(os.path.join(c.out_dir, "checkpoints", str(step), CHECKSUMS))
+    assert verify_checksums(os.path.join(c.out_dir, "checkpoints", "10")) is None
+    c.train.max_steps = 15
+    s = train(c)
+    assert s["start_step"] == 10 and s["steps"] == 15
+    assert capsys.readouterr().err == ""
+    assert os.path.isfile(os.path.join(c.out_dir, "checkpoints", "15", CHECKSUMS))  # new saves write them
 
 
 @pytest.mark.parametrize("damage", ["truncated data files", "no _METADATA"])

@@ -264,6 +264,23 @@ def test_ragged_batch_equals_each_row_alone(tiny):
         assert (np.asarray(out.tokens[r, n:]) == 0).all()
 
 
+def test_a_list_of_prompts_of_different_lengths_is_padded_for_you(tiny):
+    """generate([[1, 2, 3], [4]]) raised numpy's "inhomogeneous shape" error."""
+    cfg, params = tiny
+    decoder = jaxgpt.Decoder(params, cfg)
+    out = decoder.generate([[5, 6, 7], [4], (1, 2)], 4, jax.random.key(0), temperature=0.0)
+    padded = decoder.generate(np.array([[5, 6, 7], [4, 0, 0], [1, 2, 0]]), 4, jax.random.key(0), temperature=0.0,
+                              prompt_lengths=[3, 1, 2])
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(padded.tokens))
+    np.testing.assert_array_equal(np.asarray(out.lengths), [7, 5, 6])
+    with pytest.raises(ValueError, match="give their own lengths: leave prompt_lengths out"):
+        decoder.generate([[1, 2, 3], [4]], 2, jax.random.key(0), prompt_lengths=[3, 1])
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        decoder.generate([[1, 2], []], 2, jax.random.key(0))
+    with pytest.raises(ValueError, match="pad them to one length and pass prompt_lengths"):
+        decoder.generate([[[1, 2]], [3]], 2, jax.random.key(0))
+
+
 def test_eos_stops_a_row(tiny):
     cfg, params = tiny
     prompts = np.array([[1, 2, 3], [7, 8, 9]])
