@@ -178,3 +178,89 @@ def test_segment_ids_with_a_cache_are_refused():
     cache = KVCache.create(model.config, 1, 16)
     with pytest.raises(ValueError, match="without a cache"):
         model.apply({"params": params}, window, cache, segment_ids=segments)
+
+
+def test_a_step_over_one_document_per_row_is_the_plain_step():
+    # segment ids that put each row in one document change nothing: the masked path is the causal one
+    from jaxgpt.training.config import default_config
+    from jaxgpt.training.step import init_train_state, make_optimizer, make_train_step
+
+    model, _ = _model("portable", "gpt2")
+    optimizer = make_optimizer(default_config().train, model.config)
+    state = init_train_state(model.config, optimizer, seed=0)
+    tokens = jax.random.randint(jax.random.key(4), (4, 17), 0, 48)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    step = jax.jit(make_train_step(model.config, optimizer, grad_accum=2))
+    (plain, m_plain), (masked, m_masked) = step(state, x, y), step(state, x, y, jnp.zeros_like(x))
+    np.testing.assert_allclose(m_masked["loss"], m_plain["loss"], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(masked.params), jax.tree.leaves(plain.params)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    # and two documents per row do change it
+    two = (jnp.arange(16) >= 8).astype(jnp.int32)[None].repeat(4, 0)
+    assert abs(float(step(state, x, y, two)[1]["loss"]) - float(m_plain["loss"])) > 1e-4
+
+
+def _document_folder(tmp_path, n_docs=40):
+    from tests.helpers import write_corpus
+
+    folder = tmp_path / "docs"
+    folder.mkdir(parents=True)
+    for i in range(n_docs):
+        write_corpus(folder / f"doc{i:03d}.txt", n_lines=2 + i % 5, seed=i)
+    return folder
+
+
+def _document_config(tmp_path, **train_kw):
+    from tests.helpers import tiny_config
+
+    c = tiny_config(tmp_path, **train_kw)
+    c.data.path = str(_document_folder(tmp_path))
+    c.data.tokenizer, c.data.vocab_size = "bpe", 300
+    c.data.align = "document"
+    return c
+
+
+def _losses(out_dir):
+    import json
+    import os
+
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def test_training_on_document_windows_learns_and_resumes_exactly(tmp_path, capsys, monkeypatch):
+    # the real loop: pmap over 4 devices, 5 steps a call; then 10 steps and a resume on a mesh
+    from jaxgpt import checkpoint as ckpt_lib
+    from jaxgpt.training import train
+    from jaxgpt.training.parallel import PmapRunner
+
+    fed = []  # what the loop hands the runner: x, y and the document ids, [K, b, T] each
+    steps, evals = PmapRunner.steps, PmapRunner.eval
+    monkeypatch.setattr(PmapRunner, "steps", lambda self, state, *b: fed.append(b) or steps(self, state, *b))
+    monkeypatch.setattr(PmapRunner, "eval", lambda self, state, *b: fed.append(b) or evals(self, state, *b))
+    full = _document_config(tmp_path / "a", max_steps=20, decay_steps=20, log_interval=1, steps_per_call=5)
+    train(full)
+    assert "data.align=document: windows start at" in capsys.readouterr().out
+    assert fed and all(len(b) == 3 and b[2] is not None and b[2].shape == b[0].shape for b in fed)
+    a = _losses(full.out_dir)
+    assert sorted(a) == list(range(1, 21)) and a[20] < a[1] - 0.5
+    meta = ckpt_lib.Checkpointer(full.out_dir, read_only=True).restore_meta(20)
+    assert meta["sampler"]["align"] == "document"
+    from jaxgpt.data import tokenizer_from_dict
+    assert meta["sampler"]["separator"] == tokenizer_from_dict(meta["tokenizer"]).eos_id is not None
+    half = _document_config(tmp_path / "b", max_steps=10, decay_steps=20, log_interval=1, checkpoint_interval=5)
+    train(half)
+    half.train.max_steps, half.train.parallel, half.init_from = 20, "mesh", "resume"
+    train(half)
+    b = _losses(half.out_dir)
+    np.testing.assert_allclose([b[k] for k in range(1, 21)], [a[k] for k in range(1, 21)], rtol=2e-5)
+
+
+def test_document_alignment_without_an_end_of_text_token_is_refused_in_one_line(tmp_path):
+    from jaxgpt.training import train
+
+    c = _document_config(tmp_path, max_steps=2)
+    c.data.tokenizer = "char"
+    with pytest.raises(ValueError, match=r"align='document' needs a tokenizer with an end-of-text token .* "
+                                         r"data.tokenizer='char' has none"):
+        train(c)
