@@ -148,8 +148,10 @@ class CausalSelfAttention(nn.Module):
         if cfg.position == "rope":
             q_BxTxNxH = rotary_embedding(q_BxTxNxH, positions_BxT, cfg.rope_theta)
             k_BxTxKxH = rotary_embedding(k_BxTxKxH, positions_BxT, cfg.rope_theta)
+        # (segment ids only when given: an `attend` edited in a fork keeps its six arguments otherwise)
+        segment_kw = {} if segment_ids is None else {"segment_ids": segment_ids}
         out_BxTxNxH, cache = self.attend(q_BxTxNxH, k_BxTxKxH.swapaxes(1, 2), v_BxTxKxH.swapaxes(1, 2),
-                                         positions_BxT, cache, layer, segment_ids)
+                                         positions_BxT, cache, layer, **segment_kw)
         out_info = matrix("heads", "embed", targets=(("o", None),), output_only=self.output_only,
                           hf_name="self_attn.o_proj.weight")
         y = _dense(cfg, backend, cfg.n_embd, "c_proj", out_info, residual_out=True)(out_BxTxNxH.reshape(b, t, n * h))

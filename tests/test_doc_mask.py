@@ -256,11 +256,20 @@ def test_training_on_document_windows_learns_and_resumes_exactly(tmp_path, capsy
     np.testing.assert_allclose([b[k] for k in range(1, 21)], [a[k] for k in range(1, 21)], rtol=2e-5)
 
 
-def test_document_alignment_without_an_end_of_text_token_is_refused_in_one_line(tmp_path):
-    from jaxgpt.training import train
+@pytest.mark.parametrize("tokenizer", ["char", "byte", "loaded"])
+def test_document_alignment_without_an_end_of_text_token_is_refused_in_one_line(tmp_path, tokenizer):
+    # char and byte: by the config check, before any data is prepared; any other tokenizer without one
+    # (here a bpe whose end-of-text token is gone) where the loop builds the sampler
+    from jaxgpt.training import loop, train
+    from jaxgpt.training.config import validate_config
 
     c = _document_config(tmp_path, max_steps=2)
-    c.data.tokenizer = "char"
-    with pytest.raises(ValueError, match=r"align='document' needs a tokenizer with an end-of-text token .* "
-                                         r"data.tokenizer='char' has none"):
-        train(c)
+    c.data.tokenizer, c.data.vocab_size = (tokenizer, None) if tokenizer != "loaded" else ("bpe", 300)
+    said = r"config.data.align: 'document' needs a tokenizer with an end-of-text token .* has none"
+    if tokenizer != "loaded":
+        with pytest.raises(ValueError, match=said + " \\(use 'bpe' or 'gpt2', or data.align='random'\\)$"):
+            validate_config(c)
+        return
+    no_end = type("NoEnd", (), {"eos_id": None})()
+    with pytest.raises(ValueError, match=said):
+        loop.separator_id(c, no_end)

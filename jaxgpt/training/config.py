@@ -278,6 +278,9 @@ def validate_config(config, device_count: Optional[int] = None) -> None:
     need(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
     need(d.align in ALIGNS, "data.align", f"must be one of {ALIGNS}, got {d.align!r}")
     need(isinstance(d.doc_mask, bool), "data.doc_mask", f"must be True or False, got {d.doc_mask!r}")
+    need(d.align != "document" or d.tokenizer not in ("char", "byte"), "data.align",
+         f"'document' needs a tokenizer with an end-of-text token to find documents by; data.tokenizer="
+         f"{d.tokenizer!r} has none (use 'bpe' or 'gpt2', or data.align='random')")
     need(d.tokenizer != "bpe" or (d.vocab_size or 0) > 256, "data.vocab_size",
          "the bpe tokenizer needs data.vocab_size > 256")
     cache_folder(config.compile_cache)

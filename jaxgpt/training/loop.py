@@ -61,7 +61,7 @@ def separator_id(config, tokenizer) -> int:
     """The token that separates documents (the tokenizer's end-of-text token), for data.align='document';
     a ValueError in one line when the tokenizer has none."""
     if tokenizer.eos_id is None:
-        raise ValueError(f"config.data.align='document' needs a tokenizer with an end-of-text token to find "
+        raise ValueError(f"config.data.align: 'document' needs a tokenizer with an end-of-text token to find "
                          f"documents by; data.tokenizer={config.data.tokenizer!r} has none (use 'bpe' or 'gpt2', "
                          f"or data.align='random')")
     return int(tokenizer.eos_id)
