@@ -28,6 +28,8 @@ import numpy as np
 class BatchSampler:
     """Random windows of block_size + 1 tokens -> (x, y) int32 [batch_size // process_count, block_size]."""
 
+    align = "random"  # where windows start (state_dict records it; DocumentSampler: "document")
+
     def __init__(
         self,
         tokens: np.ndarray,
@@ -76,8 +78,6 @@ class BatchSampler:
         self._file = None
         if isinstance(tokens, np.memmap) and isinstance(tokens.base, mmap.mmap) and tokens.filename:
             self._file = (tokens.filename, tokens.dtype, int(tokens.offset), n)
-
-    align = "random"  # where windows start (state_dict records it; DocumentSampler: "document")
 
     def starts(self, step: int) -> np.ndarray:
         """Window starts of global batch `step`: int64 [batch_size], a pure function of (seed, step)."""
