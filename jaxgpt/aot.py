@@ -501,7 +501,7 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
 
     from jaxgpt.lora import LoraSpec
     from jaxgpt.model import flops_per_token, recompute_flops_per_token
-    from jaxgpt.training.config import parallel_mode, validate_config
+    from jaxgpt.training.config import doc_masked, parallel_mode, validate_config
     from jaxgpt.training.parallel import PmapRunner, make_runner
     from jaxgpt.training.step import init_train_state, make_optimizer, make_schedule
 
@@ -525,15 +525,18 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
         batch = jax.ShapeDtypeStruct((k, rows, block), np.int32, sharding=runner.stack_sharding)
     else:
         batch = jax.ShapeDtypeStruct((rows, block), np.int32, sharding=runner.batch_sharding)
-    step = runner.jitted_step(state, many=k > 1)
-    compiled, seconds = _compile("train step", lambda: step.lower(state, batch, batch), devs, progress)
+    segments = doc_masked(config)  # (the rows' document ids, laid out as the tokens)
+    step = runner.jitted_step(state, many=k > 1, segments=segments)
+    batches = (batch,) * (3 if segments else 2)
+    compiled, seconds = _compile("train step", lambda: step.lower(state, *batches), devs, progress)
     # the formula's work plus what remat recomputes (the compiler counts the recomputed forward too)
     formula = (flops_per_token(gcfg, block) + recompute_flops_per_token(gcfg, block)) * rows * block * k / n
     pmap = isinstance(runner, PmapRunner)
     extra = {"parallel": "pmap (compiled as its per-device step under shard_map)" if pmap else runner.name,
              "batch_size": rows, "seq_len": block, "grad_accum": t.grad_accum, "steps_per_call": k,
              "per_device_batch": rows // _batch_split(runner), "remat": gcfg.remat, "scan_layers": gcfg.scan_layers,
-             "dtype": gcfg.dtype, "kernels": backend.name, "attention": gcfg.attention, "loss_chunk": loss_chunk}
+             "dtype": gcfg.dtype, "kernels": backend.name, "attention": gcfg.attention, "loss_chunk": loss_chunk,
+             "doc_mask": segments}
     return _report("train step", compiled, seconds, devs, formula, extra, loop_trips=t.grad_accum * k,
                    layer_loop=gcfg.scan_layers, loss_loop=bool(loss_chunk))
 

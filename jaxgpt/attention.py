@@ -6,16 +6,24 @@ them. Key s is visible to query t iff s <= q_positions[t] and s < kv_lengths. `q
 plain causal self-attention (queries and keys at 0..T-1), where a fused causal kernel may be used. A new
 variant is one such function plus `@register_attention("name")`; the model calls it, through its backend,
 for training, prefill and decode alike.
+
+Document masking (training on windows that hold several documents, `data.doc_mask`): an implementation
+that supports it also takes the keyword `segment_ids_BxT` (int [B, T], one id per document, contiguous)
+in plain self-attention, where key s is then visible to query t iff s <= t and both share an id. The
+built-ins do; the model refuses, in one line, an attention function that does not take the keyword.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 
 from jaxgpt.registry import ATTENTION
+from jaxgpt.report import warn
 
 # A large finite negative instead of -inf: a fully masked row softmaxes to a finite uniform distribution.
 MASK_VALUE = -1e30
@@ -53,14 +61,45 @@ def grouped_queries(q_BxTxNxH: jax.Array, kv_heads: int) -> jax.Array:
     return (q_BxTxNxH * scale).reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
 
 
-def causal_mask(q_positions_BxT: jax.Array, kv_lengths_B: Optional[jax.Array], num_keys: int) -> jax.Array:
+def causal_mask(q_positions_BxT: jax.Array, kv_lengths_B: Optional[jax.Array], num_keys: int,
+                segment_ids_BxT: Optional[jax.Array] = None) -> jax.Array:
     """bool [B, 1, T, S]: key s is visible to query t iff s <= q_positions[t] and s < kv_lengths (None:
-    all keys). One rule serves training, prefill at an offset and one-token decode."""
+    all keys), and, with `segment_ids` (self-attention: S == T), both belong to the same document. One
+    rule serves training, document-masked training, prefill at an offset and one-token decode."""
     k_pos = jnp.arange(num_keys, dtype=jnp.int32)
     mask = k_pos[None, None, :] <= q_positions_BxT[:, :, None]
     if kv_lengths_B is not None:
         mask = mask & (k_pos[None, None, :] < kv_lengths_B[:, None, None])
+    if segment_ids_BxT is not None:
+        mask = mask & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
     return mask[:, None, :, :]
+
+
+def segment_positions(segment_ids_BxT: jax.Array) -> jax.Array:
+    """int32 [B, T]: each token's index within its document (contiguous ids): 0 at each document's first
+    token. What positions (learned or rotary) a document-masked window uses, so that every document is
+    computed as if it stood alone."""
+    t = segment_ids_BxT.shape[1]
+    steps = jnp.arange(t, dtype=jnp.int32)[None, :]
+    first = jnp.concatenate([jnp.ones_like(segment_ids_BxT[:, :1], bool),
+                             segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
+    starts = jax.lax.cummax(jnp.where(first, steps, 0), axis=1)  # the latest document start at or before t
+    return steps - starts
+
+
+def takes_segments(fn: Callable) -> bool:
+    """Whether an attention function takes `segment_ids_BxT=` (document masking)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "segment_ids_BxT" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def check_segments(q_positions_BxT, kv_lengths_B, segment_ids_BxT) -> None:
+    """ValueError unless document segments come with plain self-attention (no positions, no cache)."""
+    if segment_ids_BxT is not None and (q_positions_BxT is not None or kv_lengths_B is not None):
+        raise ValueError("segment_ids_BxT (document masking) applies to self-attention without a cache only")
 
 
 def self_positions(t: int) -> jax.Array:
@@ -94,42 +133,52 @@ def check_shapes(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: Optional
 
 
 @ATTENTION.register("einsum", builtin=True)
-def einsum_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None) -> jax.Array:
+def einsum_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None, *,
+                     segment_ids_BxT=None) -> jax.Array:
     """The reference: two einsums and a masked softmax, scores and softmax in float32."""
     check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT)
+    check_segments(q_positions_BxT, kv_lengths_B, segment_ids_BxT)
     b, t, n, h = q_BxTxNxH.shape
     if q_positions_BxT is None:
         q_positions_BxT = self_positions(t)
     q_BxKxGxTxH = grouped_queries(q_BxTxNxH, k_BxKxSxH.shape[1])
     scores = jnp.einsum("bkgth,bksh->bkgts", q_BxKxGxTxH, k_BxKxSxH, preferred_element_type=jnp.float32)
-    mask = causal_mask(q_positions_BxT, kv_lengths_B, k_BxKxSxH.shape[2])[:, :, None]  # [B, 1, 1, T, S]
+    mask = causal_mask(q_positions_BxT, kv_lengths_B, k_BxKxSxH.shape[2], segment_ids_BxT)[:, :, None]  # [B,1,1,T,S]
     weights = jax.nn.softmax(jnp.where(mask, scores, MASK_VALUE), axis=-1).astype(v_BxKxSxH.dtype)
     out = jnp.einsum("bkgts,bksh->btkgh", weights, v_BxKxSxH, preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
 
 
 @ATTENTION.register("dot_product", builtin=True)
-def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None) -> jax.Array:
-    """`jax.nn.dot_product_attention`: `is_causal=True` for self-attention, a position mask otherwise."""
+def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None, *,
+                          segment_ids_BxT=None) -> jax.Array:
+    """`jax.nn.dot_product_attention`: `is_causal=True` for self-attention, a position (and document)
+    mask otherwise."""
     check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT)
+    check_segments(q_positions_BxT, kv_lengths_B, segment_ids_BxT)
     k_BxSxKxH, v_BxSxKxH = k_BxKxSxH.swapaxes(1, 2), v_BxKxSxH.swapaxes(1, 2)  # its layout
-    if q_positions_BxT is None and kv_lengths_B is None:
+    if q_positions_BxT is None and kv_lengths_B is None and segment_ids_BxT is None:
         return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, is_causal=True)
     if q_positions_BxT is None:
         q_positions_BxT = self_positions(q_BxTxNxH.shape[1])
-    mask = causal_mask(q_positions_BxT, kv_lengths_B, k_BxSxKxH.shape[1])
+    mask = causal_mask(q_positions_BxT, kv_lengths_B, k_BxSxKxH.shape[1], segment_ids_BxT)
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask)
 
 
 @ATTENTION.register("cudnn", builtin=True)
-def cudnn_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None) -> jax.Array:
+def cudnn_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None, *,
+                    segment_ids_BxT=None) -> jax.Array:
     """cuDNN's fused causal attention on NVIDIA GPUs (bf16/fp16) for self-attention; queries at other
-    positions (prefill at an offset, decode) take the masked XLA path."""
+    positions (prefill at an offset, decode) and document-masked windows take the masked XLA path."""
     check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT)
-    if q_positions_BxT is None and kv_lengths_B is None:
+    if q_positions_BxT is None and kv_lengths_B is None and segment_ids_BxT is None:
         return jax.nn.dot_product_attention(q_BxTxNxH, k_BxKxSxH.swapaxes(1, 2), v_BxKxSxH.swapaxes(1, 2),
                                             is_causal=True, implementation="cudnn")
-    return dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
+    if segment_ids_BxT is not None:
+        warn("attention='cudnn' has no document mask here: document-masked attention runs in XLA "
+             "(attention='dot_product' on the gpu backend runs it in the Pallas flash kernel)")
+    return dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B,
+                                 segment_ids_BxT=segment_ids_BxT)
 
 
 PACKED_TILE = 64  # queries per tile of packed attention
@@ -163,6 +212,10 @@ def packed_attention(q_1xNxHxD, k_1xKxNxD, v_1xKxNxD, segments_N, window=None) -
 
 
 def attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None,
-              implementation: str = "dot_product") -> jax.Array:
-    """Causal (grouped-query) attention with a registered implementation."""
-    return get_attention(implementation)(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
+              implementation: str = "dot_product", segment_ids_BxT=None) -> jax.Array:
+    """Causal (grouped-query) attention with a registered implementation (document-masked with
+    `segment_ids_BxT`)."""
+    fn = get_attention(implementation)
+    if segment_ids_BxT is None:
+        return fn(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
+    return fn(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B, segment_ids_BxT=segment_ids_BxT)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from jaxgpt import lora
-from jaxgpt.attention import packed_attention, rotary_embedding, split_heads
+from jaxgpt.attention import packed_attention, rotary_embedding, segment_positions, split_heads, takes_segments
 from jaxgpt.backends import PORTABLE, Backend, resolve
 from jaxgpt.cache import KVCache, PackedCache
 from jaxgpt.config import GPTConfig
@@ -35,7 +35,8 @@ _init = nn.initializers.normal(stddev=0.02)
 def register_block(name: str, *, replace: bool = False):
     """Decorator: make a block class available as `GPTConfig(block=name)`. A block is a Linen module with
     fields (config, backend, deterministic) and `__call__(x_BxTxD, positions_BxT, cache, layer) -> (x, cache)`;
-    with GPTConfig.value_embeds it is also given `value_embed=` [B, T, K*H] for its attention. A name already
+    with GPTConfig.value_embeds it is also given `value_embed=` [B, T, K*H] for its attention, and with
+    document masking `segment_ids=` [B, T] (both passed on to CausalSelfAttention). A name already
     registered ("gpt2", "parallel" included) needs `replace=True`."""
     return BLOCKS.register(name, replace=replace)
 
@@ -129,9 +130,10 @@ class CausalSelfAttention(nn.Module):
     output_only: bool = False  # c_proj's output feeds only the block's output (the parallel block's)
 
     @nn.compact
-    def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None, value_embed=None):
+    def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None, value_embed=None,
+                 segment_ids=None):
         """`value_embed` [B, T, K*H] (GPTConfig.value_embeds): mixed into the values with two learned
-        weights, `ve_mix`, before they are attended to or cached."""
+        weights, `ve_mix`, before they are attended to or cached. `segment_ids` [B, T]: document masking."""
         cfg, backend = self.config, self.backend
         b, t, _ = x_BxTxD.shape
         n, kh, h = cfg.n_head, cfg.n_kv_head, cfg.head_dim
@@ -146,17 +148,26 @@ class CausalSelfAttention(nn.Module):
         if cfg.position == "rope":
             q_BxTxNxH = rotary_embedding(q_BxTxNxH, positions_BxT, cfg.rope_theta)
             k_BxTxKxH = rotary_embedding(k_BxTxKxH, positions_BxT, cfg.rope_theta)
+        # (segment ids only when given: an `attend` edited in a fork keeps its six arguments otherwise)
+        segment_kw = {} if segment_ids is None else {"segment_ids": segment_ids}
         out_BxTxNxH, cache = self.attend(q_BxTxNxH, k_BxTxKxH.swapaxes(1, 2), v_BxTxKxH.swapaxes(1, 2),
-                                         positions_BxT, cache, layer)
+                                         positions_BxT, cache, layer, **segment_kw)
         out_info = matrix("heads", "embed", targets=(("o", None),), output_only=self.output_only,
                           hf_name="self_attn.o_proj.weight")
         y = _dense(cfg, backend, cfg.n_embd, "c_proj", out_info, residual_out=True)(out_BxTxNxH.reshape(b, t, n * h))
         return nn.Dropout(cfg.dropout)(y, deterministic=self.deterministic), cache
 
-    def attend(self, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, positions_BxT, cache: Optional[KVCache], layer):
+    def attend(self, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, positions_BxT, cache: Optional[KVCache], layer,
+               segment_ids=None):
         """Attention's one call site for training, prefill and decode: the registered function (as the
         backend computes it) over these keys, or over the cache once they are written into it."""
         attend = self.backend.attention(self.config.attention)
+        if segment_ids is not None:  # queries and keys at 0..T-1, each within its document
+            if not takes_segments(attend):
+                raise ValueError(f"attention {self.config.attention!r} takes no segment_ids_BxT keyword, which "
+                                 "document masking needs; add it to the registered function (jaxgpt/attention.py) "
+                                 "or train without document masking (data.doc_mask=False)")
+            return attend(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, None, None, segment_ids_BxT=segment_ids), None
         if cache is None:  # queries and keys at 0..T-1
             return attend(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, None, None), None
         if isinstance(cache, PackedCache):  # several prompts in one row: each attends within itself
@@ -280,7 +291,9 @@ class GPT(nn.Module):
     `(logits, new_cache)` (NaN logits for a row that overflows it, under jit); `token_lengths` [B] counts
     each row's real tokens, `logits_index` [B] keeps one position per row. `hidden=True` returns the final
     norm's output [B, T, D] instead of logits, for `head` to turn into logits a piece at a time (the
-    chunked loss, jaxgpt.training.step). `backend` None: resolve(config)."""
+    chunked loss, jaxgpt.training.step). `segment_ids` int [B, T] (no cache; contiguous ids, one per
+    document): each document computed as if it stood alone, its positions from 0 and its tokens attending
+    only to its own earlier tokens (document masking). `backend` None: resolve(config)."""
 
     config: GPTConfig
     backend: Optional[Backend] = None
@@ -299,7 +312,7 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, tokens_BxT: jax.Array, cache: Optional[KVCache] = None, *,
                  token_lengths: Optional[jax.Array] = None, logits_index: Optional[jax.Array] = None,
-                 deterministic: bool = True, hidden: bool = False):
+                 deterministic: bool = True, hidden: bool = False, segment_ids: Optional[jax.Array] = None):
         cfg = self.config
         backend = self._backend()
         if tokens_BxT.ndim != 2:
@@ -307,21 +320,23 @@ class GPT(nn.Module):
         b, t = tokens_BxT.shape
         if t > cfg.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {cfg.block_size}")
-        steps = jnp.arange(t, dtype=jnp.int32)[None, :]
-        positions_BxT = jnp.broadcast_to(steps, (b, t)) if cache is None else cache.positions(t)
+        positions_BxT = self._positions(b, t, cache, segment_ids)
         overflow_B = None if cache is None else cache.overflow(t)
-        x_BxTxD = self._embed(tokens_BxT, positions_BxT, backend, deterministic, cache is not None)
+        per_row = cache is not None or segment_ids is not None  # (else every row has positions 0..t-1)
+        x_BxTxD = self._embed(tokens_BxT, positions_BxT, backend, deterministic, per_row)
         skip_Lx2, ve_L = self._layer_inputs(tokens_BxT, backend)
         x0_BxTxD = x_BxTxD if skip_Lx2 is not None else None
         if cfg.scan_layers:
             x_BxTxD, cache = self._scan_blocks(x_BxTxD, positions_BxT, cache, backend, deterministic,
-                                               x0_BxTxD, skip_Lx2, ve_L)
+                                               x0_BxTxD, skip_Lx2, ve_L, segment_ids)
         else:
             remat = cfg.remat != "none" and cache is None and not self.is_initializing()
             block_cls = _remat(BLOCKS.get(cfg.block), cfg.remat) if remat else BLOCKS.get(cfg.block)
             for i in range(cfg.n_layer):
                 x_BxTxD = _mix_embedding(x_BxTxD, x0_BxTxD, None if skip_Lx2 is None else skip_Lx2[i])
                 extras = {} if ve_L is None else {"value_embed": ve_L[i]}
+                if segment_ids is not None:
+                    extras["segment_ids"] = segment_ids
                 block = block_cls(cfg, backend, deterministic, name=f"h_{i}")
                 declare_block(block)
                 out = block(x_BxTxD, positions_BxT, cache, None if cache is None else i, **extras)
@@ -336,7 +351,20 @@ class GPT(nn.Module):
             return out
         return out, cache.advance(t if token_lengths is None else token_lengths)
 
-    def _embed(self, tokens_BxT, positions_BxT, backend: Backend, deterministic: bool, cached: bool):
+    @nn.nowrap
+    def _positions(self, b: int, t: int, cache: Optional[KVCache], segment_ids: Optional[jax.Array]):
+        """int32 [B, T]: each token's position: 0..T-1, after the cache's tokens, or within its document."""
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (document masking) is for the forward without a cache")
+            if segment_ids.shape != (b, t):
+                raise ValueError(f"segment_ids must be int [batch, time] = {(b, t)}, got {segment_ids.shape}")
+            return segment_positions(segment_ids)
+        if cache is not None:
+            return cache.positions(t)
+        return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+
+    def _embed(self, tokens_BxT, positions_BxT, backend: Backend, deterministic: bool, per_row: bool):
         """Token (+ learned position) embeddings, after dropout."""
         cfg = self.config
         act_dtype = backend.activation_dtype(cfg.compute_dtype)
@@ -352,7 +380,7 @@ class GPT(nn.Module):
             # without a cache every row has positions 0..t-1: one [1, T, D] lookup broadcast over the rows
             # (its gradient a sum over the rows, which a batch sharded on a mesh reduces where it lies)
             steps = jnp.arange(tokens_BxT.shape[1], dtype=jnp.int32)[None, :]
-            x_BxTxD = x_BxTxD + (wpe(positions_BxT) if cached else wpe(steps))
+            x_BxTxD = x_BxTxD + (wpe(positions_BxT) if per_row else wpe(steps))
         return nn.Dropout(cfg.dropout)(x_BxTxD, deterministic=deterministic)
 
     def _layer_inputs(self, tokens_BxT, backend: Backend):
@@ -399,9 +427,10 @@ class GPT(nn.Module):
         return logits
 
     def _scan_blocks(self, x_BxTxD, positions_BxT, cache: Optional[KVCache], backend: Backend,
-                     deterministic: bool, x0_BxTxD=None, skip_Lx2=None, ve_L=None):
+                     deterministic: bool, x0_BxTxD=None, skip_Lx2=None, ve_L=None, segment_ids=None):
         """The blocks as one lax.scan over the stacked parameters `h` (and the stacked cache, if any), with
-        each block's embedding-skip weights and value embedding (`_layer_inputs`) scanned beside them."""
+        each block's embedding-skip weights and value embedding (`_layer_inputs`) scanned beside them;
+        `segment_ids` (document masking) the same for every block."""
         cfg = self.config
         block = BLOCKS.get(cfg.block)(cfg, backend, deterministic, parent=None)  # applied to one layer's params
 
@@ -422,6 +451,8 @@ class GPT(nn.Module):
             variables, i, skip_2, ve = xs
             rngs = {} if dropout_rng is None else {"dropout": jax.random.fold_in(dropout_rng, i)}
             extras = {} if ve is None else {"value_embed": ve}
+            if segment_ids is not None:
+                extras["segment_ids"] = segment_ids
             out = block.apply(variables, _mix_embedding(x, x0_BxTxD, skip_2), positions_BxT, cache,
                               None if cache is None else i, rngs=rngs, **extras)
             return _checked_block_output(out, x, cfg), None

@@ -288,3 +288,18 @@ def test_the_int8_engine_compiles_for_a_tpu_holding_int8_kernels_instead_of_floa
     assert kv8["cache_bytes_per_slot"] == f["cache_bytes_per_slot"] * 20 // 64
     assert kv8["argument_bytes"] < q8["argument_bytes"] and kv8["slots_that_fit"] > q8["slots_that_fit"]
     assert "weights int8" in aot.format_result(r) and "a slot, int8)" in aot.format_result(r)
+
+
+@needs_aot
+@pytest.mark.parametrize("target, custom_call", [("tpu:v5e:2x2", "tpu_custom_call"),
+                                                 ("gpu:h100:2", "__gpu$xla.gpu.triton")])
+def test_a_document_masked_step_compiles_with_the_accelerators_own_kernels(target, custom_call):
+    # data.align='document' (doc_mask on): the step takes the rows' document ids, which splash (per batch
+    # shard on the mesh) and the Pallas GPU kernel take as their own segment ids
+    aot.prepare_environment()
+    config = _tiny(parallel="mesh", mesh="data=2,fsdp=-1" if target.startswith("tpu") else "")
+    config.data.align = "document"
+    train = aot.compile_for_target(config, aot.parse_target(target), vocab_size=256, progress=False,
+                                   programs=("train",))["programs"]["train"]
+    assert train["fits"] and train["doc_mask"] is True
+    assert train["custom_calls"].get(custom_call, 0) > 0

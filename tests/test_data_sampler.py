@@ -144,3 +144,106 @@ def test_prefetcher_sources_errors_and_close():
     with pytest.raises(ValueError):
         Prefetcher(range(3), size=0)
     assert threading.active_count() < 20
+
+
+# --- document-aligned windows (DocumentSampler, data.align="document") ---
+
+SEP = 7  # the separator (end-of-text) id of these tests' corpora
+
+
+def _documents(n_docs=300, seed=0, eot_first=True):
+    """Tokens of n_docs documents of 1..40 tokens (ids 10..99, never SEP), each after a SEP (llm.c's layout),
+    or each closed by one (jaxgpt's text bins) with `eot_first=False`."""
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(10, 100, size=rng.integers(1, 41)) for _ in range(n_docs)]
+    parts = [p for d in docs for p in (([SEP], d) if eot_first else (d, [SEP]))]
+    return np.concatenate(parts).astype(np.uint16)
+
+
+@pytest.mark.parametrize("eot_first", [True, False], ids=["eot-before", "eot-after"])
+def test_document_starts_are_the_separators_and_the_first_token(tmp_path, eot_first, monkeypatch):
+    from jaxgpt.data import sampler as sampler_lib
+    from jaxgpt.data import document_starts
+
+    toks = _documents(eot_first=eot_first)
+    want = np.flatnonzero(toks == SEP)
+    want = want if toks[0] == SEP else np.concatenate([[0], want])
+    monkeypatch.setattr(sampler_lib, "_STARTS_CHUNK", 97)  # many chunks, separators on their edges too
+    path = tmp_path / "toks.bin"
+    toks.tofile(path)
+    mm = np.memmap(path, dtype=np.uint16, mode="r")
+    got = document_starts(mm, SEP, cache=tmp_path / "starts.npy")
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, want)
+    # cached: read back memory-mapped; another separator or length is computed afresh
+    again = document_starts(mm, SEP, cache=tmp_path / "starts.npy")
+    assert isinstance(again, np.memmap)
+    np.testing.assert_array_equal(again, want)
+    np.testing.assert_array_equal(document_starts(mm[:-5], SEP, cache=tmp_path / "starts.npy"),
+                                  want[want < len(toks) - 5])
+    other = document_starts(mm, 11, cache=tmp_path / "starts.npy")
+    np.testing.assert_array_equal(other, np.concatenate([[0] if toks[0] != 11 else [], np.flatnonzero(toks == 11)]))
+
+
+@pytest.mark.parametrize("eot_first", [True, False], ids=["eot-before", "eot-after"])
+def test_document_windows_start_at_document_starts_for_every_seed_and_step(eot_first):
+    from jaxgpt.data import DocumentSampler
+
+    toks = _documents(eot_first=eot_first)
+    starts = set(np.flatnonzero(toks == SEP).tolist()) | {0}
+    drawn = set()
+    for seed in range(4):
+        s = DocumentSampler(toks, SEP, B, T, seed=seed)
+        for step in range(0, 200, 7):
+            x, y, seg = s.batch(step)
+            at = s.starts(step)
+            drawn |= set(at.tolist())
+            assert set(at.tolist()) <= starts and (at <= len(toks) - T - 1).all()
+            for row, a in zip(x, at):
+                np.testing.assert_array_equal(row, toks[a : a + T])
+            np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+            # a window begins with its document's end-of-text token (or the array's first token) ...
+            assert ((x[:, 0] == SEP) | (at == 0)).all()
+            # ... and document ids count the separators: a new id exactly where one is
+            assert seg.dtype == np.int32 and (np.diff(seg, axis=1) == (x[:, 1:] == SEP)).all()
+            assert ((seg[:, 0] == 1) == (x[:, 0] == SEP)).all()
+    assert len(drawn) > len(starts) // 2  # uniform over documents, not stuck on a few
+
+
+def test_document_windows_resume_exactly_on_any_process_count():
+    from jaxgpt.data import DocumentSampler
+
+    toks = _documents()
+    run = DocumentSampler(toks, SEP, B, T, seed=3)
+    want = [run.next() for _ in range(6)]
+    first = DocumentSampler(toks, SEP, B, T, seed=3)
+    for _ in range(2):
+        first.next()
+    state = json.loads(json.dumps(first.state_dict()))
+    for count in (1, 2, 4):
+        parts = [DocumentSampler(toks, SEP, B, T, seed=0, process_index=i, process_count=count) for i in range(count)]
+        for p in parts:
+            p.load_state_dict(state)
+        for step in range(2, 6):
+            got = [p.next() for p in parts]
+            for k in range(3):
+                np.testing.assert_array_equal(np.concatenate([g[k] for g in got]), want[step][k])
+
+
+def test_document_sampler_refusals_and_options():
+    from jaxgpt.data import DocumentSampler
+
+    toks = _documents()
+    plain = DocumentSampler(toks, SEP, B, T, seed=1, segments=False)
+    assert len(plain.batch(0)) == 2
+    with pytest.raises(ValueError, match=r"1 document\(s\) start a whole window"):
+        DocumentSampler(np.full(100, 12, np.uint16), SEP, B, T, seed=1)
+    with pytest.raises(ValueError, match="align='document' but this sampler has align='random'"):
+        BatchSampler(toks, B, T, seed=1).load_state_dict(plain.state_dict())
+    with pytest.raises(ValueError, match="align='random' but this sampler has align='document'"):
+        plain.load_state_dict(BatchSampler(toks, B, T, seed=1).state_dict())
+    with pytest.raises(ValueError, match="separator=8"):
+        plain.load_state_dict({**plain.state_dict(), "separator": 8})
+    # every window covers its document's first T + 1 tokens: a long document's rest is never seen
+    long_doc = np.concatenate([[SEP], np.full(50, 20), [SEP], np.full(30, 21)]).astype(np.uint16)
+    assert DocumentSampler(long_doc, SEP, 2, T, seed=0).coverage() == pytest.approx(2 * (T + 1) / len(long_doc))

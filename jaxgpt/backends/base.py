@@ -159,8 +159,8 @@ def per_batch_shard(attend: AttentionFn, mesh, batch_axes: tuple) -> AttentionFn
     runs whole on every device (right, only slower)."""
     n = math.prod(mesh.shape[a] for a in batch_axes)
 
-    def sharded(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None):
-        args = (q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
+    def sharded(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None, *, segment_ids_BxT=None):
+        args = (q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B, segment_ids_BxT)
         given = tuple(i for i, a in enumerate(args) if a is not None)
         rows = P(batch_axes) if q_BxTxNxH.shape[0] % n == 0 else P()
 
@@ -168,7 +168,8 @@ def per_batch_shard(attend: AttentionFn, mesh, batch_axes: tuple) -> AttentionFn
             full = [None] * len(args)
             for i, a in zip(given, arrays):
                 full[i] = a
-            return attend(*full)
+            *positional, segments = full
+            return attend(*positional) if segments is None else attend(*positional, segment_ids_BxT=segments)
 
         # (check_vma=False: Pallas calls carry no varying-manual-axes rule; every output is per row)
         return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows,) * len(given), out_specs=rows,
@@ -178,13 +179,14 @@ def per_batch_shard(attend: AttentionFn, mesh, batch_axes: tuple) -> AttentionFn
 
 def self_attention_kernel(kernel: Callable) -> AttentionFn:
     """The registry's "dot_product" attention with causal self-attention computed by `kernel(q_BxTxNxH,
-    k_BxTxKxH, v_BxTxKxH)` (a flash kernel), and XLA's masked attention over a cache (one query row per
-    decode step gains nothing from a flash kernel)."""
-    def attend(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None):
+    k_BxTxKxH, v_BxTxKxH, segment_ids_BxT=None)` (a flash kernel; document-masked with segment ids), and
+    XLA's masked attention over a cache (one query row per decode step gains nothing from a flash kernel)."""
+    def attend(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None, *, segment_ids_BxT=None):
         if q_positions_BxT is not None or kv_lengths_B is not None:
-            return dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B)
+            return dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B,
+                                         segment_ids_BxT=segment_ids_BxT)
         check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH)
-        return kernel(q_BxTxNxH, k_BxKxSxH.swapaxes(1, 2), v_BxKxSxH.swapaxes(1, 2))
+        return kernel(q_BxTxNxH, k_BxKxSxH.swapaxes(1, 2), v_BxKxSxH.swapaxes(1, 2), segment_ids_BxT=segment_ids_BxT)
     return attend
 
 

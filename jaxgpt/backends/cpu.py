@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct, traverse_util
 
-from jaxgpt.attention import MASK_VALUE, causal_mask, check_shapes, grouped_queries
+from jaxgpt.attention import MASK_VALUE, causal_mask, check_segments, check_shapes, grouped_queries
 from jaxgpt.backends import native
 from jaxgpt.backends.base import Backend, int8_prepared
 from jaxgpt.cache import CacheLayout, update_blocks
@@ -252,9 +252,10 @@ def _attend(q, k, v, visible):
     return jnp.einsum("...ms,...sh->...mh", weights, v, preferred_element_type=jnp.float32)
 
 
-def blocked_causal_attention(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, block: int = 64) -> jax.Array:
+def blocked_causal_attention(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, block: int = 64, segment_ids_BxT=None) -> jax.Array:
     """Causal self-attention in XLA in query blocks: block i attends to keys [0, (i+1) * block) only,
-    about (n+1)/(2n) of the full work for n blocks (a Python loop: right for XLA:CPU only)."""
+    about (n+1)/(2n) of the full work for n blocks (a Python loop: right for XLA:CPU only); with
+    `segment_ids_BxT` each query sees only keys of its own document."""
     check_shapes(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH)
     b, t, n, h = q_BxTxNxH.shape
     kh = k_BxKxTxH.shape[1]
@@ -265,6 +266,9 @@ def blocked_causal_attention(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, block: int = 64) -
         hi = min(lo + block, t)
         q_pos = jnp.tile(jnp.arange(lo, hi, dtype=jnp.int32), g)  # row m is query lo + m % (hi - lo)
         visible = jnp.arange(hi, dtype=jnp.int32)[None, :] <= q_pos[:, None]
+        if segment_ids_BxT is not None:  # [B, 1, G*M, hi]: the query's document is the key's
+            q_seg = jnp.tile(segment_ids_BxT[:, lo:hi], (1, g))
+            visible = visible & (q_seg[:, None, :, None] == segment_ids_BxT[:, None, None, :hi])
         out = _attend(q_BxKxGxTxH[:, :, :, lo:hi].reshape(b, kh, g * (hi - lo), h), k_BxKxTxH[:, :, :hi],
                       v_BxKxTxH[:, :, :hi], visible)
         outs.append(out.reshape(b, kh, g, hi - lo, h))
@@ -286,10 +290,15 @@ def cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_length
 
 
 def dot_product_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None, *,
-                          native_attention: bool = True) -> jax.Array:
+                          native_attention: bool = True, segment_ids_BxT=None) -> jax.Array:
     """The registry's "dot_product" attention for XLA:CPU: self-attention through the native kernel where
-    it takes the shapes (else `blocked_causal_attention`), attention over a cache by `cached_attention`."""
+    it takes the shapes (else `blocked_causal_attention`), attention over a cache by `cached_attention`.
+    Document-masked self-attention (`segment_ids_BxT`) always takes `blocked_causal_attention`: the native
+    kernel has no document mask."""
     check_shapes(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT)
+    check_segments(q_positions_BxT, kv_lengths_B, segment_ids_BxT)
+    if segment_ids_BxT is not None:
+        return blocked_causal_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, segment_ids_BxT=segment_ids_BxT)
     if q_positions_BxT is not None or kv_lengths_B is not None:
         if q_positions_BxT is None:
             q_positions_BxT = jnp.arange(q_BxTxNxH.shape[1], dtype=jnp.int32)[None, :]

@@ -6,10 +6,14 @@ forward and backward. The Pallas kernel wants as many key/value heads as query h
 the repeat's gradient sums back over each group) and T a multiple of its blocks: T is padded at the end
 to a multiple of 16, exact under a causal mask (a real query never sees a later, padded key). cuDNN
 handles GQA and any T itself, in bf16/fp16 on Ampere or newer, and needs the cuDNN libraries to compile.
-`interpret=True` runs the Pallas program on any backend (the tests do, on CPU).
+The Pallas kernel takes segment ids (document masking) itself; cuDNN's path here does not (the model's
+attention="cudnn" runs document-masked windows in XLA). `interpret=True` runs the Pallas program on any
+backend (the tests do, on CPU).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +39,10 @@ def _check(q, k, v) -> None:
                          f"got q{q.shape} k{k.shape} v{v.shape}")
 
 
-def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """Causal self-attention out [B, T, N, H] with the Pallas GPU flash-attention kernel."""
+def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = False,
+                     segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    """Causal self-attention out [B, T, N, H] with the Pallas GPU flash-attention kernel; with
+    `segment_ids` int [B, T] a query sees only keys of its own segment (document), the kernel's own mask."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 
     _check(q, k, v)
@@ -48,10 +54,13 @@ def pallas_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: boo
     if tp != t:
         pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+        if segment_ids is not None:  # (padded positions: a segment of their own)
+            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, tp - t)), constant_values=-1)
     fwd, bwd = _largest_dividing(tp, _FWD_BLOCKS), _largest_dividing(tp, _BWD_BLOCKS)
     sizes = pallas_gpu.BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=bwd, block_kv_dkv=bwd,
                                   block_q_dq=bwd, block_kv_dq=bwd)
-    out = pallas_gpu.mha(q, k, v, None, 1.0 / h ** 0.5, True, sizes, interpret=interpret)
+    ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    out = pallas_gpu.mha(q, k, v, ids, 1.0 / h ** 0.5, True, sizes, interpret=interpret)
     return out[:, :t]
 
 

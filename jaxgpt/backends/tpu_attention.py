@@ -4,13 +4,15 @@
 both at 0..T-1), forward and backward, with grouped-query attention done by the kernel itself (N query
 heads over K key/value heads). Splash tiles the sequence in blocks whose kv side must be a multiple of
 128 lanes: T is padded at the end to such a multiple, which is exact under a causal mask (a real query
-never sees a key after it, so never a padded one) and whose padded rows are sliced off. `interpret=True`
-runs the kernel's Pallas program on any backend (the tests do, on CPU).
+never sees a key after it, so never a padded one) and whose padded rows are sliced off. Document masking
+(`segment_ids` [B, T]) is splash's own SegmentIds, and-ed with the causal mask; padded positions take id
+-1. `interpret=True` runs the kernel's Pallas program on any backend (the tests do, on CPU).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +47,10 @@ def _kernel(num_heads: int, t_padded: int, block: int, interpret: bool):
         return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """Causal self-attention out [B, T, N, H] of q [B, T, N, H] over k, v [B, T, K, H] (K divides N)."""
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = False,
+                     segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    """Causal self-attention out [B, T, N, H] of q [B, T, N, H] over k, v [B, T, K, H] (K divides N);
+    with `segment_ids` int [B, T] a query sees only keys of its own segment (document)."""
     b, t, n, h = q.shape
     if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != h or n % k.shape[2]:
         raise ValueError(f"splash attention takes q [B, T, N, H] and k = v [B, T, K, H] with K dividing N, "
@@ -60,5 +64,12 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: boo
         x = jnp.swapaxes(x, 1, 2)  # [B, heads, T, H]
         return jnp.pad(x, ((0, 0), (0, 0), (0, tp - t), (0, 0))) if tp != t else x
 
-    out = jax.vmap(kernel)(heads_first(q * scale), heads_first(k), heads_first(v))  # [B, N, Tp, H]
+    if segment_ids is None:
+        out = jax.vmap(kernel)(heads_first(q * scale), heads_first(k), heads_first(v))  # [B, N, Tp, H]
+    else:
+        from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+
+        ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, tp - t)), constant_values=-1)
+        out = jax.vmap(lambda q_, k_, v_, s_: kernel(q_, k_, v_, segment_ids=SegmentIds(q=s_, kv=s_)))(
+            heads_first(q * scale), heads_first(k), heads_first(v), ids)
     return jnp.swapaxes(out[:, :, :t], 1, 2).astype(q.dtype)

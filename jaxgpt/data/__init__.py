@@ -2,7 +2,7 @@
 
 from jaxgpt.data.bins import Dataset, load_prepared, prepare_dataset
 from jaxgpt.data.corpora import CORPORA, default_cache_dir, get_corpus
-from jaxgpt.data.sampler import BatchSampler, Prefetcher
+from jaxgpt.data.sampler import BatchSampler, DocumentSampler, Prefetcher, document_ids, document_starts
 from jaxgpt.data.tokenizer import (
     TOKENIZERS,
     BPETokenizer,
@@ -26,10 +26,13 @@ __all__ = [
     "ByteTokenizer",
     "CharTokenizer",
     "Dataset",
+    "DocumentSampler",
     "GPT2Tokenizer",
     "Prefetcher",
     "Tokenizer",
     "default_cache_dir",
+    "document_ids",
+    "document_starts",
     "get_corpus",
     "get_tokenizer",
     "load_prepared",

@@ -4,21 +4,32 @@ The global batch of step t is drawn from a generator seeded with (seed, t), so i
 how many processes read it: process i of n takes rows [i * B/n, (i + 1) * B/n) of it. The sampler's
 state is just (seed, step); restoring it gives exactly the batches that would have come next, on any
 number of processes.
+
+`DocumentSampler` draws windows that start at a document's first token (`data.align = "document"`).
+Documents are separated by an end-of-text token; a window starts AT that token (modded-nanogpt's rule:
+it is the document's beginning-of-sequence token, and belongs to the document that follows it), or at
+the first token of the array. With `segments` its batches also carry each token's document id within
+the window (`document_ids`), which the model's document masking reads.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterable
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
 
 class BatchSampler:
     """Random windows of block_size + 1 tokens -> (x, y) int32 [batch_size // process_count, block_size]."""
+
+    align = "random"  # where windows start (state_dict records it; DocumentSampler: "document")
 
     def __init__(
         self,
@@ -111,6 +122,7 @@ class BatchSampler:
             "batch_size": self.batch_size,
             "block_size": self.block_size,
             "n_tokens": self.n_tokens,
+            "align": self.align,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -121,6 +133,12 @@ class BatchSampler:
                     f"sampler state has {k}={state[k]} but this sampler has {k}={getattr(self, k)}; "
                     f"restore with the same data and batch settings as the saved run"
                 )
+        saved_align = state.get("align", "random")  # (states from before data.align: random windows)
+        if saved_align != self.align:
+            raise ValueError(
+                f"sampler state has align={saved_align!r} but this sampler has align={self.align!r}; "
+                f"restore with the saved run's data.align"
+            )
         seed, step = state.get("seed"), state.get("step")
         if (
             not isinstance(seed, (int, np.integer))
@@ -131,6 +149,116 @@ class BatchSampler:
             raise ValueError(f"not a sampler state (needs non-negative integer seed and step): {state!r}")
         self.seed = int(seed)
         self.step = int(step)
+
+
+_STARTS_CHUNK = 1 << 24  # tokens scanned for separators at a time (64 MB of uint32 at most in memory)
+
+
+def document_starts(tokens: np.ndarray, separator: int, cache: Optional[str | os.PathLike] = None) -> np.ndarray:
+    """int64 [n_documents]: where each document starts in a 1-D token array: every position holding the
+    `separator` (end-of-text) token, and position 0 when it holds another token. Read a chunk at a time
+    (a memmap is never read whole); with `cache` (a .npy path) the result is saved there and reused,
+    memory-mapped, while it matches the array's length and separator (an unwritable path is skipped)."""
+    n = int(tokens.shape[0])
+    if cache is not None:
+        found = _cached_starts(Path(cache), n, separator)
+        if found is not None:
+            return found
+    parts = [] if n and int(tokens[0]) == separator else [np.zeros(1, np.int64)]
+    for lo in range(0, n, _STARTS_CHUNK):
+        chunk = np.asarray(tokens[lo : lo + _STARTS_CHUNK])
+        parts.append(np.flatnonzero(chunk == separator).astype(np.int64) + lo)
+    starts = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    if cache is not None:
+        _save_starts(Path(cache), starts, n, separator)
+    return starts
+
+
+def _cached_starts(path: Path, n: int, separator: int) -> Optional[np.ndarray]:
+    """The starts saved at `path` for an array of n tokens and this separator, memory-mapped; else None."""
+    try:
+        head = np.load(path.with_suffix(".key.npy"))
+        if head.tolist() != [n, int(separator)]:
+            return None
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError):
+        return None
+
+
+def _save_starts(path: Path, starts: np.ndarray, n: int, separator: int) -> None:
+    """Write the starts and their key ([n_tokens, separator]) under temporary names, renamed into place."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for target, value in ((path, starts), (path.with_suffix(".key.npy"), np.array([n, int(separator)]))):
+            tmp = target.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{target.name}")
+            np.save(tmp, value)
+            os.replace(tmp, target)
+    except OSError:
+        pass  # a read-only dataset folder: computed again next time
+
+
+def document_ids(x_BxT: np.ndarray, separator: int) -> np.ndarray:
+    """int32 [B, T]: each token's document within its window: the count of separator tokens at or before
+    it (a separator opens the document after it; tokens before a window's first separator are document 0)."""
+    return np.cumsum(np.asarray(x_BxT) == separator, axis=1, dtype=np.int32)
+
+
+class DocumentSampler(BatchSampler):
+    """Windows of block_size + 1 tokens that each start at a document's start (`document_starts`), drawn
+    uniformly over the documents with room for a whole window, as a pure function of (seed, step): the
+    same resume and process-count properties as BatchSampler. A window holds its document's first
+    block_size + 1 tokens (a longer document's rest is never trained on, modded-nanogpt's rule too) and,
+    after a shorter one, the documents that follow. Batches are (x, y), or (x, y, document_ids(x))
+    with `segments`."""
+
+    align = "document"
+
+    def __init__(self, tokens: np.ndarray, separator: int, batch_size: int, block_size: int, seed: int,
+                 process_index: int = 0, process_count: int = 1, *, segments: bool = True,
+                 starts: Optional[np.ndarray] = None):
+        super().__init__(tokens, batch_size, block_size, seed, process_index, process_count)
+        if not isinstance(separator, (int, np.integer)) or separator < 0:
+            raise ValueError(f"separator must be a non-negative token id, got {separator!r}")
+        self.separator = int(separator)
+        self.segments = bool(segments)
+        all_starts = document_starts(tokens, self.separator) if starts is None else starts
+        # the documents whose window fits: starts are sorted, so those before the last possible start
+        self.doc_starts = all_starts[: np.searchsorted(all_starts, self.n_tokens - self.block_size, side="left")]
+        if len(self.doc_starts) < 2:  # (one start: every window the same)
+            raise ValueError(
+                f"{len(self.doc_starts)} document(s) start a whole window of block_size + 1 = {self.block_size + 1} "
+                f"tokens (the array has {self.n_tokens} tokens and {len(all_starts)} document starts, separator id "
+                f"{self.separator}); document alignment needs a corpus of several documents (a folder of files, a "
+                f"Hugging Face dataset)"
+            )
+
+    def coverage(self) -> float:
+        """The share of the array's tokens that some window holds (what training can ever see): the union
+        of the windows at every document start, over all tokens."""
+        ends = np.append(np.asarray(self.doc_starts[1:]), self.n_tokens).astype(np.int64)
+        seen = np.minimum(ends - self.doc_starts, self.block_size + 1).sum()
+        return float(seen) / self.n_tokens
+
+    def starts(self, step: int) -> np.ndarray:
+        """Window starts of global batch `step`: document starts, int64 [batch_size], a pure function of
+        (seed, step)."""
+        rng = np.random.default_rng([self.seed, int(step)])
+        return np.asarray(self.doc_starts[rng.integers(0, len(self.doc_starts), size=self.batch_size)], np.int64)
+
+    def batch(self, step: int) -> tuple[np.ndarray, ...]:
+        """This process's rows of global batch `step`: x, y int32 [local_batch_size, block_size], and with
+        `segments` x's document ids."""
+        x, y = super().batch(step)
+        return (x, y, document_ids(x, self.separator)) if self.segments else (x, y)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "separator": self.separator}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "separator" in state and int(state["separator"]) != self.separator:
+            raise ValueError(f"sampler state has separator={state['separator']} but this sampler has separator="
+                             f"{self.separator}; restore with the saved run's data and tokenizer")
+        super().load_state_dict(state)
 
 
 _END = object()

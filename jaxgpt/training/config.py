@@ -28,6 +28,7 @@ MODEL_KEYS = ("block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "dropout
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 PARALLEL_MODES = ("pmap", "mesh")
+ALIGNS = ("random", "document")  # data.align
 
 
 def default_config():
@@ -55,6 +56,12 @@ def default_config():
     c.data.vocab_size = placeholder(int)  # for `bpe`
     c.data.val_fraction = 0.1
     c.data.cache_dir = placeholder(str)   # None: $JAXGPT_CACHE or ~/.cache/jaxgpt
+    # where training windows start: "random" (any token, nanoGPT's) or "document" (at a document's first
+    # token, its end-of-text token; the tokenizer must have one); validation stays on fixed random windows
+    c.data.align = "random"
+    # with align="document": each token attends only to earlier tokens of its own document, whose positions
+    # start at 0 (every document computed as if alone); False: windows aligned, attention across documents
+    c.data.doc_mask = True
 
     c.train = config_dict.ConfigDict()
     c.train.batch_size = 12      # global, over all devices and processes
@@ -144,6 +151,12 @@ def _model_section():
 def parallel_mode(train_cfg) -> str:
     """How the step runs: 'mesh' whenever train.mesh names a mesh, else train.parallel."""
     return "mesh" if train_cfg.get("mesh") else train_cfg.parallel
+
+
+def doc_masked(config) -> bool:
+    """Whether training feeds the model document segment ids: data.align='document' with data.doc_mask."""
+    d = config.data
+    return d.get("align", "random") == "document" and bool(d.get("doc_mask", True))
 
 
 def model_config_from(config, vocab_size: int) -> GPTConfig:
@@ -290,6 +303,11 @@ def validate_config(config, device_count: Optional[int] = None) -> None:
          f"must be a finite number > 0 (FLOP/s of one device; None: measured or known), got {t.peak_flops!r}")
     need(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
     _check_data(d)
+    need(d.align in ALIGNS, "data.align", f"must be one of {ALIGNS}, got {d.align!r}")
+    need(isinstance(d.doc_mask, bool), "data.doc_mask", f"must be True or False, got {d.doc_mask!r}")
+    need(d.align != "document" or d.tokenizer not in ("char", "byte"), "data.align",
+         f"'document' needs a tokenizer with an end-of-text token to find documents by; data.tokenizer="
+         f"{d.tokenizer!r} has none (use 'bpe' or 'gpt2', or data.align='random')")
     need(d.tokenizer != "bpe" or (d.vocab_size or 0) > 256, "data.vocab_size",
          "the bpe tokenizer needs data.vocab_size > 256")
     cache_folder(config.compile_cache)

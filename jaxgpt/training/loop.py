@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import signal
 import sys
 import threading
@@ -18,13 +19,14 @@ from jaxgpt import checkpoint as ckpt_lib
 from jaxgpt import compile_cache, loading
 from jaxgpt.backends import resolve
 from jaxgpt.backends.cpu import cpu_dispatch
-from jaxgpt.data import BatchSampler, Prefetcher, prepare_dataset, tokenizer_difference, tokenizer_fingerprint
+from jaxgpt.data import (BatchSampler, DocumentSampler, Prefetcher, document_ids, document_starts, prepare_dataset,
+                         tokenizer_difference, tokenizer_fingerprint)
 from jaxgpt.data.shards import open_shards, shards_difference
 from jaxgpt.lora import LoraSpec
 from jaxgpt.model import convert_layers, flops_per_token, num_params
 from jaxgpt.report import warn
 from jaxgpt.training import run_dir
-from jaxgpt.training.config import model_config_from, parallel_mode, validate_config
+from jaxgpt.training.config import doc_masked, model_config_from, parallel_mode, validate_config
 from jaxgpt.training.metrics import MetricsLog, measured_matmul_flops, peak_flops
 from jaxgpt.training.parallel import make_runner
 from jaxgpt.training.step import init_train_state, make_optimizer, make_schedule
@@ -48,16 +50,42 @@ def _load_data(config, process_index: int, process_count: int):
     t = config.train
     if d.corpus == "shards":  # llm.c's shards: every header checked here, before anything compiles
         ds = open_shards(d.path, d.get("val_path"), d.tokenizer)
-        train = BatchSampler(ds.train, t.batch_size, config.model.block_size, config.seed, process_index,
-                             process_count)
-        return ds, train
-    # every process prepares (or finds) the bins itself: the cache is built under a temporary name and
-    # renamed into place, so processes sharing a filesystem do not clash
-    ds = prepare_dataset(corpus=d.corpus, path=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
-                         val_fraction=d.val_fraction, cache_dir=d.cache_dir,
-                         progress=config.train.progress and process_index == 0)
+    else:
+        # every process prepares (or finds) the bins itself: the cache is built under a temporary name and
+        # renamed into place, so processes sharing a filesystem do not clash
+        ds = prepare_dataset(corpus=d.corpus, path=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+                             val_fraction=d.val_fraction, cache_dir=d.cache_dir,
+                             progress=config.train.progress and process_index == 0)
+    if d.get("align", "random") == "document":
+        return ds, _document_sampler(config, ds, process_index, process_count)
     train = BatchSampler(ds.train, t.batch_size, config.model.block_size, config.seed, process_index, process_count)
     return ds, train
+
+
+def separator_id(config, tokenizer) -> int:
+    """The token that separates documents (the tokenizer's end-of-text token), for data.align='document';
+    a ValueError in one line when the tokenizer has none."""
+    if tokenizer.eos_id is None:
+        raise ValueError(f"config.data.align: 'document' needs a tokenizer with an end-of-text token to find "
+                         f"documents by; data.tokenizer={config.data.tokenizer!r} has none (use 'bpe' or 'gpt2', "
+                         f"or data.align='random')")
+    return int(tokenizer.eos_id)
+
+
+def _document_sampler(config, ds, process_index: int, process_count: int) -> DocumentSampler:
+    """Windows at document starts over the training split (the starts cached beside its bin when the
+    dataset has a folder)."""
+    sep = getattr(ds, "separator_id", None)  # llm.c shards: the token before each document (Llama-3's is BOS)
+    if sep is None:
+        sep = separator_id(config, ds.tokenizer)
+    folder = getattr(ds, "path", None)
+    cache = f"{folder}/document_starts_train.npy" if folder is not None and os.path.isdir(folder) else None
+    starts = document_starts(ds.train, sep, cache=cache)
+    try:
+        return DocumentSampler(ds.train, sep, config.train.batch_size, config.model.block_size, config.seed,
+                               process_index, process_count, segments=doc_masked(config), starts=starts)
+    except ValueError as e:
+        raise ValueError(f"config.data.align='document': the training split: {e}") from None
 
 
 class _Preemption:
@@ -285,6 +313,9 @@ class _Run:
                                  self.process_count) for split, seed in ((self.ds.train, 2), (self.ds.val, 1))]
         self.eval_x, self.eval_y = (np.stack(a) for a in zip(*[s.batch(i) for s in samplers
                                                                for i in range(cfg_t.eval_steps)]))
+        # document-masked training evaluates masked too: the fixed windows' document ids, from their tokens
+        self.eval_s = document_ids(self.eval_x.reshape(-1, gcfg.block_size), self.sampler.separator).reshape(
+            self.eval_x.shape) if doc_masked(config) else None
         self.bytes_per_token = self.ds.bytes_per_token("val")
         self.tokens_per_step = cfg_t.batch_size * gcfg.block_size
         self.flops_per_token = flops_per_token(gcfg, gcfg.block_size)
@@ -302,11 +333,17 @@ class _Run:
                      else f"MFU unknown: {peak_source}")
                   + f", {self.flops_per_token / 1e6:.2f} MFLOP/token (6N + 12*L*T*D, attention not halved)"
                   + (f"; CPU dispatch {cpu_dispatch()}" if jax.default_backend() == "cpu" else ""))
+        if isinstance(self.sampler, DocumentSampler):
+            s = self.sampler
+            self.note(f"jaxgpt: data.align=document: windows start at {len(s.doc_starts):,} documents (separator "
+                      f"id {s.separator}), which hold {100 * s.coverage():.1f}% of the training tokens; attention "
+                      + ("within each document (data.doc_mask)" if s.segments else "across documents (doc_mask off)"))
         if self.resume:
             self.note(f"jaxgpt: resumed from step {self.start_step} in {self.checkpointer.directory}")
 
     def evaluate(self, step: int) -> dict:
-        losses = np.asarray(self.runner.to_host(self.runner.eval(self.state, self.eval_x, self.eval_y)), np.float64)
+        losses = self.runner.eval(self.state, self.eval_x, self.eval_y, self.eval_s)
+        losses = np.asarray(self.runner.to_host(losses), np.float64)
         n = self.cfg_t.eval_steps
         out = {"step": step, "train_loss": float(losses[:n].mean()), "val_loss": float(losses[n:].mean())}
         out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
@@ -371,8 +408,8 @@ class _Run:
             if count == 1:
                 self.state, metrics = self.runner.step(self.state, *self._next_batch())
             else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
-                xs, ys = zip(*(self._next_batch() for _ in range(count)))
-                self.state, metrics = self.runner.steps(self.state, np.stack(xs), np.stack(ys))
+                batches = zip(*(self._next_batch() for _ in range(count)))  # x, y (and segment ids)
+                self.state, metrics = self.runner.steps(self.state, *(np.stack(a) for a in batches))
             finished = time.time() if _is_ready(metrics) else None
             first, self.step = self.step + 1, self.step + count
             if pending is not None:

@@ -115,10 +115,12 @@ def _per_device(fn: Callable, arrays: list[list]) -> list[list]:
     return out
 
 
-def _jit_step(fn: Callable, state_shardings, batch_sharding: NamedSharding, replicated: NamedSharding):
-    """`fn(state, x, y) -> (state, metrics)` jitted as both runners' jitted_step lay it out: the state in
-    and out in `state_shardings` (donated), x and y in `batch_sharding`, the metrics `replicated`."""
-    return jax.jit(fn, in_shardings=(state_shardings, batch_sharding, batch_sharding),
+def _jit_step(fn: Callable, state_shardings, batch_sharding: NamedSharding, replicated: NamedSharding,
+              segments: bool = False):
+    """`fn(state, x, y[, segment_ids]) -> (state, metrics)` jitted as both runners' jitted_step lay it out:
+    the state in and out in `state_shardings` (donated), x, y (and the segment ids) in `batch_sharding`,
+    the metrics `replicated`."""
+    return jax.jit(fn, in_shardings=(state_shardings,) + (batch_sharding,) * (3 if segments else 2),
                    out_shardings=(state_shardings, replicated), donate_argnums=(0,))
 
 
@@ -164,8 +166,8 @@ class PmapRunner:
         self._impls = None  # the key implementation of each state leaf (None: not a key), from put_state
 
         def raw(fn):
-            def run(raw_state, x, y):
-                state, metrics = fn(_join_keys(raw_state, self._impls), x, y)
+            def run(raw_state, *batch):  # x, y (and segment ids)
+                state, metrics = fn(_join_keys(raw_state, self._impls), *batch)
                 return _split_keys(state), metrics
             return run
 
@@ -227,34 +229,40 @@ class PmapRunner:
         """This process's rows [b, T] -> [local devices, b / local devices, T]."""
         return x.reshape(self.n, x.shape[0] // self.n, *x.shape[1:])
 
-    def step(self, state, x, y):
-        return self._step(state, self.put_batch(x), self.put_batch(y))
+    def step(self, state, x, y, segment_ids=None):
+        """One step on this process's rows x, y [b, T] (and their document segment ids, data.doc_mask)."""
+        return self._step(state, *(self.put_batch(a) for a in _batch(x, y, segment_ids)))
 
-    def jitted_step(self, state, many: bool = False):
+    def jitted_step(self, state, many: bool = False, segments: bool = False):
         """The per-device step that `step` (with `many`: `steps`) pmaps, as one jitted program over `mesh`:
         under jax.shard_map, state in the saved layout (replicated, as get_state returns it; arrays or
         ShapeDtypeStructs), x, y [b, T] global arrays in `batch_sharding` (with `many` [K, b, T] in
         `stack_sharding`), each device its rows; the pmean inside averages as under pmap. pmap has no
-        compile-only path: this is what jaxgpt.aot lowers for a pmap config."""
+        compile-only path: this is what jaxgpt.aot lowers for a pmap config. `segments`: the step also takes
+        the rows' document segment ids, laid out as x."""
         rows = P(None, AXIS) if many else P(AXIS)
         # check_vma=False: pmap's semantics, the step's own pmean makes the outputs the same on every device
         mapped = jax.shard_map(self._train_steps if many else self._train_step, mesh=self.mesh,
-                               in_specs=(P(), rows, rows), out_specs=(P(), P()), check_vma=False)
+                               in_specs=(P(),) + (rows,) * (3 if segments else 2), out_specs=(P(), P()),
+                               check_vma=False)
         return _jit_step(mapped, self.state_shardings(state), self.stack_sharding if many else self.batch_sharding,
-                         self.replicated)
+                         self.replicated, segments)
 
     def _put_stack(self, a: np.ndarray):
         """[K, b, T] -> [local devices, K, b / local devices, T]."""
         k, b = a.shape[:2]
         return a.reshape(k, self.n, b // self.n, *a.shape[2:]).swapaxes(0, 1)
 
-    def steps(self, state, xs, ys):
-        """K steps in one call: xs, ys [K, b, T] (this process's rows of K batches); metrics [K]."""
-        return self._steps(state, self._put_stack(xs), self._put_stack(ys))
+    def steps(self, state, xs, ys, ss=None):
+        """K steps in one call: xs, ys (and segment ids ss) [K, b, T] (this process's rows of K batches);
+        metrics [K]."""
+        return self._steps(state, *(self._put_stack(a) for a in _batch(xs, ys, ss)))
 
-    def eval(self, state, xs, ys):
-        """The mean loss of each of E batches xs, ys [E, b, T] (this process's rows), in one call: [E]."""
-        return self._eval(state.params, self._put_stack(xs), self._put_stack(ys), state.frozen)
+    def eval(self, state, xs, ys, ss=None):
+        """The mean loss of each of E batches xs, ys (and segment ids ss) [E, b, T] (this process's rows), in
+        one call: [E]."""
+        segments = () if ss is None else (self._put_stack(ss),)
+        return self._eval(state.params, self._put_stack(xs), self._put_stack(ys), state.frozen, *segments)
 
     def to_host(self, tree):
         """Metrics (identical on every device after pmean) as host values, read from a local device."""
@@ -294,7 +302,8 @@ class MeshRunner:
                                            backend=backend, batch_sharding=self.batch_sharding, loss_chunk=loss_chunk)
         self._once = backend.compile_once_options()  # for init_state
         self._eval_step = make_eval_step(config, backend=backend, loss_chunk=loss_chunk)
-        self._step = self._steps = self._eval = None  # jitted on first use, when the state's structure is known
+        self._jitted = {}  # (many, segments) -> the jitted step, on first use, when the state's structure is known
+        self._eval = {}  # segments -> the jitted evaluation
 
     def state_shardings(self, state):
         """Per leaf, by the rules table: each parameter (and each optimizer leaf that mirrors one) by its
@@ -325,42 +334,57 @@ class MeshRunner:
         global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
         return jax.make_array_from_process_local_data(self.batch_sharding, x, global_shape)
 
-    def jitted_step(self, state, many: bool = False):
+    def jitted_step(self, state, many: bool = False, segments: bool = False):
         """The jitted step for states shaped like `state` (arrays or ShapeDtypeStructs): x, y [b, T], or
-        with `many` the K-step program over xs, ys [K, b, T]. What `step`/`steps` call, and what
-        jaxgpt.aot lowers for a target's devices."""
+        with `many` the K-step program over xs, ys [K, b, T]; with `segments` the rows' document segment
+        ids after them, laid out as x. What `step`/`steps` call, and what jaxgpt.aot lowers for a target's
+        devices."""
         fn = repeat_steps(self._train_step) if many else self._train_step
         return _jit_step(fn, self.state_shardings(state), self.stack_sharding if many else self.batch_sharding,
-                         self.replicated)
+                         self.replicated, segments)
 
-    def step(self, state, x, y):
-        if self._step is None:
-            self._step = self.jitted_step(state)
-        return self._step(state, self.put_batch(x), self.put_batch(y))
+    def _program(self, state, many: bool, segments: bool):
+        key = (many, segments)
+        if key not in self._jitted:
+            self._jitted[key] = self.jitted_step(state, many=many, segments=segments)
+        return self._jitted[key]
 
-    def steps(self, state, xs, ys):
-        """K steps in one call: xs, ys [K, b, T] (this process's rows of K batches); metrics [K]."""
-        if self._steps is None:
-            self._steps = self.jitted_step(state, many=True)
-        return self._steps(state, self._put_stack(xs), self._put_stack(ys))
+    def step(self, state, x, y, segment_ids=None):
+        """One step on this process's rows x, y [b, T] (and their document segment ids, data.doc_mask)."""
+        batch = _batch(x, y, segment_ids)
+        return self._program(state, False, len(batch) == 3)(state, *(self.put_batch(a) for a in batch))
+
+    def steps(self, state, xs, ys, ss=None):
+        """K steps in one call: xs, ys (and segment ids ss) [K, b, T] (this process's rows of K batches);
+        metrics [K]."""
+        batch = _batch(xs, ys, ss)
+        return self._program(state, True, len(batch) == 3)(state, *(self._put_stack(a) for a in batch))
 
     def _put_stack(self, a: np.ndarray):
         """This process's rows of K batches [K, b, T] -> one global array, rows sharded over the batch axes."""
         shape = (a.shape[0], a.shape[1] * jax.process_count()) + a.shape[2:]
         return jax.make_array_from_process_local_data(self.stack_sharding, a, shape)
 
-    def eval(self, state, xs, ys):
-        """The mean loss of each of E batches xs, ys [E, b, T] (this process's rows), in one call: [E]."""
-        if self._eval is None:
-            self._eval = jax.jit(map_batches(self._eval_step),
-                                 in_shardings=(self.state_shardings(state.params), self.stack_sharding,
-                                               self.stack_sharding, self.state_shardings(state.frozen)),
-                                 out_shardings=self.replicated)
-        return self._eval(state.params, self._put_stack(xs), self._put_stack(ys), state.frozen)
+    def eval(self, state, xs, ys, ss=None):
+        """The mean loss of each of E batches xs, ys (and segment ids ss) [E, b, T] (this process's rows), in
+        one call: [E]."""
+        segments = () if ss is None else (self._put_stack(ss),)
+        if bool(segments) not in self._eval:
+            shardings = (self.state_shardings(state.params), self.stack_sharding, self.stack_sharding,
+                         self.state_shardings(state.frozen)) + (self.stack_sharding,) * len(segments)
+            self._eval[bool(segments)] = jax.jit(map_batches(self._eval_step), in_shardings=shardings,
+                                                 out_shardings=self.replicated)
+        return self._eval[bool(segments)](state.params, self._put_stack(xs), self._put_stack(ys), state.frozen,
+                                          *segments)
 
     def to_host(self, tree):
         """Replicated outputs (metrics) as host values, read from a local device."""
         return tree_map(_local_value, tree)
+
+
+def _batch(x, y, segment_ids=None) -> tuple:
+    """A batch's arrays as the steps take them: (x, y), or (x, y, segment_ids) with document masking."""
+    return (x, y) if segment_ids is None else (x, y, segment_ids)
 
 
 def _check_rows_per_process(batch_sharding: NamedSharding, shards: int) -> None:

@@ -244,7 +244,9 @@ def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, 
                     axis_name: Optional[str] = None, schedule: Optional[optax.Schedule] = None,
                     backend: Optional[Backend] = None, batch_sharding: Optional[NamedSharding] = None,
                     loss_chunk: int = 0):
-    """Build `train_step(state, x, y) -> (state, metrics)` for x, y int [b, T].
+    """Build `train_step(state, x, y, segment_ids=None) -> (state, metrics)` for x, y int [b, T]; with
+    `segment_ids` int [b, T] (data.doc_mask) every document of a row computed as if alone (GPT's
+    `segment_ids`). Without them the program is the same as before document masking existed.
 
     The b rows are split into `grad_accum` micro-batches whose gradients are averaged, which equals one
     step on all b rows. With `axis_name` (under pmap) gradients and metrics are averaged over that axis.
@@ -257,13 +259,14 @@ def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, 
     rows = _constrain_rows(batch_sharding)
     loss_chunk = check_loss_chunk(loss_chunk)
 
-    def loss_fn(params, frozen, x, y, rng):
+    def loss_fn(params, frozen, x, y, rng, segments):
+        segment_kw = {} if segments is None else {"segment_ids": segments}
         return model_loss(model, model_variables(params, frozen), x, y, loss_chunk, deterministic=deterministic,
-                          rngs={"dropout": rng})
+                          rngs={"dropout": rng}, **segment_kw)
 
     grad_fn = jax.value_and_grad(loss_fn)
 
-    def train_step(state: TrainState, x: jax.Array, y: jax.Array):
+    def train_step(state: TrainState, x: jax.Array, y: jax.Array, segment_ids: Optional[jax.Array] = None):
         b, t = x.shape
         if b % grad_accum:
             raise ValueError(f"batch of {b} rows is not divisible by grad_accum={grad_accum}")
@@ -271,22 +274,23 @@ def make_train_step(config: GPTConfig, optimizer: optax.GradientTransformation, 
         if axis_name is not None:  # a different dropout mask on every device
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
         # micro-batch i takes rows i, i + grad_accum, ...: an even split however rows are sharded
-        xs = x.reshape(b // grad_accum, grad_accum, t).swapaxes(0, 1)
-        ys = y.reshape(b // grad_accum, grad_accum, t).swapaxes(0, 1)
+        batch = (x, y) if segment_ids is None else (x, y, segment_ids)
+        micro_batches = tuple(a.reshape(b // grad_accum, grad_accum, t).swapaxes(0, 1) for a in batch)
 
         def micro(carry, inputs):
             loss_sum, grad_sum = carry
-            i, xi, yi = inputs
-            xi, yi = rows(xi), rows(yi)
-            loss, grads = grad_fn(state.params, state.frozen, xi, yi, jax.random.fold_in(rng, i))
+            i, xi, yi, *si = inputs
+            si = rows(si[0]) if si else None
+            loss, grads = grad_fn(state.params, state.frozen, rows(xi), rows(yi), jax.random.fold_in(rng, i), si)
             return (loss_sum + loss, jax.tree_util.tree_map(jnp.add, grad_sum, grads)), None
 
         if grad_accum == 1:
-            loss, grads = grad_fn(state.params, state.frozen, rows(x), rows(y), rng)
+            segments = None if segment_ids is None else rows(segment_ids)
+            loss, grads = grad_fn(state.params, state.frozen, rows(x), rows(y), rng, segments)
         else:
             zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
             (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros),
-                                            (jnp.arange(grad_accum), xs, ys))
+                                            (jnp.arange(grad_accum), *micro_batches))
             loss = loss / grad_accum
             grads = jax.tree_util.tree_map(lambda g: g / grad_accum, grads)
         # over one device the mean is the value itself: skip the all-reduce
@@ -311,33 +315,37 @@ def _constrain_rows(sharding: Optional[NamedSharding]):
 
 
 def repeat_steps(train_step):
-    """`steps(state, xs, ys) -> (state, metrics)`: train_step over K stacked batches xs, ys [K, b, T] in
-    one lax.scan, the same updates as K separate calls; metrics come back stacked [K]. One program call
-    per K steps saves the host its per-call work (bench/README.md)."""
-    def steps(state, xs, ys):
-        return jax.lax.scan(lambda s, batch: train_step(s, *batch), state, (xs, ys))
+    """`steps(state, xs, ys, ss=None) -> (state, metrics)`: train_step over K stacked batches xs, ys (and
+    segment ids ss) [K, b, T] in one lax.scan, the same updates as K separate calls; metrics come back
+    stacked [K]. One program call per K steps saves the host its per-call work (bench/README.md)."""
+    def steps(state, xs, ys, ss=None):
+        stacked = (xs, ys) if ss is None else (xs, ys, ss)
+        return jax.lax.scan(lambda s, batch: train_step(s, *batch), state, stacked)
 
     return steps
 
 
 def map_batches(eval_step):
-    """`evals(params, xs, ys, frozen=None) -> losses [E]`: eval_step over E stacked batches xs, ys [E, b, T]
-    one after another (lax.map) in one program: one call per evaluation, not one per batch."""
-    def evals(params, xs, ys, frozen=None):
-        return jax.lax.map(lambda batch: eval_step(params, *batch, frozen), (xs, ys))
+    """`evals(params, xs, ys, frozen=None, ss=None) -> losses [E]`: eval_step over E stacked batches xs, ys
+    (and segment ids ss) [E, b, T] one after another (lax.map) in one program: one call per evaluation."""
+    def evals(params, xs, ys, frozen=None, ss=None):
+        if ss is None:
+            return jax.lax.map(lambda batch: eval_step(params, *batch, frozen), (xs, ys))
+        return jax.lax.map(lambda batch: eval_step(params, *batch[:2], frozen, batch[2]), (xs, ys, ss))
 
     return evals
 
 
 def make_eval_step(config: GPTConfig, axis_name: Optional[str] = None, backend: Optional[Backend] = None,
                    loss_chunk: int = 0):
-    """Build `eval_step(params, x, y, frozen=None) -> mean loss` (deterministic, float32), over chunks of
-    `loss_chunk` positions when > 0 (as the train step)."""
+    """Build `eval_step(params, x, y, frozen=None, segment_ids=None) -> mean loss` (deterministic, float32),
+    over chunks of `loss_chunk` positions when > 0 (as the train step); document-masked with segment ids."""
     model = GPT(config, backend or resolve(config))
     loss_chunk = check_loss_chunk(loss_chunk)
 
-    def eval_step(params, x, y, frozen=None):
-        loss = model_loss(model, model_variables(params, frozen), x, y, loss_chunk)
+    def eval_step(params, x, y, frozen=None, segment_ids=None):
+        segment_kw = {} if segment_ids is None else {"segment_ids": segment_ids}
+        loss = model_loss(model, model_variables(params, frozen), x, y, loss_chunk, **segment_kw)
         return jax.lax.pmean(loss, axis_name) if axis_name is not None else loss
 
     return eval_step
