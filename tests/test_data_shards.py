@@ -398,3 +398,22 @@ def test_the_log_says_how_long_the_step_waited_for_data_and_the_loaders_speed(tm
     starved = [r for r in rows[3:] if r["data_wait_s"] > 0.05]  # once the batches made ahead are used up
     assert starved and all(r["loader_tokens_per_s"] > 0 for r in starved)
     assert "waited for data" in capsys.readouterr().out  # (a loader 0.2 s a batch starves a ms step)
+
+
+def test_document_aligned_windows_over_shards_start_at_the_shards_separator_and_train(tmp_path):
+    from jaxgpt.data.shard_writer import prepare_shards
+    from jaxgpt.training import train
+    from jaxgpt.training.loop import _load_data
+
+    out = tmp_path / "shards"
+    prepare_shards(out, corpus="jsonl", path=_jsonl(tmp_path / "docs", _docs(n=300)), tokenizer="bpe",
+                   vocab_size=300, shard_tokens=900, val_tokens=500, workers=1, progress=False, text_field="body")
+    sep = json.loads((out / "shards.json").read_text())["separator_id"]
+    c = _config(tmp_path / "run", out, max_steps=2, eval_interval=2, checkpoint_interval=2)
+    c.data.tokenizer, c.data.align = "auto", "document"
+    ds, sampler = _load_data(c, 0, 1)
+    assert ds.separator_id == sep and sampler.align == "document"
+    for step in range(5):
+        x, y, ids = sampler.batch(step)
+        assert (x[:, 0] == sep).all() and (ids[:, 0] == ids.min(axis=1)).all()  # every window starts a document
+    assert train(c)["steps"] == 2
