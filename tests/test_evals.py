@@ -244,3 +244,66 @@ def test_lm_eval_style_scores_equal_lm_eval_through_the_server(tmp_path):
         assert results[name]["acc_norm,none"] == pytest.approx(scores["acc_norm"], abs=1e-9)
     assert mine["jaxgpt_hs"][0]["acc"] != mine["jaxgpt_hs"][0]["acc_norm"] or \
         mine["jaxgpt_gen"][0]["acc"] != mine["jaxgpt_gen"][0]["acc_norm"]  # the two normalisations differ somewhere
+
+
+def _corpus_tasks(tmp_path, text, n=4):
+    """A generic and a HellaSwag-form task cut from the corpus's own text (so the char tokenizer has it)."""
+    rng = np.random.default_rng(4)
+    words = text.split()
+    pick = lambda k: " ".join(rng.choice(words, k))  # noqa: E731
+    gen = [{"context": pick(3), "choices": [" " + pick(1) for _ in range(3)], "label": i % 3} for i in range(n)]
+    hs = [{"ctx": pick(4), "endings": [pick(2) for _ in range(4)], "label": i % 4} for i in range(n)]
+    _write_jsonl(tmp_path / "gen.jsonl", gen)
+    _write_jsonl(tmp_path / "hs.jsonl", hs)
+    return [str(tmp_path / "gen.jsonl"), str(tmp_path / "hs.jsonl")]
+
+
+def test_tasks_in_the_training_loop_reach_metrics_the_log_and_the_checkpoint(tmp_path, capsys):
+    from jaxgpt import loading
+    from jaxgpt.checkpoint import Checkpointer
+    from jaxgpt.training import train
+    from tests.helpers import tiny_config
+
+    c = tiny_config(tmp_path, max_steps=30, eval_interval=10, checkpoint_interval=30)
+    paths = _corpus_tasks(tmp_path, open(c.data.path).read(), n=5)
+    c.train.eval_tasks = ",".join(paths)
+    c.train.eval_tasks_interval = 20
+    c.train.eval_tasks_limit = 4
+    train(c)
+    rows = [json.loads(line) for line in open(os.path.join(c.out_dir, "metrics.jsonl"))]
+    evals_ = {r["step"]: r for r in rows if "val_loss" in r}
+    assert sorted(evals_) == [10, 20, 30]
+    assert "gen/acc" not in evals_[10]  # 10 is no multiple of eval_tasks_interval
+    assert {"gen/acc", "gen/acc_norm", "hs/acc", "hs/acc_norm", "tasks_s"} <= set(evals_[20]) <= set(evals_[30])
+    assert not any("gen/acc" in r for r in rows if "val_loss" not in r)
+    # the last scores are the checkpoint's own: scored again from it, in process, by the standalone path
+    loaded = loading.load_run(c.out_dir)
+    scorer = evals.Scorer({"params": loaded.params}, loaded.config)
+    want = {}
+    for p in paths:
+        items = evals.read_task(p, limit=4)
+        want[evals.task_name(p)] = evals.accuracy(items, evals.item_losses(scorer, loaded.tokenizer, items))
+    for name, s in want.items():
+        assert (evals_[30][f"{name}/acc"], evals_[30][f"{name}/acc_norm"]) == (s["acc"], s["acc_norm"])
+        assert loaded.meta["tasks"][name] == {**s, "step": 30}
+    out = capsys.readouterr().out
+    assert "jaxgpt: eval tasks gen (4 items), hs (4 items), every 20 steps" in out
+    assert f"| hs acc {want['hs']['acc']:.4f} acc_norm {want['hs']['acc_norm']:.4f}" in out
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("eval_tasks", "nowhere.jsonl", "train.eval_tasks: task file nowhere.jsonl does not exist"),
+    ("eval_tasks_interval", 15, "train.eval_tasks_interval: must be a multiple of train.eval_interval"),
+    ("eval_tasks_limit", 0, "train.eval_tasks_limit: must be an integer >= 1"),
+    ("eval_tasks_style", "helm", "train.eval_tasks_style: must be one of"),
+])
+def test_bad_eval_task_settings_are_refused_naming_the_key(tmp_path, key, value, match):
+    from jaxgpt.training.config import validate_config
+    from tests.helpers import tiny_config
+
+    c = tiny_config(tmp_path)
+    if key != "eval_tasks":
+        c.train.eval_tasks = _corpus_tasks(tmp_path, "a b c d e")
+    c.train[key] = value
+    with pytest.raises(ValueError, match=match):
+        validate_config(c)

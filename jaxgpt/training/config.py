@@ -80,6 +80,7 @@ def default_config():
     c.train.grad_clip = 1.0      # 0 disables clipping
     c.train.eval_interval = 250
     c.train.eval_steps = 20
+    _instrument_keys(c.train)  # downstream tasks, trackers, profiling
     c.train.target_val_loss = placeholder(float)  # stop (and save) once an eval's val loss is at or below it
     c.train.log_interval = 10
     c.train.parallel = "pmap"    # pmap | mesh
@@ -105,6 +106,17 @@ def default_config():
 
     c.distributed = distributed.default_section()  # several processes through jax.distributed
     return c
+
+
+def _instrument_keys(t) -> None:
+    """config.train's instruments: multiple-choice tasks scored in the loop (jaxgpt/evals.py)."""
+    placeholder = config_dict.placeholder
+    # task files, "a.jsonl,b.jsonl" or a list: the scores go to the log line, metrics.jsonl ("<file stem>/acc",
+    # "<file stem>/acc_norm"), the trackers and the checkpoint's meta
+    t.eval_tasks = placeholder(object)
+    t.eval_tasks_interval = placeholder(int)  # a multiple of eval_interval; None: every eval
+    t.eval_tasks_limit = placeholder(int)     # the first N items of each task; None: all
+    t.eval_tasks_style = "llmc"               # "llmc" (llm.c's scoring) or "lm_eval" (lm-eval's)
 
 
 def _model_section():
@@ -288,6 +300,8 @@ def validate_config(config, device_count: Optional[int] = None) -> None:
          "train.target_val_loss", f"must be a finite loss > 0 (None: train to max_steps), got {t.target_val_loss!r}")
     need(t.peak_flops is None or (is_real(t.peak_flops) and t.peak_flops > 0), "train.peak_flops",
          f"must be a finite number > 0 (FLOP/s of one device; None: measured or known), got {t.peak_flops!r}")
+    from jaxgpt.training import task_eval
+    task_eval.check_config(t)
     need(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
     _check_data(d)
     need(d.tokenizer != "bpe" or (d.vocab_size or 0) > 256, "data.vocab_size",

@@ -23,7 +23,7 @@ from jaxgpt.data.shards import open_shards, shards_difference
 from jaxgpt.lora import LoraSpec
 from jaxgpt.model import convert_layers, flops_per_token, num_params
 from jaxgpt.report import warn
-from jaxgpt.training import run_dir
+from jaxgpt.training import run_dir, task_eval
 from jaxgpt.training.config import model_config_from, parallel_mode, validate_config
 from jaxgpt.training.metrics import MetricsLog, measured_matmul_flops, peak_flops
 from jaxgpt.training.parallel import make_runner
@@ -304,6 +304,9 @@ class _Run:
                   + (f"; CPU dispatch {cpu_dispatch()}" if jax.default_backend() == "cpu" else ""))
         if self.resume:
             self.note(f"jaxgpt: resumed from step {self.start_step} in {self.checkpointer.directory}")
+        self.tasks = task_eval.from_config(cfg_t, self.tokenizer, gcfg, self.backend, self.runner)
+        if self.tasks is not None:
+            self.note(f"jaxgpt: eval tasks {self.tasks.describe()}, every {self.tasks.interval} steps")
 
     def evaluate(self, step: int) -> dict:
         losses = np.asarray(self.runner.to_host(self.runner.eval(self.state, self.eval_x, self.eval_y)), np.float64)
@@ -321,6 +324,8 @@ class _Run:
                 "best_val_loss": self.best_val, "dataset": {k: v for k, v in self.ds.meta.items() if k != "tokenizer"},
                 # the user's modules that register its parts: imported again where the run is loaded
                 "imports": recorded_imports(self.config.get("imports"), self.gcfg)}
+        if self.tasks is not None and self.tasks.last:
+            meta["tasks"] = self.tasks.last
         if self.lora_spec is not None:  # the checkpoint holds the adapters; this says which base they adapt
             meta["lora"] = {**self.lora_spec.to_dict(), "base": self.base_ref}
         return meta
@@ -412,10 +417,12 @@ class _Run:
         ev = self.evaluate(self.step)
         self.best_val = min(self.best_val, ev["val_loss"])
         ev["best_val_loss"] = self.best_val
+        if self.tasks is not None and self.tasks.due(self.step):
+            ev.update(self.tasks.run(self.runner.get_state(self.state), self.step))
         self.log.write(ev)
         self.note(f"eval {self.step:6d} | train {ev['train_loss']:.4f} | val {ev['val_loss']:.4f} | val ppl "
                   f"{ev['val_ppl']:.2f} | " + ("" if ev["val_bpb"] is None else f"val bits/byte {ev['val_bpb']:.3f} | ")
-                  + f"best val {self.best_val:.4f}")
+                  + f"best val {self.best_val:.4f}" + task_eval.LoopTasks.line(ev))
         self.summary.update(ev)
         return ev["val_loss"]
 
