@@ -109,7 +109,7 @@ def default_config():
 
 
 def _instrument_keys(t) -> None:
-    """config.train's instruments: multiple-choice tasks scored in the loop (jaxgpt/evals.py)."""
+    """config.train's instruments: multiple-choice tasks scored in the loop (jaxgpt/evals.py), profiling."""
     placeholder = config_dict.placeholder
     # task files, "a.jsonl,b.jsonl" or a list: the scores go to the log line, metrics.jsonl ("<file stem>/acc",
     # "<file stem>/acc_norm"), the trackers and the checkpoint's meta
@@ -117,6 +117,8 @@ def _instrument_keys(t) -> None:
     t.eval_tasks_interval = placeholder(int)  # a multiple of eval_interval; None: every eval
     t.eval_tasks_limit = placeholder(int)     # the first N items of each task; None: all
     t.eval_tasks_style = "llmc"               # "llmc" (llm.c's scoring) or "lm_eval" (lm-eval's)
+    # "START:STOP": a jax.profiler trace of steps START..STOP-1 in out_dir/profile (jaxgpt/training/profiling.py)
+    t.profile = ""
 
 
 def _model_section():
@@ -300,8 +302,11 @@ def validate_config(config, device_count: Optional[int] = None) -> None:
          "train.target_val_loss", f"must be a finite loss > 0 (None: train to max_steps), got {t.target_val_loss!r}")
     need(t.peak_flops is None or (is_real(t.peak_flops) and t.peak_flops > 0), "train.peak_flops",
          f"must be a finite number > 0 (FLOP/s of one device; None: measured or known), got {t.peak_flops!r}")
-    from jaxgpt.training import task_eval
+    from jaxgpt.training import profiling, task_eval
     task_eval.check_config(t)
+    window = profiling.parse_window(t.get("profile"))
+    need(window is None or window[0] < t.max_steps, "train.profile",
+         f"START must be below train.max_steps ({t.max_steps}), got {t.get('profile')!r}")
     need(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
     _check_data(d)
     need(d.tokenizer != "bpe" or (d.vocab_size or 0) > 256, "data.vocab_size",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import signal
 import sys
 import threading
@@ -23,7 +24,7 @@ from jaxgpt.data.shards import open_shards, shards_difference
 from jaxgpt.lora import LoraSpec
 from jaxgpt.model import convert_layers, flops_per_token, num_params
 from jaxgpt.report import warn
-from jaxgpt.training import run_dir, task_eval
+from jaxgpt.training import profiling, run_dir, task_eval
 from jaxgpt.training.config import model_config_from, parallel_mode, validate_config
 from jaxgpt.training.metrics import MetricsLog, measured_matmul_flops, peak_flops
 from jaxgpt.training.parallel import make_runner
@@ -346,6 +347,8 @@ class _Run:
         self.data_mark = (0.0, 0, 0.0)  # (data_wait, batches made, seconds making them) at the last log line
         self.last_finished = self.last_log[0]  # when the last program call read finished
         self.step, self.saved_step = self.start_step, self.start_step if self.resume else None
+        self.profiler = profiling.StepProfiler(profiling.parse_window(self.cfg_t.get("profile")),
+                                               os.path.join(self.out_dir, "profile"))
         failed = False
         try:
             with _Preemption(self.multiprocess) as preempt:
@@ -354,6 +357,7 @@ class _Run:
             failed = True
             raise
         finally:
+            self.profiler.close()
             self.prefetch.close()
             if self.bar is not None:
                 self.bar.close()
@@ -373,13 +377,18 @@ class _Run:
         cfg_t, pending, last_val = self.cfg_t, None, None
         while self.step < cfg_t.max_steps:
             count = _steps_to_run(self.step, cfg_t)
-            if count == 1:
-                self.state, metrics = self.runner.step(self.state, *self._next_batch())
-            else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
-                xs, ys = zip(*(self._next_batch() for _ in range(count)))
-                self.state, metrics = self.runner.steps(self.state, np.stack(xs), np.stack(ys))
+            if self.profiler.start(self.step, self.state):
+                self.note(f"jaxgpt: profiling steps {self.step} to {self.profiler.window[1] - 1} into "
+                          f"{self.profiler.folder}")
+            with self.profiler.annotate(self.step):
+                if count == 1:
+                    self.state, metrics = self.runner.step(self.state, *self._next_batch())
+                else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
+                    xs, ys = zip(*(self._next_batch() for _ in range(count)))
+                    self.state, metrics = self.runner.steps(self.state, np.stack(xs), np.stack(ys))
             finished = time.time() if _is_ready(metrics) else None
             first, self.step = self.step + 1, self.step + count
+            self.profiler.stop(self.step, self.state)
             if pending is not None:
                 if pending[3] is None and finished is not None:
                     # both calls ended by `finished`, the earlier one at an unknown time before: each takes
@@ -531,6 +540,8 @@ def _steps_to_run(step: int, cfg_t) -> int:
     count = min(cfg_t.steps_per_call, cfg_t.max_steps - step)
     for interval in (cfg_t.eval_interval, cfg_t.checkpoint_interval):
         count = min(count, interval - step % interval)
+    for bound in profiling.bounds(cfg_t.get("profile")):  # a profiled window holds whole calls
+        count = min(count, bound - step) if step < bound else count
     return count
 
 
