@@ -335,7 +335,8 @@ class _Run:
         """Steps until max_steps or a stop signal; the checkpointer and logs are closed whatever happens."""
         self.prepare_eval()
         self.log = MetricsLog(self.out_dir, enabled=self.is_main,
-                              truncate_after_step=self.start_step if self.resume else None)
+                              truncate_after_step=self.start_step if self.resume else None,
+                              trackers=self.cfg_t.get("trackers", "auto"), config=self.config)
         if self.is_main and self.cfg_t.progress:
             bar = tqdm(total=self.cfg_t.max_steps, initial=self.start_step, dynamic_ncols=True, desc="train",
                        disable=not sys.stderr.isatty())
