@@ -2,6 +2,7 @@
 
 python bench/accelerator.py [--steps 10] [--batch 16] [--decode-batch 1 8 64] [--out PATH]
 python bench/accelerator.py --smoke      # a tiny model on the CPU in seconds (a test runs this)
+python bench/accelerator.py --profile DIR  # also a jax.profiler trace of two training steps in DIR
 
 Training: the real train step (AdamW, clipping, bf16 compute with float32 master weights) of GPT-2 124M at
 context 1024 with the portable kernels, jitted on one device with the state donated; tokens/s (median of
@@ -28,6 +29,7 @@ import numpy as np  # noqa: E402
 
 from jaxgpt import GPTConfig, cache_bytes, count_params, generate, flops_per_token, init_params  # noqa: E402
 from jaxgpt.training.config import default_config  # noqa: E402
+from jaxgpt.training.profiling import StepProfiler  # noqa: E402
 from jaxgpt.training.step import create_train_state, make_optimizer, make_train_step  # noqa: E402
 
 # device_kind -> (dense bf16 FLOP/s, memory bytes/s), from the vendors' datasheets
@@ -53,7 +55,8 @@ def _median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench_train(cfg: GPTConfig, batch: int, steps: int, peak: float | None, loss_chunk: int = 0) -> dict:
+def bench_train(cfg: GPTConfig, batch: int, steps: int, peak: float | None, loss_chunk: int = 0,
+                profile: str | None = None) -> dict:
     train_cfg = default_config().train
     train_cfg.warmup_steps = 0
     opt = make_optimizer(train_cfg)
@@ -74,11 +77,18 @@ def bench_train(cfg: GPTConfig, batch: int, steps: int, peak: float | None, loss
         jax.block_until_ready(m)
 
     t = _median_seconds(one, steps)
+    if profile:  # two more steps, untimed, traced whole (jaxgpt/training/profiling.py)
+        profiler = StepProfiler((0, 2), profile)
+        profiler.start(0, holder[0])
+        for i in range(2):
+            with profiler.annotate(i):
+                holder[0], metrics = step(holder[0], x, y)
+        profiler.stop(2, holder[0])
     tok_s = batch * cfg.block_size / t
     flops = flops_per_token(cfg, cfg.block_size) * tok_s
     return {"batch": batch, "context": cfg.block_size, "ms_per_step": 1e3 * t, "tokens_per_s": tok_s,
             "model_flops_per_s": flops, "mfu": flops / peak if peak else None, "compile_s": compile_s,
-            "loss": float(metrics["loss"])}
+            "loss": float(metrics["loss"]), "profile": profile}
 
 
 def bench_decode(cfg: GPTConfig, batch: int, prompt_len: int, new_tokens: int, reps: int,
@@ -119,6 +129,9 @@ def main(argv=None) -> dict:
     p.add_argument("--peak-flops", type=float, default=None, help="override the device's dense bf16 FLOP/s")
     p.add_argument("--bandwidth", type=float, default=None, help="override the device's memory bytes/s")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/accelerator.json)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after timing, trace two training steps with jax.profiler into DIR (TensorBoard's profile "
+                        "plugin or Perfetto read DIR/plugins/profile/*/; docs/training.md, 'Profiling a step')")
     args = p.parse_args(argv)
 
     device = jax.devices()[0]
@@ -138,14 +151,14 @@ def main(argv=None) -> dict:
                "loss_chunk": args.loss_chunk,
                "smoke": args.smoke}
     try:
-        results["train"] = bench_train(train_cfg, batch, steps, peak, args.loss_chunk)
+        results["train"] = bench_train(train_cfg, batch, steps, peak, args.loss_chunk, args.profile)
     except Exception as e:  # e.g. cuDNN attention unsupported here: say so and use XLA's
         if attention == "dot_product":
             raise
         print(f"attention={attention} failed ({type(e).__name__}: {str(e)[:200]}); using dot_product", flush=True)
         results["attention_fallback"] = f"{type(e).__name__}: {str(e)[:500]}"
         results["train"] = bench_train(train_cfg.replace(attention="dot_product"), batch, steps, peak,
-                                       args.loss_chunk)
+                                       args.loss_chunk, args.profile)
     tr = results["train"]
     mfu = f"{100 * tr['mfu']:.1f}%" if tr["mfu"] is not None else "unknown (no peak for this device)"
     print(f"{device.device_kind}: train {tr['tokens_per_s']:,.0f} tok/s, {tr['ms_per_step']:.1f} ms/step, "

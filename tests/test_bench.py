@@ -10,9 +10,13 @@ from bench.accelerator import main
 
 
 def test_accelerator_benchmark_smoke(tmp_path):
+    import glob
+
     out = tmp_path / "accelerator.json"
-    results = main(["--smoke", "--out", str(out)])
+    results = main(["--smoke", "--out", str(out), "--profile", str(tmp_path / "profile")])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    (xplane,) = glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert b"make_train_step.<locals>.train_step" in open(xplane, "rb").read()  # --profile traced the step
     train = results["train"]
     assert train["tokens_per_s"] > 0 and train["model_flops_per_s"] > 0
     assert train["mfu"] is None  # no datasheet peak for a CPU: reported as unknown, not guessed

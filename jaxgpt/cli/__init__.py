@@ -1,4 +1,4 @@
-"""Command-line entry points (train, sample, prepare, plot, aot)."""
+"""Command-line entry points (train, sample, prepare, plot, aot, serve, eval)."""
 
 from __future__ import annotations
 

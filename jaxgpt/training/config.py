@@ -87,6 +87,7 @@ def default_config():
     c.train.grad_clip = 1.0      # 0 disables clipping
     c.train.eval_interval = 250
     c.train.eval_steps = 20
+    _instrument_keys(c.train)  # downstream tasks, trackers, profiling
     c.train.target_val_loss = placeholder(float)  # stop (and save) once an eval's val loss is at or below it
     c.train.log_interval = 10
     c.train.parallel = "pmap"    # pmap | mesh
@@ -112,6 +113,26 @@ def default_config():
 
     c.distributed = distributed.default_section()  # several processes through jax.distributed
     return c
+
+
+def _instrument_keys(t) -> None:
+    """config.train's instruments: multiple-choice tasks scored in the loop (jaxgpt/evals.py), trackers, profiling."""
+    placeholder = config_dict.placeholder
+    # task files, "a.jsonl,b.jsonl" or a list: the scores go to the log line, metrics.jsonl ("<file stem>/acc",
+    # "<file stem>/acc_norm"), the trackers and the checkpoint's meta
+    t.eval_tasks = placeholder(object)
+    t.eval_tasks_interval = placeholder(int)  # a multiple of eval_interval; None: every eval
+    t.eval_tasks_limit = placeholder(int)     # the first N items of each task; None: all
+    t.eval_tasks_style = "llmc"               # "llmc" (llm.c's scoring) or "lm_eval" (lm-eval's)
+    # where metrics go besides the console (jaxgpt/training/trackers.py): any of "jsonl" (always written),
+    # "tensorboard", "wandb", comma-separated or a list; "auto": jsonl, and tensorboard when tensorboardX is installed
+    t.trackers = "auto"
+    t.wandb_project = "jaxgpt"
+    t.wandb_name = placeholder(str)    # None: wandb's own name for the run
+    t.wandb_entity = placeholder(str)  # None: the logged-in user's default entity
+    t.wandb_mode = placeholder(str)    # "online", "offline", "disabled"; None: wandb's own ($WANDB_MODE)
+    # "START:STOP": a jax.profiler trace of steps START..STOP-1 in out_dir/profile (jaxgpt/training/profiling.py)
+    t.profile = ""
 
 
 def _model_section():
@@ -241,6 +262,18 @@ def _check_data(d) -> None:
                          f"corpus 'shards'), got {d.tokenizer!r}")
 
 
+def _check_instruments(t) -> None:
+    """train.eval_tasks*, train.trackers and wandb_*, train.profile (_instrument_keys)."""
+    from jaxgpt.training import profiling, task_eval, trackers
+
+    task_eval.check_config(t)
+    trackers.check_config(t)
+    window = profiling.parse_window(t.get("profile"))
+    if window is not None and window[0] >= t.max_steps:
+        raise ValueError(f"config.train.profile: START must be below train.max_steps ({t.max_steps}), got "
+                         f"{t.profile!r}")
+
+
 def validate_config(config, device_count: Optional[int] = None) -> None:
     """Raise ValueError naming the key for unknown keys or values that cannot work; `device_count` (the
     devices the step will run on) None leaves out the checks that need it."""
@@ -301,6 +334,7 @@ def validate_config(config, device_count: Optional[int] = None) -> None:
          "train.target_val_loss", f"must be a finite loss > 0 (None: train to max_steps), got {t.target_val_loss!r}")
     need(t.peak_flops is None or (is_real(t.peak_flops) and t.peak_flops > 0), "train.peak_flops",
          f"must be a finite number > 0 (FLOP/s of one device; None: measured or known), got {t.peak_flops!r}")
+    _check_instruments(t)
     need(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
     _check_data(d)
     need(d.align in ALIGNS, "data.align", f"must be one of {ALIGNS}, got {d.align!r}")

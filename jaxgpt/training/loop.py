@@ -25,7 +25,7 @@ from jaxgpt.data.shards import open_shards, shards_difference
 from jaxgpt.lora import LoraSpec
 from jaxgpt.model import convert_layers, flops_per_token, num_params
 from jaxgpt.report import warn
-from jaxgpt.training import run_dir
+from jaxgpt.training import profiling, run_dir, task_eval
 from jaxgpt.training.config import doc_masked, model_config_from, parallel_mode, validate_config
 from jaxgpt.training.metrics import MetricsLog, measured_matmul_flops, peak_flops
 from jaxgpt.training.parallel import make_runner
@@ -340,6 +340,9 @@ class _Run:
                       + ("within each document (data.doc_mask)" if s.segments else "across documents (doc_mask off)"))
         if self.resume:
             self.note(f"jaxgpt: resumed from step {self.start_step} in {self.checkpointer.directory}")
+        self.tasks = task_eval.from_config(cfg_t, self.tokenizer, gcfg, self.backend, self.runner)
+        if self.tasks is not None:
+            self.note(f"jaxgpt: eval tasks {self.tasks.describe()}, every {self.tasks.interval} steps")
 
     def evaluate(self, step: int) -> dict:
         losses = self.runner.eval(self.state, self.eval_x, self.eval_y, self.eval_s)
@@ -358,6 +361,8 @@ class _Run:
                 "best_val_loss": self.best_val, "dataset": {k: v for k, v in self.ds.meta.items() if k != "tokenizer"},
                 # the user's modules that register its parts: imported again where the run is loaded
                 "imports": recorded_imports(self.config.get("imports"), self.gcfg)}
+        if self.tasks is not None and self.tasks.last:
+            meta["tasks"] = self.tasks.last
         if self.lora_spec is not None:  # the checkpoint holds the adapters; this says which base they adapt
             meta["lora"] = {**self.lora_spec.to_dict(), "base": self.base_ref}
         return meta
@@ -366,7 +371,8 @@ class _Run:
         """Steps until max_steps or a stop signal; the checkpointer and logs are closed whatever happens."""
         self.prepare_eval()
         self.log = MetricsLog(self.out_dir, enabled=self.is_main,
-                              truncate_after_step=self.start_step if self.resume else None)
+                              truncate_after_step=self.start_step if self.resume else None,
+                              trackers=self.cfg_t.get("trackers", "auto"), config=self.config)
         if self.is_main and self.cfg_t.progress:
             bar = tqdm(total=self.cfg_t.max_steps, initial=self.start_step, dynamic_ncols=True, desc="train",
                        disable=not sys.stderr.isatty())
@@ -378,6 +384,8 @@ class _Run:
         self.data_mark = (0.0, 0, 0.0)  # (data_wait, batches made, seconds making them) at the last log line
         self.last_finished = self.last_log[0]  # when the last program call read finished
         self.step, self.saved_step = self.start_step, self.start_step if self.resume else None
+        self.profiler = profiling.StepProfiler(profiling.parse_window(self.cfg_t.get("profile")),
+                                               os.path.join(self.out_dir, "profile"))
         failed = False
         try:
             with _Preemption(self.multiprocess) as preempt:
@@ -386,6 +394,7 @@ class _Run:
             failed = True
             raise
         finally:
+            self.profiler.close()
             self.prefetch.close()
             if self.bar is not None:
                 self.bar.close()
@@ -405,13 +414,18 @@ class _Run:
         cfg_t, pending, last_val = self.cfg_t, None, None
         while self.step < cfg_t.max_steps:
             count = _steps_to_run(self.step, cfg_t)
-            if count == 1:
-                self.state, metrics = self.runner.step(self.state, *self._next_batch())
-            else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
-                batches = zip(*(self._next_batch() for _ in range(count)))  # x, y (and segment ids)
-                self.state, metrics = self.runner.steps(self.state, *(np.stack(a) for a in batches))
+            if self.profiler.start(self.step, self.state):
+                self.note(f"jaxgpt: profiling steps {self.step} to {self.profiler.window[1] - 1} into "
+                          f"{self.profiler.folder}")
+            with self.profiler.annotate(self.step):
+                if count == 1:
+                    self.state, metrics = self.runner.step(self.state, *self._next_batch())
+                else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
+                    batches = zip(*(self._next_batch() for _ in range(count)))  # x, y (and segment ids)
+                    self.state, metrics = self.runner.steps(self.state, *(np.stack(a) for a in batches))
             finished = time.time() if _is_ready(metrics) else None
             first, self.step = self.step + 1, self.step + count
+            self.profiler.stop(self.step, self.state)
             if pending is not None:
                 if pending[3] is None and finished is not None:
                     # both calls ended by `finished`, the earlier one at an unknown time before: each takes
@@ -449,10 +463,12 @@ class _Run:
         ev = self.evaluate(self.step)
         self.best_val = min(self.best_val, ev["val_loss"])
         ev["best_val_loss"] = self.best_val
+        if self.tasks is not None and self.tasks.due(self.step):
+            ev.update(self.tasks.run(self.runner.get_state(self.state), self.step))
         self.log.write(ev)
         self.note(f"eval {self.step:6d} | train {ev['train_loss']:.4f} | val {ev['val_loss']:.4f} | val ppl "
                   f"{ev['val_ppl']:.2f} | " + ("" if ev["val_bpb"] is None else f"val bits/byte {ev['val_bpb']:.3f} | ")
-                  + f"best val {self.best_val:.4f}")
+                  + f"best val {self.best_val:.4f}" + task_eval.LoopTasks.line(ev))
         self.summary.update(ev)
         return ev["val_loss"]
 
@@ -561,6 +577,8 @@ def _steps_to_run(step: int, cfg_t) -> int:
     count = min(cfg_t.steps_per_call, cfg_t.max_steps - step)
     for interval in (cfg_t.eval_interval, cfg_t.checkpoint_interval):
         count = min(count, interval - step % interval)
+    for bound in profiling.bounds(cfg_t.get("profile")):  # a profiled window holds whole calls
+        count = min(count, bound - step) if step < bound else count
     return count
 
 

@@ -1,4 +1,5 @@
-"""What the user sees of a run: metrics.jsonl (and TensorBoard), device peak FLOP/s for MFU."""
+"""What the user sees of a run: metrics.jsonl (and the trackers, jaxgpt/training/trackers.py), device peak
+FLOP/s for MFU."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import math
 import os
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -122,12 +123,17 @@ def read_records(path: str) -> list[dict]:
 
 
 class MetricsLog:
-    """Appends JSON lines to out_dir/metrics.jsonl (and TensorBoard events when tensorboardX is there)."""
+    """Appends JSON lines to out_dir/metrics.jsonl and passes each record to the other trackers `trackers` names
+    (train.trackers: TensorBoard, W&B; "auto": TensorBoard when tensorboardX is there); `config` is the run's
+    ConfigDict, which W&B logs. Only an `enabled` log (process 0's) writes anything."""
 
-    def __init__(self, out_dir: str, enabled: bool = True, truncate_after_step: Optional[int] = None):
+    def __init__(self, out_dir: str, enabled: bool = True, truncate_after_step: Optional[int] = None,
+                 trackers: Any = "auto", config=None):
+        from jaxgpt.training.trackers import make_trackers, parse_trackers
+
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.enabled = enabled
-        self._tb = None
+        self._trackers = []
         if not enabled:
             return
         if truncate_after_step is not None and os.path.exists(self.path):
@@ -139,22 +145,18 @@ class MetricsLog:
             os.replace(tmp, self.path)  # a crash leaves the old file or the new one, never half of one
         elif truncate_after_step is None and os.path.exists(self.path):
             os.remove(self.path)
-        try:
-            from tensorboardX import SummaryWriter  # optional extra
-            self._tb = SummaryWriter(os.path.join(out_dir, "tb"))
-        except ImportError:
-            self._tb = None
+        self._trackers = make_trackers(parse_trackers(trackers), out_dir, config,
+                                       resume=truncate_after_step is not None)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, record["step"])
+        for tracker in self._trackers:
+            tracker.write(record)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []

@@ -1,0 +1,271 @@
+"""Multiple-choice evaluation (HellaSwag and the like): each choice scored by the model's loss over its
+tokens after the context, the item right when its gold choice has the least loss.
+
+Task files are local JSON Lines, one item a line, in HellaSwag's own form (`ctx`, `endings`, `label`; its
+other fields ignored unless the style reads them) or a generic one (`context`, `choices`, `label`, each
+choice appended to the context exactly as written). Two scorings, so that a run compares with either
+published column:
+
+- "llmc" (the default), llm.c's: the context, then " " + ending (HellaSwag) or the choice (generic), each
+  tokenized on its own; acc: the least summed loss over the continuation's tokens; acc_norm: the least mean
+  loss per continuation token.
+- "lm_eval", lm-evaluation-harness's: HellaSwag's text preprocessed as its hellaswag task does (the
+  activity label before the context, WikiHow's bracketed markup dropped), the pair tokenized whole and
+  split where the context's tokens end; acc_norm: the least summed loss per character of the choice
+  (lm-eval's `acc_norm`, which its docs call byte-length normalisation: the same on ASCII text).
+
+Scoring is batched: every (item, choice) row padded to one of a few lengths (powers of two up to the
+model's window), a fixed number of rows a call, one jitted forward per shape; the rows are split over
+the devices of a mesh (data parallel; by default all of JAX's devices). A context longer than the window
+is cut from the left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxgpt.config import GPTConfig
+
+STYLES = ("llmc", "lm_eval")
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One question: the context, each choice's continuation text as appended to it, the gold index, and
+    the per-choice lengths that lm-eval's acc_norm divides by (None: llm.c's mean per token)."""
+    context: str
+    continuations: tuple[str, ...]
+    label: int
+    norm_lengths: Optional[tuple[float, ...]] = None
+
+
+def lm_eval_preprocess(text: str) -> str:
+    """HellaSwag's text as lm-eval's hellaswag task cleans it: stripped, WikiHow's " [title]" made a sentence
+    break, other bracketed markup ("[header]", "[step]") dropped, doubled spaces halved once."""
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub(r"\[[^\]]*?\]", "", text)  # (the shortest bracketed span, as a non-greedy match takes)
+    return text.replace("  ", " ")
+
+
+def _hellaswag_item(row: dict, style: str) -> Item:
+    endings = [str(e) for e in row["endings"]]
+    if style == "llmc":
+        return Item(str(row["ctx"]), tuple(" " + e for e in endings), int(row["label"]))
+    if all(k in row for k in ("activity_label", "ctx_a", "ctx_b")):
+        query = f"{row['activity_label']}: {row['ctx_a']} {str(row['ctx_b']).capitalize()}"
+    else:  # (a file without HellaSwag's parts: its ctx alone)
+        query = str(row["ctx"])
+    choices = [lm_eval_preprocess(e) for e in endings]
+    return Item(lm_eval_preprocess(query), tuple(" " + c for c in choices), int(row["label"]),
+                tuple(float(len(c)) for c in choices))
+
+
+def _generic_item(row: dict, style: str) -> Item:
+    choices = tuple(str(c) for c in row["choices"])
+    norm = tuple(float(len(c)) for c in choices) if style == "lm_eval" else None
+    return Item(str(row["context"]), choices, int(row["label"]), norm)
+
+
+def parse_item(row: Any, style: str = "llmc") -> Item:
+    """An Item from one decoded JSON line (HellaSwag's form or the generic one); ValueError saying why not."""
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    if not isinstance(row, dict):
+        raise ValueError(f"an item must be a JSON object, got {type(row).__name__}")
+    if "endings" in row and "ctx" in row:
+        item, n = _hellaswag_item(row, style), len(row["endings"])
+    elif "choices" in row and "context" in row:
+        item, n = _generic_item(row, style), len(row["choices"])
+    else:
+        raise ValueError(f"an item needs 'ctx' and 'endings' (HellaSwag) or 'context' and 'choices', has "
+                         f"{sorted(row)}")
+    if n < 2 or not 0 <= item.label < n:
+        raise ValueError(f"label {item.label} is not one of the item's {n} choices (0..{n - 1}; at least 2)")
+    return item
+
+
+def read_task(path: str, style: str = "llmc", limit: Optional[int] = None) -> list[Item]:
+    """The first `limit` (None: all) items of a JSON Lines task file; ValueError naming the file and line
+    of one that does not parse."""
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"task file {path} does not exist; give local JSON Lines files (HellaSwag's form or "
+                         '{"context", "choices", "label"})')
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if limit is not None and len(items) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                items.append(parse_item(json.loads(line), style))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path} line {n}: {e}") from None
+    if not items:
+        raise ValueError(f"task file {path} holds no items")
+    return items
+
+
+def task_name(path: str) -> str:
+    """The name a task's scores go under: its file's stem (hellaswag_val.jsonl -> hellaswag_val)."""
+    base = os.path.basename(path)
+    return base[:-len(".jsonl")] if base.endswith(".jsonl") else os.path.splitext(base)[0]
+
+
+def encode_pair(tokenizer, context: str, continuation: str, style: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids). llmc: each encoded on its own. lm_eval: trailing spaces of the
+    context moved to the continuation, the whole encoded and split after the context's own ids."""
+    if style == "llmc":
+        return tokenizer.encode(context), tokenizer.encode(continuation)
+    stripped = context.rstrip()
+    context, continuation = stripped, context[len(stripped):] + continuation
+    ctx = tokenizer.encode(context)
+    return ctx, tokenizer.encode(context + continuation)[len(ctx):]
+
+
+def encode_items(items: Sequence[Item], tokenizer, style: str) -> list[list[tuple[list[int], list[int]]]]:
+    """Per item, per choice: (context ids, continuation ids). An empty context becomes the end-of-text token."""
+    out = []
+    for i, item in enumerate(items):
+        pairs = []
+        for cont in item.continuations:
+            ctx, ids = encode_pair(tokenizer, item.context, cont, style) if item.context else ([], tokenizer.encode(cont))
+            if not ctx:
+                if tokenizer.eos_id is None:
+                    raise ValueError(f"item {i} has an empty context and the tokenizer no end-of-text token to "
+                                     "stand for it; give the item a context")
+                ctx = [tokenizer.eos_id]
+            if not ids:
+                raise ValueError(f"item {i}: choice {cont!r} encodes to no tokens")
+            pairs.append((list(ctx), list(ids)))
+        out.append(pairs)
+    return out
+
+
+def _row_losses(model, variables, x_RxL, y_RxL, m_RxL):
+    """Each row's summed next-token loss over its masked positions (float32): [R]."""
+    logits_RxLxV = model.apply(variables, x_RxL).astype(jnp.float32)
+    nll_RxL = optax.softmax_cross_entropy_with_integer_labels(logits_RxLxV, y_RxL)
+    return jnp.sum(nll_RxL * m_RxL, axis=1)
+
+
+def _bucket(n: int, window: int, smallest: int = 16) -> int:
+    """The padded length of a batch whose longest row has `n` inputs: a power of two, at most the window."""
+    return min(window, max(smallest, 1 << (n - 1).bit_length()))
+
+
+class Scorer:
+    """Summed continuation losses of (context, continuation) token pairs under one model, batched.
+
+    `variables` are what the model applies ({"params": ...}, LoRA's with "lora"), placed as the caller keeps
+    them (replicated, or sharded over `mesh`); the rows of a batch go over `mesh`'s `axes` (default: a 1-D
+    mesh of every device, the variables replicated onto it). `rows` per call, rounded up to a multiple of the
+    devices that split them."""
+
+    def __init__(self, variables, config: GPTConfig, *, backend=None, mesh: Optional[Mesh] = None,
+                 axes: Sequence[str] = ("rows",), rows: int = 32):
+        from jaxgpt.model import GPT
+
+        if mesh is None:
+            mesh = Mesh(np.array(jax.devices()), ("rows",))
+            variables = jax.device_put(variables, NamedSharding(mesh, P()))
+        self.variables, self.config, self.mesh = variables, config, mesh
+        split = math.prod(mesh.shape[a] for a in axes)
+        self.rows = -(-max(1, rows) // split) * split
+        self.batch_sharding = NamedSharding(mesh, P(tuple(axes)))
+        model = GPT(config, backend)
+        self._fn = jax.jit(functools.partial(_row_losses, model), out_shardings=NamedSharding(mesh, P()))
+
+    def score(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[np.ndarray, np.ndarray]:
+        """(summed loss [N], tokens scored [N]) of each pair's continuation given its context, the pair
+        cut from the left to the model's window (its continuation must fit in it)."""
+        window = self.config.block_size
+        seqs, conts = [], []
+        for i, (ctx, cont) in enumerate(pairs):
+            if len(cont) > window:
+                raise ValueError(f"a continuation of {len(cont)} tokens does not fit the model's window "
+                                 f"(block_size {window}); pair {i}")
+            seqs.append((list(ctx) + list(cont))[-(window + 1):])  # T inputs and the last target
+            conts.append(len(cont))
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))  # similar lengths share a batch
+        sums, counts = np.zeros(len(seqs)), np.array(conts, np.int64)
+        for start in range(0, len(order), self.rows):
+            idx = order[start:start + self.rows]
+            length = _bucket(len(seqs[idx[0]]) - 1, window)
+            x, y, m = (np.zeros((self.rows, length), dt) for dt in (np.int32, np.int32, np.float32))
+            for r, i in enumerate(idx):
+                s = seqs[i]
+                x[r, :len(s) - 1], y[r, :len(s) - 1] = s[:-1], s[1:]
+                m[r, len(s) - 1 - conts[i]:len(s) - 1] = 1.0
+            put = functools.partial(jax.device_put, device=self.batch_sharding)
+            out = self._fn(self.variables, put(x), put(y), put(m))
+            sums[idx] = np.asarray(out.addressable_data(0), np.float64)[:len(idx)]
+        return sums, counts
+
+
+def item_losses(scorer: Scorer, tokenizer, items: Sequence[Item], style: str = "llmc") -> list[tuple]:
+    """Per item (summed losses [choices], tokens [choices]), all items' rows scored together."""
+    encoded = encode_items(items, tokenizer, style)
+    sums, counts = scorer.score([pair for pairs in encoded for pair in pairs])
+    out, at = [], 0
+    for pairs in encoded:
+        out.append((sums[at:at + len(pairs)], counts[at:at + len(pairs)]))
+        at += len(pairs)
+    return out
+
+
+def accuracy(items: Sequence[Item], losses: Sequence[tuple]) -> dict:
+    """{"acc", "acc_norm", "n"} from per-item (summed losses, token counts): acc by the least summed loss,
+    acc_norm by the least loss per token (llmc) or per character of the choice (lm_eval's lengths)."""
+    acc = norm = 0
+    for item, (sums, counts) in zip(items, losses):
+        per = np.asarray(item.norm_lengths if item.norm_lengths is not None else counts, np.float64)
+        acc += int(np.argmin(sums)) == item.label  # (ties: the first, as lm-eval's and llm.c's argmax/argmin)
+        norm += int(np.argmin(sums / per)) == item.label
+    n = len(items)
+    return {"acc": acc / n, "acc_norm": norm / n, "n": n}
+
+
+def evaluate(scorer: Scorer, tokenizer, tasks: dict, style: str = "llmc") -> dict:
+    """{task: {"acc", "acc_norm", "n", "seconds"}} for {task: [Item]}."""
+    out = {}
+    for name, items in tasks.items():
+        t0 = time.perf_counter()
+        scores = accuracy(items, item_losses(scorer, tokenizer, items, style))
+        out[name] = {**scores, "seconds": time.perf_counter() - t0}
+    return out
+
+
+def parse_task_list(tasks) -> list[str]:
+    """Task files from a comma-separated string or a list ([] for None or "")."""
+    if tasks is None:
+        return []
+    if isinstance(tasks, str):
+        tasks = tasks.split(",")
+    if not isinstance(tasks, (list, tuple)) or not all(isinstance(t, str) for t in tasks):
+        raise ValueError(f"tasks must be a comma-separated string or a list of task files, got {tasks!r}")
+    paths = [t.strip() for t in tasks if t.strip()]
+    names = [task_name(p) for p in paths]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"two task files share the name {dup[0]!r} (scores go under the file's stem); rename one")
+    return paths
+
+
+def read_tasks(paths: Sequence[str], style: str = "llmc", limit: Optional[int] = None) -> dict:
+    """{task name: [Item]} of task files, the first `limit` items of each."""
+    return {task_name(p): read_task(p, style, limit) for p in paths}
