@@ -15,7 +15,7 @@ import jaxgpt
 from jaxgpt import engine as engine_mod
 from jaxgpt.engine import Engine
 from jaxgpt.sampling import TOP_K_FAST, RowSettings, sample_logits, sample_rows
-from tests.helpers import whole_buffer_copies
+from tests.helpers import varied_params, whole_buffer_copies
 
 CFG = jaxgpt.GPTConfig(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=32)
 # every sampler path: greedy, top-k among the fast candidates, plain, top-p alone (full sort), top-k above
@@ -429,6 +429,23 @@ def test_sample_rows_is_sample_logits_per_row():
         rng = jax.random.fold_in(jax.random.key(s.get("seed", 0) + i), i % 3)
         want = sample_logits(rng, logits[i:i + 1], s["temperature"], s.get("top_k"), s.get("top_p"))
         assert got[i] == int(want[0]), (i, s)
+
+
+@pytest.mark.parametrize("kernels", ["portable", "cpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_near_greedy_requests_get_the_greedy_tokens(params, kernels, dtype):
+    """temperature 1e-30 or top_p 1e-40, on every row path of the sampler (top-k among the candidates, top-k
+    by a full sort, top-p over the vocabulary, no filter): the greedy request's tokens, never token 0."""
+    cfg = CFG.replace(kernels=kernels, dtype=dtype)
+    p = varied_params(cfg)
+    prompt = _prompts(71, (6,))[0]
+    eng = Engine(p, cfg, slots=6, max_len=32, prefill_chunk=8)
+    greedy = eng.run([dict(prompt=prompt, max_tokens=10, temperature=0.0)])[0].token_ids
+    assert len(set(greedy)) >= 4  # (a continuation that varies)
+    near = [dict(temperature=1e-30), dict(temperature=1e-12, top_k=10), dict(temperature=1e-30, top_k=80),
+            dict(top_p=1e-40), dict(temperature=0.9, top_k=10, top_p=1e-40), dict(temperature=1e-40, top_p=0.5)]
+    outs = eng.run([dict(prompt=prompt, max_tokens=10, seed=i, **s) for i, s in enumerate(near)])
+    assert [o.token_ids for o in outs] == [greedy] * len(near)
 
 
 def test_engine_errors_name_the_setting(params):
