@@ -431,6 +431,35 @@ def test_sample_rows_is_sample_logits_per_row():
         assert got[i] == int(want[0]), (i, s)
 
 
+def test_a_bad_request_never_touches_its_neighbours(params):
+    """A seed past int64 is refused at submit, naming the field; a top_k past int32 (it overflowed the
+    step's int32 arrays: an OverflowError in that step and every later one) is the vocabulary, as generate
+    takes it. The requests around them give their tokens alone, and the engine keeps working."""
+    eng = Engine(params, CFG, slots=4, max_len=48, prefill_chunk=16)
+    prompts = _prompts(70, (5, 9, 4, 7))
+    good = [dict(prompt=p, max_tokens=6, **s) for p, s in zip(prompts[:3], SETTINGS[1:4])]
+    done = {}
+
+    def keep(event):
+        if event.completion is not None:
+            done[event.request_id] = event.completion.token_ids
+
+    ids = [eng.submit(callback=keep, **r) for r in good[:2]]
+    for seed in (10 ** 30, 2 ** 63, -2 ** 63 - 1):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[-2\*\*63, 2\*\*63 - 1\]"):
+            eng.submit(prompts[3], max_tokens=6, seed=seed)
+    huge = dict(temperature=0.8, top_k=2 ** 31, seed=9)
+    outs = eng.run([dict(prompt=prompts[3], max_tokens=6, **huge), good[2]])  # all four in the same steps
+    assert outs[0].token_ids == _alone(params, CFG, prompts[3], 6, dict(huge, top_k=None))
+    assert outs[0].token_ids == _alone(params, CFG, prompts[3], 6, huge)  # (generate clamps it too)
+    got = [done[i] for i in ids] + [outs[1].token_ids]
+    assert got == [_alone(params, CFG, r["prompt"], 6, s) for r, s in zip(good, SETTINGS[1:4])]
+    assert eng.run([good[0]])[0].token_ids == got[0]
+    assert len(eng.score([prompts[0]], [[1, 2]])) == 1 and not eng.has_work()
+    for seed in (2 ** 63 - 1, -2 ** 63):  # the ends of the range are taken
+        assert len(eng.run([dict(prompt=prompts[0], max_tokens=2, seed=seed)])[0].token_ids) == 2
+
+
 @pytest.mark.parametrize("kernels", ["portable", "cpu"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_near_greedy_requests_get_the_greedy_tokens(params, kernels, dtype):
