@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 import numbers
 
+# The seeds a request may give (jax.random.key's: a C long, int64): the engine's and the server's range.
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1
+
 
 def _scalar(value, kinds: str):
     """The Python number a 0-d NumPy or JAX array holds when its dtype kind is one of `kinds` ("iu" integers,

@@ -33,7 +33,7 @@ import numpy as np
 from jaxgpt.backends import Backend, DecodeWeights, resolve
 from jaxgpt.backends.base import cast_floats
 from jaxgpt.cache import KVCache, PackedCache
-from jaxgpt.checks import is_int
+from jaxgpt.checks import SEED_MAX, SEED_MIN, is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
 from jaxgpt.quantize import check_kv_dtype, check_quantize
@@ -50,7 +50,8 @@ class Request:
     """One request: prompt token ids and its own settings. `logprobs`: None, or how many most likely
     alternatives to return with each token (0: the token's own logprob only). `prompt_logprobs`: also the
     logprob of each prompt token from index `score_from` on, given the tokens before it (echo, scoring).
-    `seed` (an int) or `rng` (a PRNG key) makes its draws; `stop_token_ids` end it (the token is kept)."""
+    `seed` (an int in [-2**63, 2**63 - 1]) or `rng` (a PRNG key) makes its draws; `stop_token_ids` end it
+    (the token is kept). A top_k above the vocabulary is the vocabulary (no filter), as in `generate`."""
 
     prompt: tuple
     max_tokens: int = 16
@@ -605,8 +606,8 @@ class Engine:
             raise ValueError(f"prompt ({len(p)} tokens) + max_tokens ({req.max_tokens}) exceeds the engine's "
                              f"max_len ({self.max_len}); shorten the prompt or ask for fewer tokens")
         validate_sampler(req.temperature, req.top_k, req.top_p)
-        if not is_int(req.seed):
-            raise ValueError(f"seed must be an integer, got {req.seed!r}")
+        if not is_int(req.seed) or not SEED_MIN <= req.seed <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {req.seed!r}")
         if req.rng is not None:
             _check_rng(req.rng)
         for t in req.stop_token_ids:
@@ -616,7 +617,10 @@ class Engine:
             raise ValueError(f"logprobs must be an integer in [0, {self.max_logprobs}] or None, got {req.logprobs!r}")
         if not is_int(req.score_from) or not 1 <= req.score_from <= max(1, len(p)):
             raise ValueError(f"score_from must be in [1, {len(p)}], got {req.score_from!r}")
-        return dataclasses.replace(req, max_tokens=int(req.max_tokens), seed=int(req.seed),
+        # every integer that goes into the step's int32 arrays is bounded here (top_k by the vocabulary, as
+        # generate does), so no request can overflow a step that its neighbours share
+        top_k = None if req.top_k is None else min(int(req.top_k), cfg.vocab_size)
+        return dataclasses.replace(req, max_tokens=int(req.max_tokens), seed=int(req.seed), top_k=top_k,
                                    stop_token_ids=tuple(int(t) for t in req.stop_token_ids))
 
     def cancel(self, request_id: int) -> bool:

@@ -18,6 +18,21 @@ from jaxgpt.model import GPT, abstract_params
 from jaxgpt.quantize import check_kv_dtype, check_quantize, dequantized
 
 NEG_INF = -jnp.inf
+# A temperature below float32's smallest normal number samples greedily: it is the limit as the temperature
+# goes to 0, and a smaller divisor is subnormal (flushed to 0 on CPUs) or 0 once cast to float32.
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+
+
+def scale_logits(logits: jax.Array, temperature) -> jax.Array:
+    """float32 (logits - each row's largest finite logit) / temperature, logits [..., V], temperature a
+    number or an array that broadcasts (each >= MIN_TEMPERATURE). The largest logit becomes exactly 0
+    however the division is compiled (a reciprocal, a fused multiply-add), the others <= 0: a tiny
+    temperature sends them to -inf, never the largest to inf (inf - inf is NaN, and a draw from it index 0).
+    Infinite and NaN logits stay what they were."""
+    x = logits.astype(jnp.float32)
+    finite = jnp.isfinite(x)
+    top = jnp.max(jnp.where(finite, x, NEG_INF), axis=-1, keepdims=True)
+    return jnp.where(finite, x - jnp.where(jnp.isfinite(top), top, 0.0), x) / temperature
 
 
 def top_k_filter(logits: jax.Array, k: int) -> jax.Array:
@@ -33,7 +48,9 @@ def top_k_filter(logits: jax.Array, k: int) -> jax.Array:
 def _top_p_keep(sorted_logits: jax.Array, p: float) -> jax.Array:
     """For logits sorted in descending order: keep each token whose preceding probability mass is < p."""
     probs = jax.nn.softmax(sorted_logits.astype(jnp.float32), axis=-1)
-    return jnp.cumsum(probs, axis=-1) - probs < p  # the top token always has mass 0 before it
+    first = jax.lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1) == 0
+    # the top token is always kept: its mass before it is 0, and a p that float32 flushes to 0 keeps none
+    return (jnp.cumsum(probs, axis=-1) - probs < p) | first
 
 
 def _ordered_uint(x: jax.Array) -> jax.Array:
@@ -49,7 +66,8 @@ def top_p_mask(logits: jax.Array, p) -> jax.Array:
     too), ties in index order; p a number or an array of the leading shape (each row its own). Without a
     sort: the crossing token's logit c is the least logit whose tokens above it hold less than p, found by
     bisection over the logits' 32-bit order (32 masked sums); every token above c is kept, and of those at
-    c the ones whose mass before them, in index order, is below p. XLA:CPU's sort of [8, 50257] took 80 ms,
+    c the ones whose mass before them, in index order, is below p; the first largest logit always (however
+    small p is: a p that float32 flushes to 0 would keep none). XLA:CPU's sort of [8, 50257] took 80 ms,
     this 5-6 ms (bench/README.md)."""
     x = logits.astype(jnp.float32)
     p = jnp.asarray(p, jnp.float32)[..., None]
@@ -68,7 +86,8 @@ def top_p_mask(logits: jax.Array, p) -> jax.Array:
     edge = x.shape[:-1] + (1,)
     c, _ = jax.lax.fori_loop(0, 32, halve, (jnp.zeros(edge, jnp.uint32), jnp.full(edge, 2 ** 32 - 1, jnp.uint32)))
     at_c = jnp.where(key == c, probs, 0.0)
-    return (key > c) | ((key == c) & (mass_above(c) + jnp.cumsum(at_c, axis=-1) - at_c < p))
+    top = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == argmax_last(x)[..., None]
+    return (key > c) | ((key == c) & (mass_above(c) + jnp.cumsum(at_c, axis=-1) - at_c < p)) | top
 
 
 def top_p_filter(logits: jax.Array, p: float) -> jax.Array:
@@ -148,16 +167,17 @@ def categorical_rows(keys_S: jax.Array, logits_SxN: jax.Array) -> jax.Array:
 
 def sample_logits(rng: jax.Array, logits: jax.Array, temperature: float = 1.0,
                   top_k: Optional[int] = None, top_p: Optional[float] = None) -> jax.Array:
-    """Draw int32 token ids [B] from logits [B, V]; temperature 0 is greedy (argmax).
+    """Draw int32 token ids [B] from logits [B, V]; temperature 0 (or below MIN_TEMPERATURE) is greedy.
 
-    The distribution is softmax(logits / temperature) restricted by `top_k_filter` then `top_p_filter`.
+    The distribution is softmax(logits / temperature) (`scale_logits`) restricted by `top_k_filter` then
+    `top_p_filter`.
     With top_k the draw is among the k candidates only (`lax.top_k` returns them sorted, so top-p needs
     no sort of the whole vocabulary), padded with -inf to as many as the engine's sampler draws among for
     that top_k (`sample_rows`), so that both draw the same token from the same key (`categorical`).
     """
-    if temperature == 0:
+    if temperature < MIN_TEMPERATURE:
         return argmax_last(logits)
-    logits = logits.astype(jnp.float32) / temperature
+    logits = scale_logits(logits, temperature)
     if top_k is not None and top_k < logits.shape[-1]:
         values, candidates = jax.lax.top_k(logits, top_k)  # descending, ties broken by index
         if top_p is not None and top_p < 1.0:
@@ -180,9 +200,9 @@ TOP_K_FAST = 64  # a row's top_k up to this is drawn among lax.top_k's candidate
 
 class RowSettings(NamedTuple):
     """Each row's sampler settings as arrays [S], traced (no value is part of a program's key):
-    temperature (0 = greedy), top_k (0 = off), top_p (1 = off), the row's PRNG key data uint32 [S, 2]
-    and the index of the token being drawn (it is folded into the key); `top_wanted`, a bool scalar,
-    whether any row asks for its top logprobs (None: computed always)."""
+    temperature (0, or below MIN_TEMPERATURE = greedy), top_k (0 = off), top_p (1 = off), the row's PRNG
+    key data uint32 [S, 2] and the index of the token being drawn (it is folded into the key); `top_wanted`,
+    a bool scalar, whether any row asks for its top logprobs (None: computed always)."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -242,7 +262,7 @@ def sample_rows(logits_SxV: jax.Array, rows: RowSettings) -> jax.Array:
     every value of every setting; the costlier forms (a draw over the vocabulary, a full sort) run only in
     steps where some row needs them."""
     v = logits_SxV.shape[-1]
-    greedy = rows.temperature == 0
+    greedy = rows.temperature < MIN_TEMPERATURE
     k_S = jnp.where(rows.top_k >= v, 0, rows.top_k).astype(jnp.int32)
     p_S = rows.top_p.astype(jnp.float32)
     keys = jax.vmap(lambda d, i: jax.random.fold_in(jax.random.wrap_key_data(d), i))(rows.key_data, rows.index)
@@ -254,7 +274,7 @@ def sample_rows(logits_SxV: jax.Array, rows: RowSettings) -> jax.Array:
         return jnp.zeros(k_S.shape, jnp.int32)
 
     def scaled():
-        return logits_SxV.astype(jnp.float32) / jnp.where(greedy, 1.0, rows.temperature)[:, None]
+        return scale_logits(logits_SxV, jnp.where(greedy, 1.0, rows.temperature)[:, None])
 
     # each form over [S, V] runs only in a step where some row takes it (what each costs: bench/README.md)
     branch = jnp.where(needs_sort.any(), 2, jnp.where(needs_vocab.any(), 1, 0))
@@ -399,8 +419,10 @@ class Sampler(NamedTuple):
 
     @classmethod
     def of(cls, temperature, top_k, top_p, eos_id, pad_id) -> "Sampler":
-        """Settings already checked by `_prepare`, as plain Python values."""
-        return cls(float(temperature), None if top_k is None else int(top_k), None if top_p is None else float(top_p),
+        """Settings already checked by `_prepare`, as plain Python values (a temperature below
+        MIN_TEMPERATURE as 0: greedy)."""
+        temperature = float(temperature) if temperature >= MIN_TEMPERATURE else 0.0
+        return cls(temperature, None if top_k is None else int(top_k), None if top_p is None else float(top_p),
                    None if eos_id is None else int(eos_id), int(pad_id))
 
 

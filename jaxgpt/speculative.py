@@ -29,7 +29,8 @@ from jaxgpt.backends.base import cast_floats
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
-from jaxgpt.sampling import Decoder, GenerateOutput, _prefill, argmax_last, categorical, top_k_filter, top_p_filter
+from jaxgpt.sampling import (Decoder, GenerateOutput, _prefill, argmax_last, categorical, scale_logits, top_k_filter,
+                             top_p_filter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +91,9 @@ class SpecStats(dict):
 
 
 def _filtered(logits, temperature, top_k, top_p):
-    """The sampling distribution's log-probabilities [..., V] (temperature > 0), as `sample_logits` draws."""
-    x = logits.astype(jnp.float32) / temperature
+    """The sampling distribution's log-probabilities [..., V] (temperature >= MIN_TEMPERATURE), as
+    `sample_logits` draws."""
+    x = scale_logits(logits, temperature)
     if top_k is not None and top_k < x.shape[-1]:
         x = top_k_filter(x, top_k)
     if top_p is not None and top_p < 1.0:

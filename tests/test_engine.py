@@ -15,7 +15,7 @@ import jaxgpt
 from jaxgpt import engine as engine_mod
 from jaxgpt.engine import Engine
 from jaxgpt.sampling import TOP_K_FAST, RowSettings, sample_logits, sample_rows
-from tests.helpers import whole_buffer_copies
+from tests.helpers import varied_params, whole_buffer_copies
 
 CFG = jaxgpt.GPTConfig(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=32)
 # every sampler path: greedy, top-k among the fast candidates, plain, top-p alone (full sort), top-k above
@@ -429,6 +429,52 @@ def test_sample_rows_is_sample_logits_per_row():
         rng = jax.random.fold_in(jax.random.key(s.get("seed", 0) + i), i % 3)
         want = sample_logits(rng, logits[i:i + 1], s["temperature"], s.get("top_k"), s.get("top_p"))
         assert got[i] == int(want[0]), (i, s)
+
+
+def test_a_bad_request_never_touches_its_neighbours(params):
+    """A seed past int64 is refused at submit, naming the field; a top_k past int32 (it overflowed the
+    step's int32 arrays: an OverflowError in that step and every later one) is the vocabulary, as generate
+    takes it. The requests around them give their tokens alone, and the engine keeps working."""
+    eng = Engine(params, CFG, slots=4, max_len=48, prefill_chunk=16)
+    prompts = _prompts(70, (5, 9, 4, 7))
+    good = [dict(prompt=p, max_tokens=6, **s) for p, s in zip(prompts[:3], SETTINGS[1:4])]
+    done = {}
+
+    def keep(event):
+        if event.completion is not None:
+            done[event.request_id] = event.completion.token_ids
+
+    ids = [eng.submit(callback=keep, **r) for r in good[:2]]
+    for seed in (10 ** 30, 2 ** 63, -2 ** 63 - 1):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[-2\*\*63, 2\*\*63 - 1\]"):
+            eng.submit(prompts[3], max_tokens=6, seed=seed)
+    huge = dict(temperature=0.8, top_k=2 ** 31, seed=9)
+    outs = eng.run([dict(prompt=prompts[3], max_tokens=6, **huge), good[2]])  # all four in the same steps
+    assert outs[0].token_ids == _alone(params, CFG, prompts[3], 6, dict(huge, top_k=None))
+    assert outs[0].token_ids == _alone(params, CFG, prompts[3], 6, huge)  # (generate clamps it too)
+    got = [done[i] for i in ids] + [outs[1].token_ids]
+    assert got == [_alone(params, CFG, r["prompt"], 6, s) for r, s in zip(good, SETTINGS[1:4])]
+    assert eng.run([good[0]])[0].token_ids == got[0]
+    assert len(eng.score([prompts[0]], [[1, 2]])) == 1 and not eng.has_work()
+    for seed in (2 ** 63 - 1, -2 ** 63):  # the ends of the range are taken
+        assert len(eng.run([dict(prompt=prompts[0], max_tokens=2, seed=seed)])[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("kernels", ["portable", "cpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_near_greedy_requests_get_the_greedy_tokens(params, kernels, dtype):
+    """temperature 1e-30 or top_p 1e-40, on every row path of the sampler (top-k among the candidates, top-k
+    by a full sort, top-p over the vocabulary, no filter): the greedy request's tokens, never token 0."""
+    cfg = CFG.replace(kernels=kernels, dtype=dtype)
+    p = varied_params(cfg)
+    prompt = _prompts(71, (6,))[0]
+    eng = Engine(p, cfg, slots=6, max_len=32, prefill_chunk=8)
+    greedy = eng.run([dict(prompt=prompt, max_tokens=10, temperature=0.0)])[0].token_ids
+    assert len(set(greedy)) >= 4  # (a continuation that varies)
+    near = [dict(temperature=1e-30), dict(temperature=1e-12, top_k=10), dict(temperature=1e-30, top_k=80),
+            dict(top_p=1e-40), dict(temperature=0.9, top_k=10, top_p=1e-40), dict(temperature=1e-40, top_p=0.5)]
+    outs = eng.run([dict(prompt=prompt, max_tokens=10, seed=i, **s) for i, s in enumerate(near)])
+    assert [o.token_ids for o in outs] == [greedy] * len(near)
 
 
 def test_engine_errors_name_the_setting(params):

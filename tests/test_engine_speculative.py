@@ -82,6 +82,21 @@ def test_acceptance_saves_steps_on_a_repetitive_model():
     assert spec.stats["accepted"] > 0 and spec.stats["decode_steps"] <= plain.stats["decode_steps"] // 3
 
 
+@pytest.mark.parametrize("kernels,dtype", [("portable", "float32"), ("cpu", "bfloat16")])
+def test_near_greedy_requests_decode_speculatively_as_greedy(kernels, dtype):
+    """temperature 1e-30 and top_p 1e-40 through the verify step's draws (accepted proposals and the
+    token after them): the greedy tokens, proposals accepted as for greedy requests."""
+    cfg = CFG.replace(kernels=kernels, dtype=dtype)
+    p = _repeater_for(cfg, 2, scale=5.0)
+    prompts = [[4, 4, 4, 9, 4], [7, 8, 9] * 4, _prompts(3, (6,))[0]]
+    spec = Engine(p, cfg, slots=4, max_len=40, prefill_chunk=8, speculative=Speculative(k=3, ngram=1))
+    greedy = [o.token_ids for o in spec.run([dict(prompt=q, max_tokens=16, temperature=0.0) for q in prompts])]
+    for s in (dict(temperature=1e-30), dict(top_p=1e-40), dict(temperature=1e-12, top_k=5, top_p=1e-40)):
+        outs = spec.run([dict(prompt=q, max_tokens=16, seed=i, **s) for i, q in enumerate(prompts)])
+        assert [o.token_ids for o in outs] == greedy, s
+    assert spec.stats["accepted"] > 0
+
+
 def test_stop_tokens_full_caches_and_slot_reuse():
     """A request that reaches max_len decodes its last positions plainly; later requests reuse prefixes of
     slots that decoded speculatively; a stop token (each token of a sampled answer in turn) ends a request

@@ -205,6 +205,78 @@ def test_sample_logits_greedy_and_filters_match_argmax():
         np.testing.assert_array_equal(np.asarray(sample_logits(jax.random.key(1), logits, **kw)), greedy)
 
 
+def _peaked_logits(dtype):
+    """[6, 300] logits whose top token is unique in `dtype`, in rows from flat to peaked."""
+    x = jax.random.normal(jax.random.key(11), (6, 300)) * jnp.array([0.1, 1, 3, 10, 30, 100])[:, None]
+    x = x.astype(dtype)
+    top = jnp.argmax(x, -1)
+    return x.at[jnp.arange(6), top].add(jnp.asarray(0.5, dtype)), top  # (bf16 rounds ties into the data)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_filters_where_logits_over_a_tiny_temperature_overflow_keep_the_top_token(dtype):
+    """logits / 1e-30 overflows float32, and a compiled division need not round the largest logit as its
+    row's max does (a reciprocal, a fused multiply-add): inf - inf or a top short of 1 had the draw fall to
+    token 0. Scaled, the top logit is exactly 0 and the rest <= 0; top-p with p that float32 flushes to 0
+    keeps the top token; every draw is argmax."""
+    logits, top = _peaked_logits(dtype)
+    rows = np.arange(6)
+    for t in (1e-6, 1e-12, 1e-30, sampling.MIN_TEMPERATURE):
+        x = np.asarray(jax.jit(sampling.scale_logits)(logits, t))
+        assert (x[rows, top] == 0).all() and (x <= 0).all() and not np.isnan(x).any(), t
+        inv = np.asarray(jax.jit(sampling.inverse_cdf)(jnp.full((6,), 0.999), jnp.asarray(x)))
+        np.testing.assert_array_equal(inv, top)
+    for p in (1e-40, 1e-45, 0.0):  # (0 is refused from users; it is what a flushed subnormal p becomes)
+        keep = np.asarray(jax.jit(sampling.top_p_mask)(logits, p))
+        np.testing.assert_array_equal(keep, np.arange(300)[None, :] == np.asarray(top)[:, None])
+        assert _kept(top_p_filter(logits[3], p)) == {int(top[3])}
+        ordered = -jnp.sort(-logits.astype(jnp.float32), axis=-1)
+        assert np.asarray(sampling._top_p_keep(ordered, p)).sum(-1).tolist() == [1] * 6
+    for key in range(4):
+        for t, k, p in ((1e-12, None, None), (1e-30, None, None), (1e-40, None, None), (1.0, None, 1e-40),
+                        (1e-30, 5, None), (0.7, 5, 1e-40), (1e-30, 100, 1e-40)):
+            draw = jax.jit(lambda r, x: sample_logits(r, x, t, k, p))(jax.random.key(key), logits)
+            np.testing.assert_array_equal(np.asarray(draw), top, err_msg=str((t, k, p)))
+
+
+def test_sample_rows_at_tiny_temperatures_and_top_p_is_argmax():
+    """Every row path of the engine's sampler (the top-k candidates, the full sort, top-p over the
+    vocabulary, no filter) at temperatures down to 1e-40 and top_p 1e-40: argmax, never token 0."""
+    logits, top = _peaked_logits(jnp.float32)
+    logits = jnp.concatenate([logits, logits.astype(jnp.bfloat16).astype(jnp.float32)])
+    top = jnp.concatenate([top, top])
+    settings = [(1e-30, 0, 1.0), (1e-12, 20, 1.0), (1e-30, 100, 1.0), (1.0, 0, 1e-40), (0.9, 20, 1e-40),
+                (1e-40, 100, 1e-40), (1e-38, 0, 1.0), (0.5, 0, 1e-45), (1e-20, 0, 0.5), (1e-15, 300, 1.0),
+                (1e-30, 64, 1e-40), (1e-10, 0, 1.0)]
+    for key in range(3):
+        rows = sampling.RowSettings(
+            temperature=jnp.asarray([t for t, _, _ in settings], jnp.float32),
+            top_k=jnp.asarray([k for _, k, _ in settings], jnp.int32),
+            top_p=jnp.asarray([p for _, _, p in settings], jnp.float32),
+            key_data=jax.vmap(jax.random.key_data)(jax.random.split(jax.random.key(key), 12)),
+            index=jnp.arange(12, dtype=jnp.int32))
+        np.testing.assert_array_equal(np.asarray(jax.jit(sampling.sample_rows)(logits, rows)), top)
+
+
+@pytest.mark.parametrize("kernels", ["portable", "cpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_near_greedy_settings_generate_the_greedy_tokens(kernels, dtype):
+    """temperature -> 0 tends to greedy, and the top token is always in the nucleus: temperature 1e-30
+    gave [.., 0, 0, 20, 7, 0, 0 ..] and top_p 1e-40 all zeros where greedy gives ten distinct tokens."""
+    cfg = GPTConfig(vocab_size=40, block_size=32, n_layer=2, n_head=4, n_embd=32, n_kv_head=2, kernels=kernels,
+                    dtype=dtype)
+    params = varied_params(cfg)
+    prompts = np.array([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+    dec = jaxgpt.Decoder(params, cfg)
+    greedy = np.asarray(dec.generate(prompts, 12, jax.random.key(0), temperature=0.0).tokens)
+    assert len(set(greedy[0, 5:].tolist())) >= 4  # (a continuation that varies)
+    for kw in (dict(temperature=1e-30), dict(top_p=1e-40), dict(temperature=1e-12, top_k=5, top_p=1e-40)):
+        out = dec.generate(prompts, 12, jax.random.key(3), **kw)
+        np.testing.assert_array_equal(np.asarray(out.tokens), greedy, err_msg=str(kw))
+    stream = np.concatenate(list(dec.stream(prompts, 12, jax.random.key(3), chunk_size=5, temperature=1e-300)), 1)
+    np.testing.assert_array_equal(stream, greedy[:, 5:])
+
+
 @pytest.mark.parametrize("top_k,top_p", [(None, None), (4, None), (None, 0.7), (4, 0.7), (12, 0.9)])
 def test_sample_logits_draws_from_the_filtered_softmax(top_k, top_p):
     logits = jax.random.normal(jax.random.key(3), (10,)) * 1.5

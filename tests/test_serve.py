@@ -148,6 +148,32 @@ def test_seeded_sampling_is_reproducible_among_concurrent_requests(client):
     assert alone[0] != alone[1]
 
 
+def test_a_huge_top_k_among_concurrent_requests_harms_none(client):
+    """top_k 2**31 overflowed the engine step's int32 arrays: a 500 for it and for the requests sharing its
+    step, and every later step failed. It is refused at parsing now (a 400 on top_k: integer fields fit
+    int32; a top_k within int32 but past the vocabulary is the vocabulary), and each of the concurrent
+    requests beside it answers 200 with its text alone, and the server keeps serving."""
+    bodies = [{"prompt": p, "max_tokens": 12, "temperature": 0.9, "seed": s}
+              for p, s in (("To be", 1), ("KING", 2), ("my lord", 3), ("To be", 4))]
+    alone = [client.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+    bodies.append({**bodies[0], "top_k": 2 ** 31})
+    results = [None] * (2 * len(bodies))
+
+    def ask(i):
+        r = client.post("/v1/completions", json=bodies[i % len(bodies)])
+        results[i] = (r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200
+                      else r.json()["error"]["param"])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == ([(200, text) for text in alone] + [(400, "top_k")]) * 2
+    again = client.post("/v1/completions", json=bodies[1])
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == alone[1]
+
+
 def test_echo_logprobs_equal_the_full_forward(client, params):
     prompt = "To be or not"
     r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": True,
@@ -226,6 +252,8 @@ def test_a_calls_tokens_stream_as_one_chunk_with_the_whole_answers_logprobs(para
     ({"prompt": "ab", "n": 0}, 400, "n"),
     ({"prompt": "ab", "logprobs": 999}, 400, "logprobs"),
     ({"prompt": "ab", "stop": 3}, 400, "stop"),
+    ({"prompt": "ab", "seed": 10 ** 30}, 400, "seed"),  # past a signed 64-bit integer (it was taken mod 2**31)
+    ({"prompt": "ab", "seed": -2 ** 63 - 1}, 400, "seed"),
     ({"prompt": "a" * 65}, 400, "prompt"),            # longer than the context
     ({"prompt": "a" * 60, "max_tokens": 10}, 400, "max_tokens"),
     ({"prompt": "caf\u00e9"}, 400, "prompt"),          # a character the char tokenizer lacks

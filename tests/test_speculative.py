@@ -113,6 +113,29 @@ def test_sampled_speculative_decoding_follows_the_targets_distribution(draft, to
         assert counts[exact == 0].sum() == 0
 
 
+@pytest.mark.parametrize("kernels,dtype,draft", [("portable", "float32", "ngram"), ("portable", "bfloat16", "ngram"),
+                                                 ("cpu", "float32", "ngram"), ("cpu", "bfloat16", "ngram"),
+                                                 ("portable", "float32", "small"), ("cpu", "bfloat16", "small")])
+def test_near_greedy_speculative_decoding_equals_greedy(kernels, dtype, draft):
+    """Sampled speculation (acceptance by p / q, the residual's draw) at temperature 1e-30 or top_p 1e-40:
+    p is a point mass on the target's top token, so the output is plain greedy decoding's."""
+    from tests.helpers import varied_params
+    cfg = CFG.replace(kernels=kernels, dtype=dtype)
+    d_cfg = cfg.replace(n_layer=1)
+    params, d_params = varied_params(cfg), varied_params(d_cfg, seed=5)
+    logp = np.asarray(_filtered(jnp.asarray([[0.5, 3.0, 3.0 - 1e-6, -2.0]]), 1e-30, None, None))
+    np.testing.assert_array_equal(np.exp(logp), [[0, 1, 0, 0]])  # (no NaN, no mass lost)
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, CFG.vocab_size, 5)
+    prompts = np.stack([np.tile(base, 3)[:12], rng.integers(0, CFG.vocab_size, 12)])
+    greedy = jaxgpt.generate(params, cfg, prompts, 12, jax.random.key(1), temperature=0.0).tokens
+    dec = jaxgpt.Decoder(params, cfg, speculative=Speculative(k=3, draft="ngram" if draft == "ngram" else
+                                                              (d_params, d_cfg)))
+    for kw in (dict(temperature=1e-30), dict(top_p=1e-40)):
+        out = dec.generate(prompts, 12, jax.random.key(2), **kw)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy), err_msg=str(kw))
+
+
 def test_speculative_and_int8_weights_together_equal_int8_plain_decoding(models):
     params, d_params = models
     prompts = np.random.default_rng(2).integers(0, CFG.vocab_size, (2, 9))

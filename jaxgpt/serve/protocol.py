@@ -8,6 +8,8 @@ import math
 import reprlib
 from typing import Any, Optional
 
+from jaxgpt.checks import SEED_MAX, SEED_MIN
+
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
           413: "RequestTooLarge", 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
@@ -123,7 +125,7 @@ def parse_sampling(body: dict, *, vocab_size: int, max_tokens_name: str = "max_t
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise bad("top_p", f"top_p must be in (0, 1], got {top_p!r}")
     top_k = get_int(body, "top_k", None, lo=-1)
-    seed = get_int(body, "seed", None, lo=-2 ** 63, hi=2 ** 63 - 1)
+    seed = get_int(body, "seed", None, lo=SEED_MIN, hi=SEED_MAX)  # vLLM's range too (a signed 64-bit integer)
     n = get_int(body, "n", 1, lo=1, hi=128)
     if body.get("best_of") not in (None, n):
         raise bad("best_of", "best_of is not supported (only best_of = n)")
