@@ -83,7 +83,6 @@ def test_shards_in_scores_out_with_the_fineweb_recipe_at_a_tiny_scale(tmp_path, 
     with open(docs_dir / "part0.jsonl", "w") as f:
         for d in _docs():
             f.write(json.dumps({"text": d}) + "\n")
-    env = {**os.environ, "JAXGPT_CACHE": str(tmp_path / "cache")}
     shards = tmp_path / "fineweb10B"
     assert prepare.main(["--corpus=jsonl", f"--path={docs_dir}", "--tokenizer=bpe", "--vocab_size=300",
                          f"--shards={shards}", "--shard_name=fineweb", "--shard_tokens=4000", "--val_tokens=1500",
@@ -100,7 +99,7 @@ def test_shards_in_scores_out_with_the_fineweb_recipe_at_a_tiny_scale(tmp_path, 
             "--config.train.eval_steps=2", "--config.train.checkpoint_interval=4", "--config.train.log_interval=1",
             "--config.train.trackers=jsonl", "--config.train.progress=False", "--config.compile_cache=off"]
     r = subprocess.run([sys.executable, "train.py", "--config=configs/gpt2_124m_fineweb.py", *tiny], cwd=REPO,
-                       capture_output=True, text=True, env=env, timeout=300)
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
     evals = {row["step"]: row for row in rows if "val_loss" in row}
