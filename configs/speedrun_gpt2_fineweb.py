@@ -32,7 +32,6 @@ def get_config():
     c.data.corpus = "shards"
     c.data.path = "fineweb10B/fineweb_*.bin"
     c.data.tokenizer = "auto"
-    c.data.val_fraction = 0.1  # (unused by shards: the _val_ files are the validation split)
     c.train.eval_interval = 125  # modded-nanogpt's val_loss_every
     c.train.eval_steps = 20      # 20 x 512 x 1024 = 10,485,760 validation tokens
     c.train.target_val_loss = 3.28
