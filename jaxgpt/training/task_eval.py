@@ -19,7 +19,8 @@ def check_config(t) -> None:
         raise ValueError(f"config.train.eval_tasks: {e}") from None
     for p in paths:
         if not os.path.isfile(os.path.expanduser(p)):
-            raise ValueError(f"config.train.eval_tasks: task file {p} does not exist; give local JSON Lines files")
+            raise ValueError(f"config.train.eval_tasks: task file {p} does not exist; give local JSON Lines files "
+                             f"(--config.train.eval_tasks=PATH[,PATH]), or --config.train.eval_tasks='' for none")
     style, limit, every = t.get("eval_tasks_style", "llmc"), t.get("eval_tasks_limit"), t.get("eval_tasks_interval")
     if style not in evals.STYLES:
         raise ValueError(f"config.train.eval_tasks_style: must be one of {evals.STYLES}, got {style!r}")
