@@ -31,6 +31,27 @@ PARALLEL_MODES = ("pmap", "mesh")
 ALIGNS = ("random", "document")  # data.align
 
 
+def _data_section():
+    """config.data: the corpus, its tokenizer and where training windows start."""
+    placeholder = config_dict.placeholder
+    d = config_dict.ConfigDict()
+    d.corpus = "shakespeare"  # shakespeare | tinyshakespeare | file | hf | shards (llm.c's token shards)
+    # file/folder for `file`, local copy for `tinyshakespeare`, dataset for `hf`, a folder or glob for `shards`
+    d.path = placeholder(str)
+    d.val_path = placeholder(str)  # shards: the validation shards (a folder or glob); None: names with _val_
+    d.tokenizer = "char"       # char | byte | bpe | gpt2 | auto (shards: their shards.json, else by version)
+    d.vocab_size = placeholder(int)  # for `bpe`
+    d.val_fraction = 0.1
+    d.cache_dir = placeholder(str)   # None: $JAXGPT_CACHE or ~/.cache/jaxgpt
+    # where training windows start: "random" (any token, nanoGPT's) or "document" (at a document's first
+    # token, its end-of-text token; the tokenizer must have one); validation stays on fixed random windows
+    d.align = "random"
+    # with align="document": each token attends only to earlier tokens of its own document, whose positions
+    # start at 0 (every document computed as if alone); False: windows aligned, attention across documents
+    d.doc_mask = True
+    return d
+
+
 def default_config():
     """The full training schema with nanoGPT-like defaults (every key a config may set is here)."""
     placeholder = config_dict.placeholder
@@ -47,21 +68,7 @@ def default_config():
     c.imports = config_dict.placeholder(object)
 
     c.model = _model_section()
-    c.data = config_dict.ConfigDict()
-    c.data.corpus = "shakespeare"  # shakespeare | tinyshakespeare | file | hf | shards (llm.c's token shards)
-    # file/folder for `file`, local copy for `tinyshakespeare`, dataset for `hf`, a folder or glob for `shards`
-    c.data.path = placeholder(str)
-    c.data.val_path = placeholder(str)  # shards: the validation shards (a folder or glob); None: names with _val_
-    c.data.tokenizer = "char"       # char | byte | bpe | gpt2 | auto (shards: their shards.json, else by version)
-    c.data.vocab_size = placeholder(int)  # for `bpe`
-    c.data.val_fraction = 0.1
-    c.data.cache_dir = placeholder(str)   # None: $JAXGPT_CACHE or ~/.cache/jaxgpt
-    # where training windows start: "random" (any token, nanoGPT's) or "document" (at a document's first
-    # token, its end-of-text token; the tokenizer must have one); validation stays on fixed random windows
-    c.data.align = "random"
-    # with align="document": each token attends only to earlier tokens of its own document, whose positions
-    # start at 0 (every document computed as if alone); False: windows aligned, attention across documents
-    c.data.doc_mask = True
+    c.data = _data_section()
 
     c.train = config_dict.ConfigDict()
     c.train.batch_size = 12      # global, over all devices and processes
@@ -242,6 +249,14 @@ def _check_data(d) -> None:
     """config.data: a corpus the loop knows, and the tokenizer and paths that go with it."""
     from jaxgpt.data import CORPORA, TOKENIZERS
 
+    if d.align not in ALIGNS:
+        raise ValueError(f"config.data.align: must be one of {ALIGNS}, got {d.align!r}")
+    if not isinstance(d.doc_mask, bool):
+        raise ValueError(f"config.data.doc_mask: must be True or False, got {d.doc_mask!r}")
+    if d.align == "document" and d.tokenizer in ("char", "byte"):
+        raise ValueError(f"config.data.align: 'document' needs a tokenizer with an end-of-text token to find "
+                         f"documents by; data.tokenizer={d.tokenizer!r} has none (use 'bpe' or 'gpt2', or "
+                         f"data.align='random')")
     corpora = CORPORA + ("shards",)
     if d.corpus not in corpora:
         raise ValueError(f"config.data.corpus: must be one of {corpora}, got {d.corpus!r}")
@@ -337,11 +352,6 @@ def validate_config(config, device_count: Optional[int] = None) -> None:
     _check_instruments(t)
     need(0 < d.val_fraction < 1, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
     _check_data(d)
-    need(d.align in ALIGNS, "data.align", f"must be one of {ALIGNS}, got {d.align!r}")
-    need(isinstance(d.doc_mask, bool), "data.doc_mask", f"must be True or False, got {d.doc_mask!r}")
-    need(d.align != "document" or d.tokenizer not in ("char", "byte"), "data.align",
-         f"'document' needs a tokenizer with an end-of-text token to find documents by; data.tokenizer="
-         f"{d.tokenizer!r} has none (use 'bpe' or 'gpt2', or data.align='random')")
     need(d.tokenizer != "bpe" or (d.vocab_size or 0) > 256, "data.vocab_size",
          "the bpe tokenizer needs data.vocab_size > 256")
     cache_folder(config.compile_cache)
