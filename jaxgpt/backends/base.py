@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 from flax import struct, traverse_util
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxgpt.attention import AttentionFn, check_shapes, dot_product_attention, get_attention
 from jaxgpt.cache import CacheLayout
@@ -43,6 +43,9 @@ def int8_prepared(params, tie_embeddings: bool, kernel_form=None, *, config=None
     return traverse_util.unflatten_dict(prepared)
 
 
+TENSOR = "tensor"  # the mesh axis that splits attention's heads (jaxgpt/sharding.py's rules table)
+
+
 def _nothing() -> None:
     return None
 
@@ -69,6 +72,8 @@ class Backend:
       kernels): under jit over a mesh whose axes shard the batch they run per batch shard in shard_map.
     - `batch_mesh`: (mesh, batch axes) of the jit the programs run under, set by `on_mesh` (MeshRunner);
       None: no mesh, or one device.
+    - `head_mesh`: (mesh, batch axes) when that mesh has a `tensor` axis of more than one device, set by
+      `on_mesh`: attention's projections and activations are then split by heads over it (`shard_heads`).
     - `cache_attention(q, cache, layer, q_positions, kv_lengths)`: its built-in "dot_product" attention
       over layer `layer` of a KV cache read as stored (float or int8, a `KVCache.view_first` included:
       its buffers hold more rows than q), or None where it does not take the cache; unset or None: the
@@ -86,6 +91,7 @@ class Backend:
     setup: Callable[[], None] = _nothing
     per_shard_attention: bool = False
     batch_mesh: Optional[tuple] = None
+    head_mesh: Optional[tuple] = None
     cache_attention: Optional[Callable] = None
 
     def attention(self, name: str) -> AttentionFn:
@@ -101,9 +107,33 @@ class Backend:
 
     def on_mesh(self, mesh, batch_axes: tuple) -> "Backend":
         """This backend for programs jitted over `mesh` with the batch sharded over `batch_axes`."""
-        if math.prod(mesh.shape[a] for a in batch_axes) == 1:
-            return self
-        return dataclasses.replace(self, batch_mesh=(mesh, tuple(batch_axes)))
+        where = (mesh, tuple(batch_axes))
+        changes = {}
+        if math.prod(mesh.shape[a] for a in batch_axes) > 1:
+            changes["batch_mesh"] = where
+        if dict(mesh.shape).get(TENSOR, 1) > 1:
+            changes["head_mesh"] = where
+        return dataclasses.replace(self, **changes) if changes else self
+
+    @property
+    def tensor_size(self) -> int:
+        """How many devices the `head_mesh`'s tensor axis has (1 without one)."""
+        return 1 if self.head_mesh is None else self.head_mesh[0].shape[TENSOR]
+
+    def shard_heads(self, x: jax.Array, axis: int, heads: int, rows: bool = True) -> jax.Array:
+        """`x` constrained to lie split over the `head_mesh`'s tensor axis along `axis`, which holds
+        `heads` heads (when the tensor size divides them: else whole on every tensor device, as GQA's kv
+        heads are when there are fewer than tensor devices), and with `rows` its first axis over the batch
+        axes; `x` itself without a head mesh."""
+        if self.head_mesh is None:
+            return x
+        mesh, batch = self.head_mesh
+        spec = [None] * x.ndim
+        if heads % mesh.shape[TENSOR] == 0:
+            spec[axis] = TENSOR
+        if rows and batch and x.shape[0] % math.prod(mesh.shape[a] for a in batch) == 0:
+            spec[0] = batch
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
 
     def activation_dtype(self, compute_dtype) -> jnp.dtype:
         """The dtype activations travel in between matmuls."""
