@@ -101,15 +101,16 @@ class Dense(nn.Module):
         if g % backend.tensor_size:
             outs = []
             for n, lo, hi in zip(parts, bounds, bounds[1:]):
-                # (kernel whole on each tensor device: taking its own heads' columns moves nothing)
-                w = backend.shard_heads(kernel[:, lo:hi], 1, n, rows=False)
+                w = backend.shard_heads(backend.whole(kernel[:, lo:hi]), 1, n, rows=False)
                 b = None if bias is None else bias[lo:hi]
                 y = backend.linear(x, w, cfg.compute_dtype, b=b, out_dtype=out_dtype)
                 outs.append(backend.shard_heads(y.reshape(*y.shape[:-1], n, h), y.ndim - 1, n))
             return tuple(outs)
         spans = list(zip(parts, bounds, bounds[1:]))
+        # regrouped whole (the kernel is whole on each tensor device), then each device keeps its own groups:
+        # nothing moves (GSPMD would otherwise split the slices in contiguous blocks and permute them)
         w = jnp.concatenate([kernel[:, lo:hi].reshape(e, g, n // g, h) for n, lo, hi in spans], axis=2)
-        w = backend.shard_heads(w, 1, g, rows=False).reshape(e, -1)
+        w = backend.shard_heads(backend.whole(w), 1, g, rows=False).reshape(e, -1)
         b = None if bias is None else jnp.concatenate([bias[lo:hi].reshape(g, n // g, h) for n, lo, hi in spans], 1)
         y = backend.linear(x, w, cfg.compute_dtype, b=None if b is None else b.reshape(-1), out_dtype=out_dtype)
         y = backend.shard_heads(y.reshape(*y.shape[:-1], g, -1, h), y.ndim - 1, g)  # [..., g, heads per group, H]

@@ -197,5 +197,7 @@ def test_generate_under_tensor_2_keeps_the_cache_split_in_the_compiled_program()
                                        1.0, None, None, None, 0), mesh=decoder.mesh).compile().as_text()
     found = _collectives(hlo)
     assert any(kind == "all-reduce" for kind, _, _ in found)  # (c_proj's and the MLP's partial sums)
+    # (before heads were split: q, k and v permuted between the devices under attn/c_attn, every step)
+    assert [c for c in found if c[0] != "all-reduce" and "/attn/" in c[2]] == []
     moved = [c for c in found if c[0] != "all-reduce" and any(len(s) == 4 and s[0] == 2 and s[2] == 12 for s in c[1])]
     assert moved == []

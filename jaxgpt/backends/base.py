@@ -120,6 +120,12 @@ class Backend:
         """How many devices the `head_mesh`'s tensor axis has (1 without one)."""
         return 1 if self.head_mesh is None else self.head_mesh[0].shape[TENSOR]
 
+    def whole(self, x: jax.Array) -> jax.Array:
+        """`x` constrained to lie whole on every device of the `head_mesh` (`x` itself without one)."""
+        if self.head_mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.head_mesh[0], P()))
+
     def shard_heads(self, x: jax.Array, axis: int, heads: int, rows: bool = True) -> jax.Array:
         """`x` constrained to lie split over the `head_mesh`'s tensor axis along `axis`, which holds
         `heads` heads (when the tensor size divides them: else whole on every tensor device, as GQA's kv
