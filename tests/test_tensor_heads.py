@@ -201,3 +201,15 @@ def test_generate_under_tensor_2_keeps_the_cache_split_in_the_compiled_program()
     assert [c for c in found if c[0] != "all-reduce" and "/attn/" in c[2]] == []
     moved = [c for c in found if c[0] != "all-reduce" and any(len(s) == 4 and s[0] == 2 and s[2] == 12 for s in c[1])]
     assert moved == []
+
+
+def test_the_tpu_backend_runs_splash_per_device_on_its_own_heads():
+    """The splash kernel (interpreted on this CPU) in shard_map over the batch axes and tensor: each device
+    on its rows and its own heads, the losses the portable backend's."""
+    cfg = CFG.replace(kernels="tpu")
+    runner = MeshRunner(cfg, OPT, mesh="data=2,tensor=2")
+    assert runner.backend.name == "tpu" and runner.backend.head_mesh == (runner.mesh, ("data",))
+    hlo = _compiled_step(cfg, "data=2,tensor=2")
+    assert _moved_attention_activations(hlo, ROWS // 2, cfg.block_size) == []
+    losses, _ = _run(cfg, runner, steps=1)
+    np.testing.assert_allclose(losses, _run(CFG, MeshRunner(CFG, OPT, mesh="data=2,tensor=2"), steps=1)[0], rtol=1e-5)

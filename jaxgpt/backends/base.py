@@ -101,8 +101,9 @@ class Backend:
         kernel = None if ATTENTION.replaced(name) else dict(self.attention_kernels).get(name)
         if kernel is None:
             return get_attention(name)
-        if self.per_shard_attention and self.batch_mesh is not None:
-            return per_batch_shard(kernel, *self.batch_mesh)
+        if self.per_shard_attention and (self.batch_mesh or self.head_mesh) is not None:
+            mesh, batch = self.batch_mesh or self.head_mesh
+            return per_batch_shard(kernel, mesh, batch, heads=self.head_mesh is not None)
         return kernel
 
     def on_mesh(self, mesh, batch_axes: tuple) -> "Backend":
@@ -189,16 +190,20 @@ def decode_weights(backend: Backend, params: Any, batch_size: int, compute_dtype
                                                         config=config))
 
 
-def per_batch_shard(attend: AttentionFn, mesh, batch_axes: tuple) -> AttentionFn:
+def per_batch_shard(attend: AttentionFn, mesh, batch_axes: tuple, heads: bool = False) -> AttentionFn:
     """`attend` (the registry's signature; every argument batch-first, rows independent) run in shard_map
-    over `batch_axes` of `mesh`, each device on its rows, heads whole. A batch the axes do not divide
-    runs whole on every device (right, only slower)."""
+    over `batch_axes` of `mesh`, each device on its rows, heads whole; with `heads` also over the mesh's
+    tensor axis, each device on its own heads (where the tensor size divides the kv heads). A batch the
+    axes do not divide runs whole on every device (right, only slower)."""
     n = math.prod(mesh.shape[a] for a in batch_axes)
 
     def sharded(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None, *, segment_ids_BxT=None):
         args = (q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B, segment_ids_BxT)
         given = tuple(i for i, a in enumerate(args) if a is not None)
-        rows = P(batch_axes) if q_BxTxNxH.shape[0] % n == 0 else P()
+        row = batch_axes if batch_axes and q_BxTxNxH.shape[0] % n == 0 else None
+        split = heads and k_BxKxSxH.shape[1] % mesh.shape[TENSOR] == 0
+        head = TENSOR if split else None
+        specs = (P(row, None, head), P(row, head), P(row, head), P(row), P(row), P(row))
 
         def per_shard(*arrays):
             full = [None] * len(args)
@@ -208,7 +213,7 @@ def per_batch_shard(attend: AttentionFn, mesh, batch_axes: tuple) -> AttentionFn
             return attend(*positional) if segments is None else attend(*positional, segment_ids_BxT=segments)
 
         # (check_vma=False: Pallas calls carry no varying-manual-axes rule; every output is per row)
-        return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows,) * len(given), out_specs=rows,
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs[i] for i in given), out_specs=specs[0],
                              check_vma=False)(*(args[i] for i in given))
     return sharded
 
