@@ -69,7 +69,8 @@ class Backend:
     - `run_once_options`: XLA options for programs run once (parameter init), as (key, value) pairs.
     - `setup()`: process-wide preparation, called when a step or decoder is built.
     - `per_shard_attention`: its attention kernels are calls XLA cannot partition (Pallas TPU's Mosaic
-      kernels): under jit over a mesh whose axes shard the batch they run per batch shard in shard_map.
+      kernels): under jit over a mesh whose axes shard the batch (or split heads over tensor) they run per
+      batch shard and per head group in shard_map.
     - `batch_mesh`: (mesh, batch axes) of the jit the programs run under, set by `on_mesh` (MeshRunner);
       None: no mesh, or one device.
     - `head_mesh`: (mesh, batch axes) when that mesh has a `tensor` axis of more than one device, set by
