@@ -37,8 +37,8 @@ from jaxgpt.checks import SEED_MAX, SEED_MIN, is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
 from jaxgpt.quantize import check_kv_dtype, check_quantize
-from jaxgpt.sampling import (RowSettings, _check_rng, _dequantized_jit, argmax_last, params_mesh, sample_rows,
-                             token_logprobs, validate_sampler)
+from jaxgpt.sampling import (RowSettings, _check_rng, _dequantized_jit, argmax_last, on_params_mesh, params_mesh,
+                             sample_rows, token_logprobs, validate_sampler)
 from jaxgpt.speculative import Speculative, ngram_lookup
 
 # Traces of the engine's programs, by kind; `Engine.programs_compiled` reads it.
@@ -417,17 +417,16 @@ class Engine:
     the same tokens, without a call's fixed cost for each token (bench/README.md); a request that arrives
     meanwhile waits up to k steps, and tokens stream k at a time. A dict {rows: steps} sets k by the decode's
     rows (`steps_by_rows`; jaxgpt-serve's default {1: 16, 2: 8, 4: 4}). Not with `speculative`.
-    Params placed on a mesh by `jaxgpt.shard_params` (say tensor=8) decode there (`mesh` says which); with
-    `split_cache=True` the KV cache lies split by kv head over `tensor` where the backend's layout allows
-    (`KVCache.on_mesh`): a tensor-th of its bytes per device, but attention runs with every head on each
-    device under the default rules (c_attn's output is not split over tensor), so each step gathers the
-    cache's layers back: memory for traffic.
+    Params placed on a mesh by `jaxgpt.shard_params` (say tensor=8) decode there (`mesh` says which), attention
+    split by heads over `tensor`; with `split_cache` (default: on wherever `tensor` > 1) the KV cache lies
+    split by kv head over `tensor` where the backend's layout allows (`KVCache.on_mesh`): a tensor-th of its
+    bytes per device, each device writing and reading its own heads.
     """
 
     def __init__(self, params, config: GPTConfig, *, slots: int = 8, max_len: Optional[int] = None,
                  prefill_chunk: int = 256, max_logprobs: int = 20, backend: Optional[Backend] = None,
                  quantize: Optional[str] = None, kv_dtype: Optional[str] = None, speculative=None,
-                 decode_steps=1, split_cache: bool = False, prefill_budget: Optional[int] = None,
+                 decode_steps=1, split_cache: Optional[bool] = None, prefill_budget: Optional[int] = None,
                  packed_prefill: bool = False):
         self.quantize = check_quantize(quantize)
         self.speculative = _check_speculative(speculative)
@@ -444,7 +443,8 @@ class Engine:
         if max_logprobs > config.vocab_size:
             raise ValueError(f"max_logprobs ({max_logprobs}) exceeds the vocabulary ({config.vocab_size})")
         self.config = config.replace(remat="none")
-        self.backend = backend or resolve(config)
+        # params placed on a mesh: attention split by heads there, and the cache by kv head (split_cache)
+        self.backend, cache_mesh = on_params_mesh(backend or resolve(config), params, split_cache)
         self.backend.setup()
         self.slots, self.max_len = int(slots), int(max_len)
         self.prefill_chunk, self.max_logprobs = min(int(prefill_chunk), self.max_len), int(max_logprobs)
@@ -466,8 +466,8 @@ class Engine:
         self.cache = KVCache.create(self.config, self.slots, self.max_len, dtype=self.kv_dtype,
                                     layout=self.backend.cache_layout)
         self.mesh = params_mesh(params)
-        if self.mesh is not None and split_cache:  # params placed by shard_params: the cache by kv head
-            self.cache = self.cache.on_mesh(self.mesh)
+        if cache_mesh is not None:
+            self.cache = self.cache.on_mesh(cache_mesh)
         self._static = dict(config=self.config, backend=self.backend)
         # whole prompts of several slots in one prefill call (`_prefill_packed`): lengths of the packed
         # programs, and prompts per call. Not on a mesh, nor for a registered attention other than the

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from jaxgpt import lora
-from jaxgpt.attention import packed_attention, rotary_embedding, segment_positions, split_heads, takes_segments
+from jaxgpt.attention import packed_attention, rotary_embedding, segment_positions, takes_segments
 from jaxgpt.backends import PORTABLE, Backend, resolve
 from jaxgpt.cache import KVCache, PackedCache
 from jaxgpt.config import GPTConfig
@@ -46,7 +46,10 @@ class Dense(nn.Module):
     "prepared" kernel (the backend's decode form) is used instead of the stored one when present, and a
     LoRA adapter in the "lora" collection adds its low-rank term (jaxgpt/lora.py). `info` declares the
     kernel (schema.matrix: its logical axes, LoRA names, ...); the bias is declared from it. The
-    parameters may take other names (`kernel_name`, `bias_name`)."""
+    parameters may take other names (`kernel_name`, `bias_name`). `parts`: the head counts of the parts
+    its columns hold one after another (attention's fused [q | k | v]): it then returns each part as
+    [..., heads, features // sum(parts)], on a tensor mesh (`Backend.head_mesh`) each computed from its
+    own columns with its heads split over `tensor` (column-parallel, each device on whole heads)."""
 
     features: int
     use_bias: bool
@@ -57,11 +60,13 @@ class Dense(nn.Module):
     info: Optional[ParamInfo] = None
     kernel_name: str = "kernel"
     bias_name: str = "bias"
+    parts: tuple = ()
 
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        if self.has_variable("prepared", self.kernel_name):
+        prepared = self.has_variable("prepared", self.kernel_name)
+        if prepared:
             kernel = self.get_variable("prepared", self.kernel_name)
         else:
             if self.info is not None:
@@ -73,6 +78,48 @@ class Dense(nn.Module):
                 declare(self, self.bias_name, bias_info(self.info))
             bias = self.param(self.bias_name, nn.initializers.zeros, (self.features,), cfg.params_dtype)
         out_dtype = self.out_dtype or self.backend.activation_dtype(cfg.compute_dtype)
+        if not self.parts:
+            return self._fused(x, kernel, bias, out_dtype)
+        h = self.features // sum(self.parts)
+        bounds = [sum(self.parts[:i]) * h for i in range(len(self.parts) + 1)]
+        # a prepared kernel (a backend's decode form) and a LoRA adapter act on all the columns at once
+        if self.backend.head_mesh is None or prepared or self.has_variable("lora", "a"):
+            y = self._fused(x, kernel, bias, out_dtype)
+            return tuple(y[..., lo:hi].reshape(*y.shape[:-1], n, h)
+                         for n, lo, hi in zip(self.parts, bounds, bounds[1:]))
+        return self._by_heads(x, kernel, bias, out_dtype, h, bounds)
+
+    def _by_heads(self, x, kernel, bias, out_dtype, h: int, bounds: list) -> tuple:
+        """The parts from their own columns, split by heads over the tensor axis. With g = the fewest heads
+        of a part (the kv heads) a multiple of the tensor size, the columns are regrouped [embed, g, heads
+        per group, H] (group j: its query heads, then its key head, then its value head) and multiplied at
+        once: each device holds whole groups, and the backward sums the input's gradient in one all-reduce.
+        Else each part separately, a part whose heads the tensor size does not divide computed whole (GQA's
+        kv heads, replicated)."""
+        cfg, backend, parts, e = self.config, self.backend, self.parts, kernel.shape[0]
+        g = min(parts)
+        if g % backend.tensor_size:
+            outs = []
+            for n, lo, hi in zip(parts, bounds, bounds[1:]):
+                w = backend.shard_heads(backend.whole(kernel[:, lo:hi]), 1, n, rows=False)
+                b = None if bias is None else bias[lo:hi]
+                y = backend.linear(x, w, cfg.compute_dtype, b=b, out_dtype=out_dtype)
+                outs.append(backend.shard_heads(y.reshape(*y.shape[:-1], n, h), y.ndim - 1, n))
+            return tuple(outs)
+        spans = list(zip(parts, bounds, bounds[1:]))
+        # regrouped whole (the kernel is whole on each tensor device), then each device keeps its own groups:
+        # nothing moves (GSPMD would otherwise split the slices in contiguous blocks and permute them)
+        w = jnp.concatenate([kernel[:, lo:hi].reshape(e, g, n // g, h) for n, lo, hi in spans], axis=2)
+        w = backend.shard_heads(backend.whole(w), 1, g, rows=False).reshape(e, -1)
+        b = None if bias is None else jnp.concatenate([bias[lo:hi].reshape(g, n // g, h) for n, lo, hi in spans], 1)
+        y = backend.linear(x, w, cfg.compute_dtype, b=None if b is None else b.reshape(-1), out_dtype=out_dtype)
+        y = backend.shard_heads(y.reshape(*y.shape[:-1], g, -1, h), y.ndim - 1, g)  # [..., g, heads per group, H]
+        cuts = [sum(parts[:i]) // g for i in range(len(parts) + 1)]
+        return tuple(backend.shard_heads(y[..., lo:hi, :].reshape(*y.shape[:-3], n, h), y.ndim - 3, n)
+                     for n, lo, hi in zip(parts, cuts, cuts[1:]))
+
+    def _fused(self, x, kernel, bias, out_dtype):
+        cfg = self.config
         if not self.has_variable("lora", "a"):
             return self.backend.linear(x, kernel, cfg.compute_dtype, b=bias, out_dtype=out_dtype)
         y = self.backend.linear(x, kernel, cfg.compute_dtype, b=bias, out_dtype=jnp.float32)
@@ -137,8 +184,9 @@ class CausalSelfAttention(nn.Module):
         cfg, backend = self.config, self.backend
         b, t, _ = x_BxTxD.shape
         n, kh, h = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        qkv = _dense(cfg, backend, (n + 2 * kh) * h, "c_attn", qkv_info(cfg))(x_BxTxD)
-        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = split_heads(qkv, n, kh)
+        # q, k and v from c_attn's [q | k | v] columns: on a tensor mesh each split by heads over it
+        c_attn = Dense((n + 2 * kh) * h, cfg.bias, cfg, backend, info=qkv_info(cfg), parts=(n, kh, kh), name="c_attn")
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = c_attn(x_BxTxD)
         if value_embed is not None:
             declare(self, "ve_mix", ParamInfo("mixing", ("mix",)))
             mix = self.param("ve_mix", nn.initializers.constant(0.5), (2,), jnp.float32).astype(v_BxTxKxH.dtype)

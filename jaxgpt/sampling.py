@@ -446,6 +446,19 @@ def params_mesh(params):
     return None
 
 
+def on_params_mesh(backend: Backend, params, split_cache: Optional[bool]) -> tuple:
+    """(backend, cache mesh) for params that `jaxgpt.shard_params` placed on a mesh: the backend splitting
+    attention by heads over its tensor axis (Backend.on_mesh), and the mesh to split the cache by kv head
+    over when `split_cache` (None: wherever the mesh has a tensor axis of more than one device); (backend,
+    None) for params on one device."""
+    mesh = params_mesh(params)
+    if mesh is None:
+        return backend, None
+    if split_cache is None:
+        split_cache = dict(mesh.shape).get("tensor", 1) > 1
+    return backend.on_mesh(mesh, ()), mesh if split_cache else None
+
+
 def _prefill(model: GPT, variables: dict, prompts_BxP, prompt_lengths_B, max_len: int, kv_dtype=None,
              mesh=None) -> DecodeState:
     """The whole (padded) prompt at once through `variables` (`DecodeWeights.prefill_variables`: the
@@ -547,9 +560,10 @@ class Decoder:
     `kv_dtype="int8"` keeps the KV cache as int8 with a scale per position and head (jaxgpt/cache.py):
     a quarter of float32's bytes.
 
-    `split_cache=True`, for params placed on a mesh by `jaxgpt.shard_params`: the programs constrain the
-    cache they allocate to split by kv head over `tensor` (`mesh` says which mesh). Attention still runs
-    with every head on each device under the default rules, so this does not pay yet (docs/multihost.md).
+    Params placed on a mesh by `jaxgpt.shard_params` decode there, attention split by heads over its
+    `tensor` axis (each device on its own heads); `split_cache` (default: on wherever `tensor` > 1): the
+    programs constrain the cache they allocate to split by kv head over `tensor` too, so that each device
+    writes and reads only its heads' keys and values (`mesh` says which mesh; docs/multihost.md).
 
     `quantize="int8"` decodes with int8 weights (jaxgpt/quantize.py): every dense kernel and the output
     head as int8 with a float scale per output, made once here. Its model is `quantize.dequantized(params)`
@@ -559,12 +573,13 @@ class Decoder:
     """
 
     def __init__(self, params, config: GPTConfig, backend: Optional[Backend] = None, quantize: Optional[str] = None,
-                 speculative=None, kv_dtype: Optional[str] = None, split_cache: bool = False):
+                 speculative=None, kv_dtype: Optional[str] = None, split_cache: Optional[bool] = None):
         self.quantize = check_quantize(quantize)
         self.kv_dtype = check_kv_dtype(kv_dtype)
         self.config = config.replace(remat="none")
         self.params = params if self.quantize is None else _dequantized_jit(params, config=self.config)
-        self.backend = backend or resolve(config)
+        # params placed on a mesh: attention split by heads there, and the cache by kv head (split_cache)
+        self.backend, self.mesh = on_params_mesh(backend or resolve(config), params, split_cache)
         self.backend.setup()
         self._weights: dict = {}  # batch size -> DecodeWeights (the latest one only)
         if speculative is not None and not hasattr(speculative, "generate_with"):
@@ -572,8 +587,6 @@ class Decoder:
         self.speculative = speculative
         self.last_speculative_stats = None  # rounds, proposed, accepted, acceptance of the latest call
         self.draft = None if speculative is None else speculative.draft_decoder(self)  # the draft model's
-        # params placed on a mesh, with split_cache: the cache its programs allocate split by kv head there
-        self.mesh = params_mesh(params) if split_cache else None
 
     def weights(self, batch_size: int) -> DecodeWeights:
         """The decode steps' weights for `batch_size` rows (the backend's prepared forms, made once)."""
@@ -654,8 +667,11 @@ def lower_generate(config: GPTConfig, batch_size: int, prompt_len: int, max_new_
     """`generate`'s program lowered for abstract inputs (nothing allocated): `.compile()` it to check it
     ahead of time, e.g. for another platform's devices: `sharding` for the weights and rng, `row_sharding`
     for the prompts and their lengths (default `sharding`). `params` default: the config's abstract ones.
-    `mesh`: the cache split by kv head over its tensor axis, as `Decoder` does for params on a mesh."""
+    `mesh`: attention split by heads and the cache by kv head over its tensor axis, as `Decoder` does for
+    params on a mesh."""
     backend = backend or resolve(config)
+    if mesh is not None:
+        backend = backend.on_mesh(mesh, ())
     config = config.replace(remat="none")
     sampler = sampler or Sampler(1.0, None, None, None, 0)
     params = abstract_params(config) if params is None else params

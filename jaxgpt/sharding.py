@@ -11,10 +11,10 @@ the rules table says which mesh axes (`dcn`, `data`, `fsdp`, `tensor`) each name
   GSPMD adds with one all-reduce per pair;
 - fsdp splits any named dimension but `layers` (the scanned axis) and `mix`;
 - `qkv` (attention's fused [q | k | v] c_attn output) is not split over tensor: its columns in tensor-many
-  contiguous blocks would not fall on head boundaries (with two devices, one would hold q and half of k),
-  so splitting it would make GSPMD move the projection's output between devices to split q, k and v.
-  c_attn is computed whole on each tensor device (redundant work on about a quarter of a GPT-2 block's
-  weights, a ninth of a Llama 8B block's) and the heads are split from c_proj on.
+  contiguous blocks would not fall on head boundaries (with two devices, one would hold q and half of k).
+  The kernel is stored whole on each tensor device, and the model regroups its columns by kv head and
+  multiplies each device's own heads (model.Dense's `parts`, Backend.shard_heads): q, k and v, attention
+  and c_proj's rows split by heads, one all-reduce per block.
 - a dimension no layer named (`unnamed`: optimizer state that mirrors no parameter, an undeclared
   parameter; also a name of a custom layer's own that the table lacks) may be split over fsdp.
 
@@ -51,7 +51,7 @@ DEFAULT_RULES = (
     ("heads", ("tensor", "fsdp")),
     ("kv_heads", ("tensor", "fsdp")),
     ("mlp", ("tensor", "fsdp")),
-    ("qkv", ("fsdp",)),  # not tensor: see the module's docstring
+    ("qkv", ("fsdp",)),  # not tensor (split by heads inside the model): see the module's docstring
     ("head_dim", ("fsdp",)),
     ("layers", ()),
     ("mix", ()),

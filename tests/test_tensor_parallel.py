@@ -205,7 +205,8 @@ def test_the_engine_splits_its_kv_cache_by_kv_head_under_tensor_2(kv_dtype):
     split = Engine(placed, cfg, slots=2, max_len=16, prefill_chunk=4, kv_dtype=kv_dtype, decode_steps=2,
                    split_cache=True)
     assert one.mesh is None and split.mesh is mesh
-    assert Engine(placed, cfg, slots=2, max_len=16).cache.k[0].sharding.is_fully_replicated  # (not asked)
+    assert Engine(placed, cfg, slots=2, max_len=16, split_cache=False).cache.k[0].sharding.is_fully_replicated
+    assert not Engine(placed, cfg, slots=2, max_len=16).cache.k[0].sharding.is_fully_replicated  # (the default)
     want = NamedSharding(mesh, P(None, "tensor"))
     assert split.cache.k[0].sharding.is_equivalent_to(want, 4)
     assert [o.token_ids for o in split.run(reqs)] == [o.token_ids for o in one.run(reqs)]
@@ -230,7 +231,7 @@ def test_generate_splits_the_cache_it_allocates_by_kv_head_under_tensor_2(monkey
     placed = shard_params(params, cfg, mesh)
     decoder = Decoder(placed, cfg, split_cache=True)
     assert decoder.mesh is mesh and Decoder(params, cfg, split_cache=True).mesh is None
-    assert Decoder(placed, cfg).mesh is None  # (not asked)
+    assert Decoder(placed, cfg, split_cache=False).mesh is None and Decoder(placed, cfg).mesh is mesh  # (default)
     prompts, lengths = np.array([[3, 1, 4, 1, 5], [2, 7, 1, 8, 0]], np.int32), np.array([5, 4], np.int32)
     state = sampling._prefill_jit(decoder.weights(2), prompts, lengths, config=cfg, backend=decoder.backend, max_len=12,
                                   mesh=mesh)

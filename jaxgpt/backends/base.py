@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 from flax import struct, traverse_util
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxgpt.attention import AttentionFn, check_shapes, dot_product_attention, get_attention
 from jaxgpt.cache import CacheLayout
@@ -43,6 +43,9 @@ def int8_prepared(params, tie_embeddings: bool, kernel_form=None, *, config=None
     return traverse_util.unflatten_dict(prepared)
 
 
+TENSOR = "tensor"  # the mesh axis that splits attention's heads (jaxgpt/sharding.py's rules table)
+
+
 def _nothing() -> None:
     return None
 
@@ -66,9 +69,12 @@ class Backend:
     - `run_once_options`: XLA options for programs run once (parameter init), as (key, value) pairs.
     - `setup()`: process-wide preparation, called when a step or decoder is built.
     - `per_shard_attention`: its attention kernels are calls XLA cannot partition (Pallas TPU's Mosaic
-      kernels): under jit over a mesh whose axes shard the batch they run per batch shard in shard_map.
+      kernels): under jit over a mesh whose axes shard the batch (or split heads over tensor) they run per
+      batch shard and per head group in shard_map.
     - `batch_mesh`: (mesh, batch axes) of the jit the programs run under, set by `on_mesh` (MeshRunner);
       None: no mesh, or one device.
+    - `head_mesh`: (mesh, batch axes) when that mesh has a `tensor` axis of more than one device, set by
+      `on_mesh`: attention's projections and activations are then split by heads over it (`shard_heads`).
     - `cache_attention(q, cache, layer, q_positions, kv_lengths)`: its built-in "dot_product" attention
       over layer `layer` of a KV cache read as stored (float or int8, a `KVCache.view_first` included:
       its buffers hold more rows than q), or None where it does not take the cache; unset or None: the
@@ -86,6 +92,7 @@ class Backend:
     setup: Callable[[], None] = _nothing
     per_shard_attention: bool = False
     batch_mesh: Optional[tuple] = None
+    head_mesh: Optional[tuple] = None
     cache_attention: Optional[Callable] = None
 
     def attention(self, name: str) -> AttentionFn:
@@ -95,15 +102,46 @@ class Backend:
         kernel = None if ATTENTION.replaced(name) else dict(self.attention_kernels).get(name)
         if kernel is None:
             return get_attention(name)
-        if self.per_shard_attention and self.batch_mesh is not None:
-            return per_batch_shard(kernel, *self.batch_mesh)
+        if self.per_shard_attention and (self.batch_mesh or self.head_mesh) is not None:
+            mesh, batch = self.batch_mesh or self.head_mesh
+            return per_batch_shard(kernel, mesh, batch, heads=self.head_mesh is not None)
         return kernel
 
     def on_mesh(self, mesh, batch_axes: tuple) -> "Backend":
         """This backend for programs jitted over `mesh` with the batch sharded over `batch_axes`."""
-        if math.prod(mesh.shape[a] for a in batch_axes) == 1:
-            return self
-        return dataclasses.replace(self, batch_mesh=(mesh, tuple(batch_axes)))
+        where = (mesh, tuple(batch_axes))
+        changes = {}
+        if math.prod(mesh.shape[a] for a in batch_axes) > 1:
+            changes["batch_mesh"] = where
+        if dict(mesh.shape).get(TENSOR, 1) > 1:
+            changes["head_mesh"] = where
+        return dataclasses.replace(self, **changes) if changes else self
+
+    @property
+    def tensor_size(self) -> int:
+        """How many devices the `head_mesh`'s tensor axis has (1 without one)."""
+        return 1 if self.head_mesh is None else self.head_mesh[0].shape[TENSOR]
+
+    def whole(self, x: jax.Array) -> jax.Array:
+        """`x` constrained to lie whole on every device of the `head_mesh` (`x` itself without one)."""
+        if self.head_mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.head_mesh[0], P()))
+
+    def shard_heads(self, x: jax.Array, axis: int, heads: int, rows: bool = True) -> jax.Array:
+        """`x` constrained to lie split over the `head_mesh`'s tensor axis along `axis`, which holds
+        `heads` heads (when the tensor size divides them: else whole on every tensor device, as GQA's kv
+        heads are when there are fewer than tensor devices), and with `rows` its first axis over the batch
+        axes; `x` itself without a head mesh."""
+        if self.head_mesh is None:
+            return x
+        mesh, batch = self.head_mesh
+        spec = [None] * x.ndim
+        if heads % mesh.shape[TENSOR] == 0:
+            spec[axis] = TENSOR
+        if rows and batch and x.shape[0] % math.prod(mesh.shape[a] for a in batch) == 0:
+            spec[0] = batch
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
 
     def activation_dtype(self, compute_dtype) -> jnp.dtype:
         """The dtype activations travel in between matmuls."""
@@ -153,16 +191,20 @@ def decode_weights(backend: Backend, params: Any, batch_size: int, compute_dtype
                                                         config=config))
 
 
-def per_batch_shard(attend: AttentionFn, mesh, batch_axes: tuple) -> AttentionFn:
+def per_batch_shard(attend: AttentionFn, mesh, batch_axes: tuple, heads: bool = False) -> AttentionFn:
     """`attend` (the registry's signature; every argument batch-first, rows independent) run in shard_map
-    over `batch_axes` of `mesh`, each device on its rows, heads whole. A batch the axes do not divide
-    runs whole on every device (right, only slower)."""
+    over `batch_axes` of `mesh`, each device on its rows, heads whole; with `heads` also over the mesh's
+    tensor axis, each device on its own heads (where the tensor size divides the kv heads). A batch the
+    axes do not divide runs whole on every device (right, only slower)."""
     n = math.prod(mesh.shape[a] for a in batch_axes)
 
     def sharded(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT=None, kv_lengths_B=None, *, segment_ids_BxT=None):
         args = (q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, q_positions_BxT, kv_lengths_B, segment_ids_BxT)
         given = tuple(i for i, a in enumerate(args) if a is not None)
-        rows = P(batch_axes) if q_BxTxNxH.shape[0] % n == 0 else P()
+        row = batch_axes if batch_axes and q_BxTxNxH.shape[0] % n == 0 else None
+        split = heads and k_BxKxSxH.shape[1] % mesh.shape[TENSOR] == 0
+        head = TENSOR if split else None
+        specs = (P(row, None, head), P(row, head), P(row, head), P(row), P(row), P(row))
 
         def per_shard(*arrays):
             full = [None] * len(args)
@@ -172,7 +214,7 @@ def per_batch_shard(attend: AttentionFn, mesh, batch_axes: tuple) -> AttentionFn
             return attend(*positional) if segments is None else attend(*positional, segment_ids_BxT=segments)
 
         # (check_vma=False: Pallas calls carry no varying-manual-axes rule; every output is per row)
-        return jax.shard_map(per_shard, mesh=mesh, in_specs=(rows,) * len(given), out_specs=rows,
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=tuple(specs[i] for i in given), out_specs=specs[0],
                              check_vma=False)(*(args[i] for i in given))
     return sharded
 
