@@ -25,27 +25,11 @@ from typing import Any, Callable, Optional
 from jaxgpt.aot.targets import (GIB, GPU_MEM_FRACTION, GPU_SPECS, TPU_ALIASES, TPU_CHIPS, AotError, Devices,  # noqa: F401
                                 Target, _first_line, gpu_mem_fraction, gpu_target_config, missing_extra,
                                 parse_target, prepare_environment, target_devices, tpu_host_bounds)
-
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
-_COMPUTATION_RE = re.compile(r"^(?:ENTRY )?%([\w.-]+) .*\{\s*$")
-_COLLECTIVE_RE = re.compile(r"\s(all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\(")
+from jaxgpt.aot.report import (COLLECTIVES, DoesNotFit, Memory, ProgramReport, _oom_figures, analyze,  # noqa: F401
+                               count_collectives, count_custom_calls, format_result, memory_dict)
 
 # Vocabulary sizes of the tokenizers whose size is fixed (the others come from the corpus or the config)
 TOKENIZER_VOCAB = {"gpt2": 50257, "byte": 256}
-
-
-class DoesNotFit(RuntimeError):
-    """The compiled program needs more memory per device than the target has."""
-
-    def __init__(self, program: str, target: str, peak_bytes: Optional[int], limit_bytes: Optional[int],
-                 detail: str = "", result: Optional[dict] = None):
-        self.program, self.target = program, target
-        self.peak_bytes, self.limit_bytes, self.result = peak_bytes, limit_bytes, result
-        need = "more than the limit" if peak_bytes is None else f"{peak_bytes / GIB:.2f} GiB"
-        have = "unknown" if limit_bytes is None else f"{limit_bytes / GIB:.2f} GiB"
-        super().__init__(f"the {program} does not fit {target}: peak {need} per device, limit {have}"
-                         + (f" ({detail})" if detail else ""))
-
 
 
 def vocab_size_for(config, vocab_size: Optional[int] = None) -> int:
@@ -88,84 +72,6 @@ def model_config(config, vocab_size: int, platform: str):
                        f"for a {platform.upper()} target; use 'auto' (the target's, here {platform!r}) or "
                        "'portable'")
     return gcfg, resolve(gcfg, platform=platform)
-
-
-def _memory(compiled) -> dict:
-    """The compiled program's device memory per device. `peak_bytes` is what the device holds during the
-    call: arguments, outputs not aliased to a (donated) argument, and temporaries; it is the sum the TPU
-    compiler checks against HBM (its refusal, "memory required for HLO temporaries (X) exceeds available
-    HBM", states that X) and what a GPU allocates. The compiler's own `peak_memory_in_bytes` is kept as
-    `compiler_peak_bytes` but not used: libtpu's counts live buffers in every memory space (a copy
-    prefetched into VMEM too) and its temporaries are HBM's alone, so at tiny sizes it is above or
-    below the temporaries (0.12M params: the generate program's 1.4 MB against 2.3 MB of temporaries)."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return {}
-    out = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
-           "alias_bytes": int(m.alias_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
-           "generated_code_bytes": int(m.generated_code_size_in_bytes)}
-    out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
-    out["compiler_peak_bytes"] = int(getattr(m, "peak_memory_in_bytes", 0) or 0) or None
-    return out
-
-
-def count_collectives(hlo_text: str) -> dict:
-    """How many all-gather, reduce-scatter, all-reduce and all-to-all instructions the compiled HLO text
-    holds (an async start counts once). The TPU compiler writes a reduce-scatter as a fusion that calls an
-    `all-reduce-scatter` computation (an all-reduce and a dynamic slice): each such call is a reduce-scatter,
-    and the all-reduce inside it is not counted again."""
-    counts = dict.fromkeys(COLLECTIVES, 0)
-    computation = ""
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION_RE.match(line)
-        if header:
-            computation = header.group(1)
-            continue
-        if "calls=%all-reduce-scatter" in line:
-            counts["reduce-scatter"] += 1
-        if computation.startswith("all-reduce-scatter"):
-            continue
-        for m in _COLLECTIVE_RE.finditer(line):
-            counts[m.group(1)] += 1
-    return counts
-
-
-def count_custom_calls(hlo_text: str) -> dict:
-    """Custom-call targets in the compiled HLO text and how often each is called: Pallas kernels show
-    as tpu_custom_call (TPU) or __gpu$xla.gpu.triton (GPU), cuDNN's attention as __cudnn$fmha..."""
-    counts: dict = {}
-    for m in re.finditer(r'custom_call_target="([^"]+)"', hlo_text):
-        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    return counts
-
-
-def _flops(compiled) -> Optional[float]:
-    try:
-        cost = compiled.cost_analysis()
-    except Exception:
-        return None
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else None
-    if not cost or "flops" not in cost or cost["flops"] < 0:
-        return None
-    return float(cost["flops"])
-
-
-_SIZE = r"([\d.]+)([KMGT]?)"
-# libtpu's refusals: "... memory required for HLO temporaries (77.05G) exceeds available HBM (15.75G)",
-# or "Used 20.5G of 15.75G hbm"
-_OOM_RES = (re.compile(rf"\({_SIZE}\) exceeds available HBM \({_SIZE}\)"), re.compile(rf"Used {_SIZE} of {_SIZE} hbm", re.I))
-_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
-
-
-def _oom_figures(message: str) -> tuple[Optional[int], Optional[int]]:
-    """(needed, limit) bytes per device from a TPU compiler RESOURCE_EXHAUSTED message, where it says."""
-    for pattern in _OOM_RES:
-        m = pattern.search(message)
-        if m:
-            need, limit = (int(float(m.group(i)) * _UNITS[m.group(i + 1).upper()]) for i in (1, 3))
-            return need, limit
-    return None, None
 
 
 class Progress:
@@ -232,32 +138,8 @@ def _compile(program: str, lowered_fn: Callable[[], Any], devs: Devices, progres
     return compiled, p.seconds
 
 
-def _report(program: str, compiled, seconds: float, devs: Devices, formula_flops: Optional[float],
-            extra: dict, loop_trips: int = 1, layer_loop: bool = False, loss_loop: bool = False) -> dict:
-    """The figures of one compiled program. XLA's cost analysis counts a while loop's body once: the
-    compiler's flops are compared with the formula over `loop_trips` (grad_accum micro-batches times
-    steps_per_call), and not at all when the layers run as a loop (scan_layers: one layer counted) or the
-    loss does (train.loss_chunk: one chunk of the head counted)."""
-    mem = _memory(compiled)
-    flops = _flops(compiled)
-    hlo = compiled.as_text() or ""
-    comparable = formula_flops and flops is not None and not layer_loop and not loss_loop
-    once = " and ".join(w for w, on in (("one layer (scan_layers)", layer_loop),
-                                        ("one chunk of the loss (train.loss_chunk)", loss_loop)) if on)
-    out = {"program": program, **extra, "compile_s": round(seconds, 2), **mem,
-           "memory_bytes": devs.memory_bytes, "limit_bytes": devs.limit_bytes,
-           "fits": mem.get("peak_bytes", 0) <= devs.limit_bytes,
-           "flops_per_device": flops, "formula_flops_per_device": formula_flops,
-           "flops_counted_for": (None if not formula_flops else once if once else
-                                 f"1/{loop_trips} of the step (XLA counts a loop body once)" if loop_trips > 1 else
-                                 "the whole step"),
-           "flops_ratio": round(flops * loop_trips / formula_flops, 4) if comparable else None,
-           "collectives": count_collectives(hlo), "custom_calls": count_custom_calls(hlo)}
-    return out
-
-
-def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = True) -> dict:
-    """Compile the step jaxgpt-train runs for `config` on the target's devices; a dict of figures.
+def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = True) -> ProgramReport:
+    """Compile the step jaxgpt-train runs for `config` on the target's devices; its figures.
 
     The runner is the one the loop makes (jaxgpt.training.parallel.make_runner, over the target's
     devices), and the state the one it starts from (jaxgpt.training.step.init_train_state, as shapes).
@@ -308,7 +190,7 @@ def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = 
              "per_device_batch": rows // _batch_split(runner), "remat": gcfg.remat, "scan_layers": gcfg.scan_layers,
              "dtype": gcfg.dtype, "kernels": backend.name, "attention": gcfg.attention, "loss_chunk": loss_chunk,
              "doc_mask": segments}
-    return _report("train step", compiled, seconds, devs, formula, extra, loop_trips=t.grad_accum * k,
+    return analyze("train step", compiled, seconds, devs, formula, extra, loop_trips=t.grad_accum * k,
                    layer_loop=gcfg.scan_layers, loss_loop=bool(loss_chunk))
 
 
@@ -319,8 +201,8 @@ def _batch_split(runner) -> int:
 
 def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optional[int] = None,
                      prompt_len: Optional[int] = None, max_new_tokens: Optional[int] = None,
-                     progress: bool = True, mesh: str = "") -> dict:
-    """Compile `jaxgpt.generate`'s program (prefill + lax.scan decode) for the target; a dict of figures.
+                     progress: bool = True, mesh: str = "") -> ProgramReport:
+    """Compile `jaxgpt.generate`'s program (prefill + lax.scan decode) for the target; its figures (a ProgramReport).
 
     Without `mesh` the parameters are replicated on every device and the prompt rows split over the
     devices when their count divides (default: one row per device). With `mesh` (a train.mesh string such
@@ -355,11 +237,11 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     compiled, seconds = _compile("generate program", lower, devs, progress)
     extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": backend.name,
              "attention": gcfg.attention}
-    return _report("generate program", compiled, seconds, devs, None, extra)
+    return analyze("generate program", compiled, seconds, devs, None, extra)
 
 
 def _compile_generate_on_mesh(config, gcfg, backend, devs: Devices, mesh: str, batch_size, prompt_len, new,
-                              progress: bool) -> dict:
+                              progress: bool) -> ProgramReport:
     """compile_generate over `mesh` (a train.mesh string), the weights placed by the rules table."""
     import jax
     import numpy as np
@@ -407,14 +289,14 @@ def _compile_generate_on_mesh(config, gcfg, backend, devs: Devices, mesh: str, b
     compiled, seconds = _compile("generate program", lower, devs, progress)
     extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": backend.name,
              "attention": gcfg.attention, "mesh": ", ".join(f"{a}={s}" for a, s in grid.shape.items())}
-    return _report("generate program", compiled, seconds, devs, None, extra)
+    return analyze("generate program", compiled, seconds, devs, None, extra)
 
 
 def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_len: Optional[int] = None,
                    chunk: int = 256, progress: bool = True, quantize: Optional[str] = None,
-                   kv_dtype: Optional[str] = None, packed: Optional[int] = None) -> dict:
+                   kv_dtype: Optional[str] = None, packed: Optional[int] = None) -> ProgramReport:
     """Compile the engine's decode step (every slot) and a prefill chunk for the target, weights and cache
-    replicated on each device (one engine per device); a dict of figures, with how many slots of `max_len`
+    replicated on each device (one engine per device); its figures (a ProgramReport), with how many slots of `max_len`
     positions fit beside the weights. A slot's bytes are measured, not assumed: the decode step compiled
     again for twice the slots gives the peak's growth per slot (its cache, and any temporaries that grow
     with it: a compiler may copy the cache into another layout). `quantize="int8"`: int8 weights (the
@@ -465,21 +347,21 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
              # the backend's prepared forms (the int8 kernels and their scales)
              "weight_bytes": nbytes(weights), "float_weight_bytes": nbytes(weights.params),
              "cache_bytes": per_slot * slots, "cache_bytes_per_slot": per_slot}
-    out = _report("engine decode step", decode, decode_s, devs, None, extra)
-    pre = _memory(prefill)
-    out["prefill"] = {"compile_s": round(prefill_s, 2), **pre}
-    grown = _memory(twice).get("peak_bytes", 0) - out.get("peak_bytes", 0)
-    peaks = [out.get("peak_bytes", 0), pre.get("peak_bytes", 0)]
+    out = analyze("engine decode step", decode, decode_s, devs, None, extra)
+    pre = memory_dict(prefill)
+    out.more["prefill"] = {"compile_s": round(prefill_s, 2), **pre}
+    grown = memory_dict(twice).get("peak_bytes", 0) - (out.peak_bytes or 0)
+    peaks = [out.peak_bytes or 0, pre.get("peak_bytes", 0)]
     if packed is not None:
         compiled, seconds = _compile(f"engine packed prefill of {packed} tokens", lower("prefill_packed"), devs,
                                      progress)
-        out["prefill_packed"] = {"tokens": packed, "compile_s": round(seconds, 2), **_memory(compiled)}
-        peaks.append(out["prefill_packed"].get("peak_bytes", 0))
-    out["bytes_per_slot"] = max(per_slot, grown // slots)
+        out.more["prefill_packed"] = {"tokens": packed, "compile_s": round(seconds, 2), **memory_dict(compiled)}
+        peaks.append(out.more["prefill_packed"].get("peak_bytes", 0))
+    bytes_per_slot = out.more["bytes_per_slot"] = max(per_slot, grown // slots)
     # what does not grow with the slots (weights, the rest of the temporaries); the largest program's
-    fixed = max(peaks) - out["bytes_per_slot"] * slots
-    out["slots_that_fit"] = max(0, (devs.limit_bytes - fixed) // out["bytes_per_slot"])
-    out["fits"] = out["fits"] and max(peaks[1:]) <= devs.limit_bytes
+    fixed = max(peaks) - bytes_per_slot * slots
+    out.more["slots_that_fit"] = max(0, (devs.limit_bytes - fixed) // bytes_per_slot)
+    out.fits = out.fits and max(peaks[1:]) <= devs.limit_bytes
     return out
 
 
@@ -501,8 +383,8 @@ def check_programs(programs) -> tuple[str, ...]:
 def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
                        programs: tuple[str, ...] = ("train", "generate"), progress: bool = True,
                        generate_args: Optional[dict] = None, engine_args: Optional[dict] = None) -> dict:
-    """Compile the train step and/or the generate program of `config` for `target`: the figures as a dict
-    (docs/accelerators.md, "On a TPU"). Raises DoesNotFit (with the figures so far) when a program does not fit."""
+    """Compile the train step and/or the generate program of `config` for `target`: the figures in the --json
+    form (docs/accelerators.md, "On a TPU"), each program's its ProgramReport.as_dict(). Raises DoesNotFit (with the figures so far) when a program does not fit."""
     programs = check_programs(programs)
     vocab = vocab_size_for(config, vocab_size)
     from jaxgpt.model import num_params
@@ -530,66 +412,12 @@ def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
             result["fits"] = False
             e.result = result
             raise
-        result["programs"][name] = out
-        if not out["fits"]:
-            e = DoesNotFit(out["program"], str(target), out["peak_bytes"], devs.limit_bytes,
+        result["programs"][name] = out.as_dict()
+        if not out.fits:
+            e = DoesNotFit(out.program, str(target), out.peak_bytes, devs.limit_bytes,
                            "compiled; device memory exceeded" if target.platform == "gpu" else "")
             result["fits"] = False
             e.result = result
             raise e
     result["fits"] = True
     return result
-
-
-def _gib(b) -> str:
-    return "?" if b is None else f"{b / GIB:.2f} GiB"
-
-
-def format_result(result: dict) -> str:
-    """The figures of compile_for_target as lines for a terminal."""
-    m = result["model"]
-    lines = [f"target {result['target']}: {result['device_count']} x {result['device_kind']}, "
-             f"{_gib(result['memory_bytes'])} each (limit {_gib(result['limit_bytes'])}); model "
-             f"{m['n_params'] / 1e6:.2f}M params, vocab {m['vocab_size']}, context {m['block_size']}"]
-    for p in result["programs"].values():
-        if "compile_s" not in p:
-            lines.append(f"{p['program']}: does not fit (peak {_gib(p['peak_bytes'])}, limit {_gib(p['limit_bytes'])})")
-            continue
-        if p["program"] == "train step":
-            head = (f"train step via {p['parallel']}: batch {p['batch_size']} x {p['seq_len']} ({p['per_device_batch']} "
-                    f"rows per device), grad_accum {p['grad_accum']}, steps_per_call {p['steps_per_call']}, remat "
-                    f"{p['remat']}, dtype {p['dtype']}, kernels {p['kernels']}"
-                    + (f", loss in chunks of {p['loss_chunk']} positions" if p.get("loss_chunk") else ""))
-        elif p["program"] == "engine decode step":
-            head = (f"engine: {p['slots']} slots of {p['max_len']} positions (KV cache {_gib(p['cache_bytes'])}, "
-                    f"{p['cache_bytes_per_slot'] / 2 ** 20:.1f} MiB a slot, {p.get('kv_dtype', p['dtype'])}), "
-                    f"prefill chunks of {p['chunk']}, dtype {p['dtype']}, weights {p.get('quantize') or p['dtype']} "
-                    f"({_gib(p.get('weight_bytes'))}), kernels {p['kernels']}; each slot takes "
-                    f"{p['bytes_per_slot'] / 2 ** 20:.1f} MiB in the compiled step; slots of {p['max_len']} positions "
-                    f"that fit beside the weights: {p['slots_that_fit']}; prefill program peak "
-                    f"{_gib(p['prefill'].get('peak_bytes'))}"
-                    + (f"; packed prefill of {p['prefill_packed']['tokens']} tokens peak "
-                       f"{_gib(p['prefill_packed'].get('peak_bytes'))}" if p.get("prefill_packed") else ""))
-        else:
-            head = (f"generate: batch {p['batch_size']}, prompt {p['prompt_len']}, {p['max_new_tokens']} new tokens, "
-                    f"dtype {p['dtype']}, kernels {p['kernels']}" + (f", mesh {p['mesh']}" if p.get("mesh") else ""))
-        lines.append(head)
-        lines.append(f"  compiled in {p['compile_s']:.1f}s; per device: arguments {_gib(p['argument_bytes'])}, outputs "
-                     f"{_gib(p['output_bytes'])} (aliased {_gib(p['alias_bytes'])}), temporaries {_gib(p['temp_bytes'])}; "
-                     f"peak (their sum, aliased outputs once) {_gib(p['peak_bytes'])} of {_gib(p['limit_bytes'])}: "
-                     f"{'fits' if p['fits'] else 'DOES NOT FIT'}")
-        if p.get("formula_flops_per_device"):
-            got = "not reported by this compiler" if p["flops_per_device"] is None else \
-                f"{p['flops_per_device']:.4g} (compiler, for {p['flops_counted_for']})"
-            ratio = "" if p["flops_ratio"] is None else f"; compiler over formula {p['flops_ratio']:.3f}"
-            if ratio and p["custom_calls"].get("tpu_custom_call"):  # Mosaic kernels: their flops go uncounted
-                ratio += (" (libtpu does not count the Pallas kernels' flops, here attention's; "
-                          "--config.model.kernels=portable compares the whole step)")
-            formula = "6N + 12LTD" + (" + remat's recomputed forward" if p.get("remat") == "block" else "")
-            lines.append(f"  flops per device: {got}; {formula} for the step {p['formula_flops_per_device']:.4g}{ratio}")
-        elif p["flops_per_device"] is not None:
-            lines.append(f"  flops per device: {p['flops_per_device']:.4g} (compiler)")
-        lines.append("  collectives: " + ", ".join(f"{k} {v}" for k, v in p["collectives"].items())
-                     + ("; custom calls: " + ", ".join(f"{k} {v}" for k, v in p["custom_calls"].items())
-                        if p["custom_calls"] else ""))
-    return "\n".join(lines)
