@@ -5,11 +5,11 @@ compiles the chosen programs and gathers their reports."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
 import sys
-import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -63,47 +63,23 @@ def model_config(config, vocab_size: int, platform: str):
     return gcfg, resolve(gcfg, platform=platform)
 
 
-class Progress:
-    """A line that says what is compiling and for how long (updated each second on a terminal)."""
-
-    def __init__(self, what: str, stream=None, enabled: bool = True):
-        self.what, self.stream, self.enabled = what, stream or sys.stderr, enabled
-        self._stop = threading.Event()
-        self._thread = None
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        if not self.enabled:
-            return self
-        tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        if tty:
-            self._thread = threading.Thread(target=self._tick, daemon=True)
-            self._thread.start()
-        else:
-            print(f"jaxgpt-aot: compiling {self.what} ...", file=self.stream, flush=True)
-        return self
-
-    def _tick(self):
-        while not self._stop.wait(1.0):
-            print(f"\rjaxgpt-aot: compiling {self.what} ... {time.perf_counter() - self.t0:.0f}s",
-                  end="", file=self.stream, flush=True)
-
-    def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.t0
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            print("\r\033[K", end="", file=self.stream, flush=True)
-        return False
+def _progress(progress, what: str):
+    if callable(progress):
+        return progress(what)
+    if progress:
+        print(f"jaxgpt-aot: compiling {what} ...", file=sys.stderr, flush=True)
+    return contextlib.nullcontext()
 
 
-def _compile(program: str, lowered_fn: Callable[[], Any], devs: Devices, progress: bool) -> tuple[Any, float]:
+def _compile(program: str, lowered_fn: Callable[[], Any], devs: Devices, progress) -> tuple[Any, float]:
     """Lower and compile; (executable, seconds). TPU's out-of-memory refusal becomes DoesNotFit, the
-    compiler's other refusals AotError."""
+    compiler's other refusals AotError. `progress`: False, True (a line on stderr) or a callable taking what
+    compiles and giving a context manager around the compile (jaxgpt-aot's ticking line, jaxgpt.cli.aot)."""
     import jax
 
-    with Progress(f"the {program} for {devs.target} ({len(devs.devices)} x {devs.device_kind})",
-                  enabled=progress) as p:
+    what = f"the {program} for {devs.target} ({len(devs.devices)} x {devs.device_kind})"
+    t0 = time.perf_counter()
+    with _progress(progress, what):
         try:
             compiled = lowered_fn().compile()
         except Exception as e:
@@ -124,7 +100,7 @@ def _compile(program: str, lowered_fn: Callable[[], Any], devs: Devices, progres
             if isinstance(e, jax.errors.JaxRuntimeError):  # the compiler's refusal, in its own words
                 raise AotError(f"the compiler refused the {program} for {devs.target}: {_first_line(e)}") from None
             raise
-    return compiled, p.seconds
+    return compiled, time.perf_counter() - t0
 
 
 def compile_train_step(config, devs: Devices, vocab_size: int, progress: bool = True) -> ProgramReport:
@@ -370,10 +346,12 @@ def check_programs(programs) -> tuple[str, ...]:
 
 
 def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
-                       programs: tuple[str, ...] = ("train", "generate"), progress: bool = True,
+                       programs: tuple[str, ...] = ("train", "generate"), progress=True,
                        generate_args: Optional[dict] = None, engine_args: Optional[dict] = None) -> dict:
-    """Compile the train step and/or the generate program of `config` for `target`: the figures in the --json
-    form (docs/accelerators.md, "On a TPU"), each program's its ProgramReport.as_dict(). Raises DoesNotFit (with the figures so far) when a program does not fit."""
+    """Compile the chosen programs of `config` for `target`: the figures in the --json form
+    (docs/accelerators.md, "On a TPU"), each program's its ProgramReport.as_dict(). Raises DoesNotFit
+    (with the figures so far) when a program does not fit. `progress`: False, True (a line on stderr per
+    compile) or a callable giving a context manager around each (jaxgpt-aot's ticking line)."""
     programs = check_programs(programs)
     vocab = vocab_size_for(config, vocab_size)
     from jaxgpt.model import num_params
