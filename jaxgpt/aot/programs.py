@@ -175,7 +175,6 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     heads, the MLP and the vocabulary) and the rows split over its batch axes when their count divides
     (default: one row per batch device). Defaults: a prompt of half the context, the rest new.
     """
-    import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -186,12 +185,7 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
         return _compile_generate_on_mesh(config, gcfg, backend, devs, mesh, batch_size, prompt_len, max_new_tokens,
                                          progress)
     n = len(devs.devices)
-    b = n if batch_size is None else batch_size
-    p = max(1, gcfg.block_size // 2) if prompt_len is None else prompt_len
-    new = gcfg.block_size - p if max_new_tokens is None else max_new_tokens
-    if b < 1 or p < 1 or new < 1 or p + new > gcfg.block_size:
-        raise AotError(f"generate needs batch >= 1, prompt >= 1, new tokens >= 1 and prompt + new <= block_size "
-                       f"({gcfg.block_size}); got {b}, {p}, {new}")
+    b, p, new = _generate_sizes(gcfg, n, batch_size, prompt_len, max_new_tokens)
     mesh = Mesh(np.array(devs.devices), ("data",))
     replicated = NamedSharding(mesh, P())
     rows = NamedSharding(mesh, P("data")) if b % n == 0 else replicated
@@ -206,16 +200,11 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
 
 
 def _compile_generate_on_mesh(config, gcfg, backend, devs: Devices, mesh: str, batch_size, prompt_len, new,
-                              progress: bool) -> ProgramReport:
+                              progress) -> ProgramReport:
     """compile_generate over `mesh` (a train.mesh string), the weights placed by the rules table."""
-    import jax
-    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxgpt import sampling
-    from jaxgpt.backends import DecodeWeights
-    from jaxgpt.backends.base import cast_floats
-    from jaxgpt.model import abstract_params
     from jaxgpt.sharding import batch_axes, rules, tree_shardings
     from jaxgpt.training.mesh import build_mesh
 
@@ -226,35 +215,31 @@ def _compile_generate_on_mesh(config, gcfg, backend, devs: Devices, mesh: str, b
         raise AotError(f"--gen_mesh: {e}") from None
     rows_over = batch_axes(grid.axis_names, table)
     n_rows = math.prod(grid.shape[a] for a in rows_over)
+    b, p, new = _generate_sizes(gcfg, n_rows, batch_size, prompt_len, new)
+    replicated = NamedSharding(grid, P())
+    rows = NamedSharding(grid, P(rows_over)) if rows_over and b % n_rows == 0 else replicated
+    cfg = gcfg.replace(remat="none")
+
+    def lower():
+        return sampling.lower_generate(gcfg, b, p, new, backend=backend, sharding=replicated, row_sharding=rows,
+                                       weight_shardings=lambda w: tree_shardings(w, cfg, grid, table))
+
+    compiled, seconds = _compile("generate program", lower, devs, progress)
+    extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": backend.name,
+             "attention": gcfg.attention, "mesh": ", ".join(f"{a}={s}" for a, s in grid.shape.items())}
+    return analyze("generate program", compiled, seconds, devs, None, extra)
+
+
+def _generate_sizes(gcfg, n_rows: int, batch_size, prompt_len, new) -> tuple[int, int, int]:
+    """(rows, prompt length, new tokens) of a generate program, by default a row per `n_rows` device, a
+    prompt of half the context and the rest new; AotError for sizes the context does not hold."""
     b = n_rows if batch_size is None else batch_size
     p = max(1, gcfg.block_size // 2) if prompt_len is None else prompt_len
     new = gcfg.block_size - p if new is None else new
     if b < 1 or p < 1 or new < 1 or p + new > gcfg.block_size:
         raise AotError(f"generate needs batch >= 1, prompt >= 1, new tokens >= 1 and prompt + new <= block_size "
                        f"({gcfg.block_size}); got {b}, {p}, {new}")
-    cfg = gcfg.replace(remat="none")
-    params = abstract_params(cfg)
-    prepared = jax.eval_shape(lambda w: backend.prepare_decode(cast_floats(w, cfg.compute_dtype), b, cfg.compute_dtype,
-                                                               cfg.tie_embeddings, config=cfg), params)
-    weights = DecodeWeights(params, prepared)
-    weights = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), weights,
-                           tree_shardings(weights, cfg, grid, table))
-    replicated = NamedSharding(grid, P())
-    rows = NamedSharding(grid, P(rows_over)) if rows_over and b % n_rows == 0 else replicated
-    prompts = jax.ShapeDtypeStruct((b, p), np.int32, sharding=rows)
-    lengths = jax.ShapeDtypeStruct((b,), np.int32, sharding=rows)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
-    sampler = sampling.Sampler(1.0, None, None, None, 0)
-
-    def lower():  # (sampling.lower_generate places every weight on one sharding: this lowers its program)
-        return sampling._generate.lower(weights, prompts, lengths, rng, config=cfg, backend=backend,
-                                        max_new_tokens=new, sampler=sampler)
-
-    compiled, seconds = _compile("generate program", lower, devs, progress)
-    extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": backend.name,
-             "attention": gcfg.attention, "mesh": ", ".join(f"{a}={s}" for a, s in grid.shape.items())}
-    return analyze("generate program", compiled, seconds, devs, None, extra)
+    return b, p, new
 
 
 def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_len: Optional[int] = None,
