@@ -44,11 +44,9 @@ def model_config(config, vocab_size: int, platform: str):
 
     gcfg = model_config_from(config, vocab_size)
     if config.init_from not in ("scratch", "resume"):  # the architecture of GPT-2 weights, not model.*
-        from jaxgpt.pretrained import GPT2_NAMES
-        sizes = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
-                 "gpt2-xl": (48, 25, 1600)}
-        if config.init_from in GPT2_NAMES:
-            layers, heads, width = sizes[config.init_from]
+        from jaxgpt.pretrained import GPT2_SIZES
+        if config.init_from in GPT2_SIZES:
+            layers, heads, width = GPT2_SIZES[config.init_from]
             gcfg = gcfg.replace(n_layer=layers, n_head=heads, n_embd=width, n_kv_head=None, vocab_size=50257,
                                 bias=True, tie_embeddings=True)
     if gcfg.kernels == "cpu":
