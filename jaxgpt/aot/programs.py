@@ -47,8 +47,9 @@ def model_config(config, vocab_size: int, platform: str):
         from jaxgpt.pretrained import GPT2_SIZES
         if config.init_from in GPT2_SIZES:
             layers, heads, width = GPT2_SIZES[config.init_from]
+            # (mlp_hidden None: GPT-2's 4 * n_embd, as its config.json gives, not the model.* width's)
             gcfg = gcfg.replace(n_layer=layers, n_head=heads, n_embd=width, n_kv_head=None, vocab_size=50257,
-                                bias=True, tie_embeddings=True)
+                                bias=True, tie_embeddings=True, mlp="gelu", mlp_hidden=None)
     if gcfg.kernels == "cpu":
         raise AotError("model.kernels='cpu' is XLA:CPU's backend and does not compile for accelerators; use "
                        "'auto' (the target's), 'portable', 'tpu' or 'gpu'")
