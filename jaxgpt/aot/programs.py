@@ -263,15 +263,12 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
 
     quantize, kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
     gcfg, backend = model_config(config, vocab_size, devs.target.platform)
-    max_len = gcfg.block_size if max_len is None else max_len
-    chunk = min(chunk, max_len)
-    if slots < 1 or not 2 <= max_len <= gcfg.block_size or chunk < 1:
-        raise AotError(f"the engine needs slots >= 1, 2 <= max_len <= block_size ({gcfg.block_size}) and a chunk "
-                       f">= 1; got {slots}, {max_len}, {chunk}")
-    most = min(engine.MAX_PACKED_TOKENS, gcfg.block_size)
-    if packed is not None and (slots < 2 or not 2 <= packed <= most):
-        raise AotError(f"the packed prefill needs slots >= 2 and 2 <= tokens <= {most} (at most "
-                       f"{engine.MAX_PACKED_TOKENS} and the context); got slots {slots}, tokens {packed}")
+    try:  # the engine's own checks, before minutes of compiling
+        max_len, chunk = engine.check_sizes(gcfg, slots, max_len, chunk)
+        if packed is not None:
+            engine.check_packed(gcfg, slots, packed)
+    except ValueError as e:
+        raise AotError(f"the engine: {e}") from None
     replicated = NamedSharding(Mesh(np.array(devs.devices), ("data",)), P())
 
     lowered = {}
