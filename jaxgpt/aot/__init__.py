@@ -7,6 +7,11 @@ compiled are the ones `jaxgpt-train` and `jaxgpt.generate` run: the same GPTConf
 state and runner step, lowered with ShapeDtypeStructs, so the memory and collectives reported are the vendor
 compilers' own. Nothing here touches a device or reads a corpus.
 
+In parts: `targets` (the hardware catalogue, --target parsing, compile-only devices, their environment),
+`programs` (one lowering per program through the library's own, and `compile_for_target`), `report` (the
+typed analysis and its text); the command's terminal output is jaxgpt/cli/aot.py's. This module
+re-exports their public names.
+
 Needs the `aot` extra (libtpu and the CUDA plugin, no CUDA libraries): `pip install -e ".[aot]"`.
 """
 
