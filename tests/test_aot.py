@@ -310,6 +310,7 @@ def test_a_document_masked_step_compiles_with_the_accelerators_own_kernels(targe
     aot.prepare_environment()
     config = _tiny(parallel="mesh", mesh="data=2,fsdp=-1" if target.startswith("tpu") else "")
     config.data.align = "document"
+    config.data.tokenizer = "gpt2"  # (one with an end-of-text token: the config check refuses bytes' documents)
     train = aot.compile_for_target(config, aot.parse_target(target), vocab_size=256, progress=False,
                                    programs=("train",))["programs"]["train"]
     assert train["fits"] and train["doc_mask"] is True
