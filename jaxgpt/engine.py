@@ -320,6 +320,35 @@ MAX_PACKED_PROMPTS = 8  # prompts per packed prefill call (each costs a row of t
 MAX_PACKED_TOKENS = 1024  # tokens per packed prefill call (its attention: N x (64 + prefill_chunk) scores)
 
 
+def check_sizes(config: GPTConfig, slots, max_len=None, prefill_chunk=256, prefill_budget=None,
+                max_logprobs=20) -> tuple[int, int]:
+    """The engine's sizes checked, as `Engine` and `lower_engine` take them (a ValueError naming the first
+    that is wrong): (max_len, prefill chunk) as the engine uses them, max_len by default the context and
+    the chunk at most max_len."""
+    max_len = config.block_size if max_len is None else max_len
+    prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
+    for name, value, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("prefill_chunk", prefill_chunk, 1),
+                            ("prefill_budget", prefill_budget, 1),
+                            ("max_logprobs", max_logprobs, 1)):
+        if not is_int(value) or value < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+    if max_len > config.block_size:
+        raise ValueError(f"max_len ({max_len}) exceeds the model's block_size ({config.block_size})")
+    if max_logprobs > config.vocab_size:
+        raise ValueError(f"max_logprobs ({max_logprobs}) exceeds the vocabulary ({config.vocab_size})")
+    return int(max_len), min(int(prefill_chunk), int(max_len))
+
+
+def check_packed(config: GPTConfig, slots: int, tokens) -> int:
+    """`lower_engine`'s `packed`, the tokens of a packed prefill call, checked: it packs two or more
+    prompts (slots >= 2) of 2 to min(MAX_PACKED_TOKENS, block_size) tokens; a ValueError otherwise."""
+    most = min(MAX_PACKED_TOKENS, config.block_size)
+    if slots < 2 or not is_int(tokens) or not 2 <= tokens <= most:
+        raise ValueError(f"the packed prefill needs slots >= 2 and 2 <= tokens <= {most} (at most "
+                         f"{MAX_PACKED_TOKENS} and the context); got slots {slots}, tokens {tokens}")
+    return int(tokens)
+
+
 def packed_lengths(budget: int) -> tuple:
     """The packed prefill programs' lengths: `chunk_lengths` of min(budget, 1024) from 64 on (two or more
     whole prompts in one call; a prompt alone takes the single-prompt programs)."""
@@ -431,17 +460,8 @@ class Engine:
         self.quantize = check_quantize(quantize)
         self.speculative = _check_speculative(speculative)
         self.kv_dtype = check_kv_dtype(kv_dtype)
-        max_len = config.block_size if max_len is None else max_len
+        max_len, _ = check_sizes(config, slots, max_len, prefill_chunk, prefill_budget, max_logprobs)
         prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
-        for name, value, lo in (("slots", slots, 1), ("max_len", max_len, 2), ("prefill_chunk", prefill_chunk, 1),
-                                ("prefill_budget", prefill_budget, 1),
-                                ("max_logprobs", max_logprobs, 1)):
-            if not is_int(value) or value < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
-        if max_len > config.block_size:
-            raise ValueError(f"max_len ({max_len}) exceeds the model's block_size ({config.block_size})")
-        if max_logprobs > config.vocab_size:
-            raise ValueError(f"max_logprobs ({max_logprobs}) exceeds the vocabulary ({config.vocab_size})")
         self.config = config.replace(remat="none")
         # params placed on a mesh: attention split by heads there, and the cache by kv head (split_cache)
         self.backend, cache_mesh = on_params_mesh(backend or resolve(config), params, split_cache)
@@ -1046,6 +1066,9 @@ def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, bac
     from jaxgpt.model import abstract_params
     from jaxgpt.quantize import Int8Kernel, quantized_paths
 
+    check_sizes(config, slots, max_len, chunk, max_logprobs=max_logprobs)
+    if packed:
+        check_packed(config, slots, packed)
     backend = backend or resolve(config)
     config = config.replace(remat="none")
     quantize, kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)

@@ -26,7 +26,11 @@ from jaxgpt.config import GPTConfig
 from jaxgpt.model import abstract_params, convert_layers
 from jaxgpt.schema import ParamInfo, leaf_infos
 
-GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# GPT-2's sizes, name -> (n_layer, n_head, n_embd): the one table of them (jaxgpt-aot builds a GPT-2 name's
+# architecture from it without downloading its config.json). Each has 50257 tokens, biases and a tied head.
+GPT2_SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
+              "gpt2-xl": (48, 25, 1600)}
+GPT2_NAMES = tuple(GPT2_SIZES)
 _HUB_REPOS = {name: f"openai-community/{name}" for name in GPT2_NAMES}
 _WEIGHTS = "model.safetensors"
 _WEIGHTS_INDEX = "model.safetensors.index.json"

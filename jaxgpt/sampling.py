@@ -663,12 +663,14 @@ def generate_stream(params, config: GPTConfig, prompts, max_new_tokens: int, rng
 
 def lower_generate(config: GPTConfig, batch_size: int, prompt_len: int, max_new_tokens: int, *,
                    backend: Optional[Backend] = None, sampler: Optional[Sampler] = None, sharding=None,
-                   row_sharding=None, params=None, mesh=None):
+                   row_sharding=None, params=None, mesh=None, weight_shardings=None):
     """`generate`'s program lowered for abstract inputs (nothing allocated): `.compile()` it to check it
     ahead of time, e.g. for another platform's devices: `sharding` for the weights and rng, `row_sharding`
     for the prompts and their lengths (default `sharding`). `params` default: the config's abstract ones.
-    `mesh`: attention split by heads and the cache by kv head over its tensor axis, as `Decoder` does for
-    params on a mesh."""
+    `weight_shardings`: instead of `sharding` for the weights, a function from the abstract DecodeWeights
+    (params and the backend's prepared forms) to their shardings, e.g. by a rules table over a mesh
+    (`sharding.tree_shardings`). `mesh`: attention split by heads and the cache by kv head over its tensor
+    axis, as `Decoder` does for params on a mesh."""
     backend = backend or resolve(config)
     if mesh is not None:
         backend = backend.on_mesh(mesh, ())
@@ -683,7 +685,8 @@ def lower_generate(config: GPTConfig, batch_size: int, prompt_len: int, max_new_
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
 
     rows = sharding if row_sharding is None else row_sharding
-    weights = jax.tree.map(place, DecodeWeights(params, prepared))
+    weights = DecodeWeights(params, prepared)
+    weights = jax.tree.map(place, weights, *(() if weight_shardings is None else (weight_shardings(weights),)))
     prompts = place(jax.ShapeDtypeStruct((batch_size, prompt_len), jnp.int32), rows)
     lengths = place(jax.ShapeDtypeStruct((batch_size,), jnp.int32), rows)
     rng = place(jax.eval_shape(lambda: jax.random.key(0)))

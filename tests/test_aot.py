@@ -104,6 +104,17 @@ def test_vocab_comes_from_the_tokenizer_name():
     assert aot.vocab_size_for(c, 65) == 65
 
 
+def test_a_gpt2_name_compiles_gpt2s_architecture_from_the_sizes_table():
+    from jaxgpt.model import num_params
+    from jaxgpt.pretrained import GPT2_SIZES
+
+    c = default_config()  # (its model.n_embd is 384: the MLP must still be GPT-2's 4 * n_embd)
+    c.init_from, c.model.block_size = "gpt2-medium", 1024
+    gcfg, _ = aot.model_config(c, 50257, "tpu")
+    assert (gcfg.n_layer, gcfg.n_head, gcfg.n_embd) == GPT2_SIZES["gpt2-medium"] and gcfg.mlp_hidden == 4096
+    assert num_params(gcfg, non_embedding=False) == 354_823_168  # GPT-2 medium's parameters
+
+
 @needs_aot
 @pytest.mark.parametrize("target, kind, fsdp", [("tpu:v5e:2x2", "TPU v5 lite", False),
                                               ("gpu:h100:2", "NVIDIA H100 80GB HBM3", True)])
@@ -298,7 +309,8 @@ def test_a_document_masked_step_compiles_with_the_accelerators_own_kernels(targe
     # shard on the mesh) and the Pallas GPU kernel take as their own segment ids
     aot.prepare_environment()
     config = _tiny(parallel="mesh", mesh="data=2,fsdp=-1" if target.startswith("tpu") else "")
-    config.data.align, config.data.tokenizer = "document", "gpt2"  # (a tokenizer with an end-of-text token)
+    config.data.align = "document"
+    config.data.tokenizer = "gpt2"  # (one with an end-of-text token: the config check refuses bytes' documents)
     train = aot.compile_for_target(config, aot.parse_target(target), vocab_size=256, progress=False,
                                    programs=("train",))["programs"]["train"]
     assert train["fits"] and train["doc_mask"] is True

@@ -87,7 +87,7 @@ def test_the_loop_and_aot_start_from_the_same_state(tmp_path, monkeypatch, lora)
         lowered.append(lower())
         raise Captured
 
-    monkeypatch.setattr(aot, "_compile", capture)
+    monkeypatch.setattr(aot.programs, "_compile", capture)  # (where the compilers look it up)
     # the fake CPU devices stand in for a target's: the step is lowered, never compiled
     devs = aot.Devices(aot.parse_target("gpu:h100:4"), jax.devices()[:4], "cpu", 0, 0)
     with pytest.raises(Captured):

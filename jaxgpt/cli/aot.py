@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 from absl import app, flags, logging
 
@@ -109,6 +110,38 @@ class _FilteredStderr:
         return False
 
 
+class Progress:
+    """A line that says what is compiling and for how long (updated each second on a terminal): the
+    `progress` jaxgpt.aot's compilers take (`Progress(what)` around each compile)."""
+
+    def __init__(self, what: str, stream=None):
+        self.what, self.stream = what, stream or sys.stderr
+        self._stop = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        if tty:
+            self._thread = threading.Thread(target=self._tick, daemon=True)
+            self._thread.start()
+        else:
+            print(f"jaxgpt-aot: compiling {self.what} ...", file=self.stream, flush=True)
+        return self
+
+    def _tick(self):
+        while not self._stop.wait(1.0):
+            print(f"\rjaxgpt-aot: compiling {self.what} ... {time.perf_counter() - self.t0:.0f}s",
+                  end="", file=self.stream, flush=True)
+
+    def __exit__(self, *exc):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            print("\r\033[K", end="", file=self.stream, flush=True)
+        return False
+
+
 def _run(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -149,7 +182,7 @@ def _run(argv) -> None:
             engine = {"slots": FLAGS.engine_slots, "max_len": FLAGS.engine_max_len, "chunk": FLAGS.engine_chunk,
                       "quantize": FLAGS.quantize, "kv_dtype": FLAGS.kv_dtype, "packed": FLAGS.engine_packed}
             result = aot.compile_for_target(config, target, FLAGS.vocab_size, tuple(FLAGS.programs),
-                                            progress=True, generate_args=gen, engine_args=engine)
+                                            progress=Progress, generate_args=gen, engine_args=engine)
         except aot.DoesNotFit as e:
             result, error = e.result, e
         except (aot.AotError, ValueError) as e:
