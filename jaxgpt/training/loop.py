@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -23,13 +23,14 @@ from jaxgpt.data import (BatchSampler, DocumentSampler, Prefetcher, document_ids
                          tokenizer_difference, tokenizer_fingerprint)
 from jaxgpt.data.shards import open_shards, shards_difference
 from jaxgpt.lora import LoraSpec
-from jaxgpt.model import convert_layers, flops_per_token, num_params
+from jaxgpt.model import convert_layers, num_params
 from jaxgpt.report import warn
 from jaxgpt.training import profiling, run_dir, task_eval
 from jaxgpt.training.config import doc_masked, model_config_from, parallel_mode, validate_config
-from jaxgpt.training.metrics import MetricsLog, measured_matmul_flops, peak_flops
+from jaxgpt.training.metrics import MetricsLog
 from jaxgpt.training.parallel import make_runner
 from jaxgpt.training.step import init_train_state, make_optimizer, make_schedule
+from jaxgpt.training.throughput import Throughput
 from jaxgpt.user_modules import recorded_imports
 
 
@@ -178,7 +179,6 @@ class _Run:
         self.resume = config.init_from == "resume"
         self.bar = None
         self.start_step, self.best_val = 0, math.inf
-        self.peak_noted = False  # whether the measured peak has been raised (_Run._remeasure_peak)
 
     def note(self, msg: str) -> None:
         """A line from process 0 (above the progress bar once there is one)."""
@@ -317,21 +317,13 @@ class _Run:
         self.eval_s = document_ids(self.eval_x.reshape(-1, gcfg.block_size), self.sampler.separator).reshape(
             self.eval_x.shape) if doc_masked(config) else None
         self.bytes_per_token = self.ds.bytes_per_token("val")
-        self.tokens_per_step = cfg_t.batch_size * gcfg.block_size
-        self.flops_per_token = flops_per_token(gcfg, gcfg.block_size)
-        rows = cfg_t.batch_size // (cfg_t.grad_accum * self.n_devices) * gcfg.block_size  # one device's rows
-        self.peak_shape = (rows, gcfg.n_embd, gcfg.mlp_hidden)
-        self.peak, peak_source = peak_flops(gcfg.dtype, cfg_t.peak_flops, matmul_shape=self.peak_shape)
-        if self.peak is not None:
-            self.peak *= self.process_count  # peak_flops counts this process's devices, tokens/s all of them
-        self.peak_measured = peak_source.startswith("measured")
+        self.clock = Throughput(cfg_t, gcfg, self.n_devices, self.process_count, self.sampler.local_batch_size,
+                                self.note)
         procs = f" on {self.process_count} processes" if self.multiprocess else ""
         self.note(f"jaxgpt: {num_params(gcfg, non_embedding=False) / 1e6:.2f}M parameters, {self.n_devices} "
-                  f"device(s) via {self.runner.name}{procs}, tokens/step {self.tokens_per_step}, vocab "
+                  f"device(s) via {self.runner.name}{procs}, tokens/step {self.clock.tokens_per_step}, vocab "
                   f"{gcfg.vocab_size} ({config.data.tokenizer}), dtype {gcfg.dtype}, backend {self.backend.name}; "
-                  + (f"MFU against {self.peak / 1e9:.0f} GFLOP/s ({peak_source})" if self.peak is not None
-                     else f"MFU unknown: {peak_source}")
-                  + f", {self.flops_per_token / 1e6:.2f} MFLOP/token (6N + 12*L*T*D, attention not halved)"
+                  + self.clock.describe()
                   + (f"; CPU dispatch {cpu_dispatch()}" if jax.default_backend() == "cpu" else ""))
         if isinstance(self.sampler, DocumentSampler):
             s = self.sampler
@@ -379,10 +371,7 @@ class _Run:
             self.bar = None if bar.disable else bar
         self.prefetch = Prefetcher(self.sampler, size=max(2, self.cfg_t.steps_per_call))
         self.summary = {"start_step": self.start_step, "out_dir": self.out_dir}
-        self.last_log = (time.time(), self.start_step)
-        self.data_wait = 0.0  # seconds the loop has waited for the prefetcher's batches
-        self.data_mark = (0.0, 0, 0.0)  # (data_wait, batches made, seconds making them) at the last log line
-        self.last_finished = self.last_log[0]  # when the last program call read finished
+        self.clock.restart(self.start_step)
         self.step, self.saved_step = self.start_step, self.start_step if self.resume else None
         self.profiler = profiling.StepProfiler(profiling.parse_window(self.cfg_t.get("profile")),
                                                os.path.join(self.out_dir, "profile"))
@@ -419,21 +408,19 @@ class _Run:
                           f"{self.profiler.folder}")
             with self.profiler.annotate(self.step):
                 if count == 1:
-                    self.state, metrics = self.runner.step(self.state, *self._next_batch())
+                    self.state, metrics = self.runner.step(self.state, *self.clock.next_batch(self.prefetch))
                 else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
-                    batches = zip(*(self._next_batch() for _ in range(count)))  # x, y (and segment ids)
+                    batches = zip(*(self.clock.next_batch(self.prefetch) for _ in range(count)))  # x, y (and segment ids)
                     self.state, metrics = self.runner.steps(self.state, *(np.stack(a) for a in batches))
             finished = time.time() if _is_ready(metrics) else None
             first, self.step = self.step + 1, self.step + count
             self.profiler.stop(self.step, self.state)
             if pending is not None:
-                if pending[3] is None and finished is not None:
-                    # both calls ended by `finished`, the earlier one at an unknown time before: each takes
-                    # a share of the time since the last read by its steps (not all of it, leaving none)
-                    share = pending[1] / (pending[1] + count)
-                    pending = pending[:3] + (self.last_finished + (finished - self.last_finished) * share,)
+                if pending.finished is None and finished is not None:
+                    # both calls ended by `finished`, the earlier one at an unknown time before
+                    pending = pending._replace(finished=self.clock.finish_share(pending.count, count, finished))
                 self._read(pending)
-            pending = (first, count, metrics, finished)
+            pending = PendingCall(first, count, metrics, finished)
             if self.bar is not None:
                 self.bar.update(count)
             last, stop = self.step == cfg_t.max_steps, preempt.stop(self.step)
@@ -449,8 +436,7 @@ class _Run:
             if do_save or reached:
                 self._save(last_val if do_eval else None)
             if do_eval or do_save:  # the next call's time, and rate, start now: not with the eval's or save's
-                self.last_finished = time.time()
-                self.last_log = (self.last_finished, self.step)
+                self.clock.restart(self.step)
             if reached:
                 break
             if stop:
@@ -500,17 +486,12 @@ class _Run:
                   ("checkpoint saved; resume with --config.init_from=resume" if saved else
                    "before this overwrite=True run's first checkpoint: nothing saved"))
 
-    def _read(self, pending) -> None:
-        """Reads a call's metrics. Its `count` steps finish together, so each is timed at an even share of
-        the call's time (from the previous call's finish): tokens/s and MFU over any steps are then those
-        of the calls that ran them, however train.steps_per_call and train.log_interval fall."""
-        first, count, metrics, finished = pending
-        host = {k: np.asarray(v).reshape(count) for k, v in self.runner.to_host(metrics).items()}
-        finished = time.time() if finished is None else finished
-        started, self.last_finished = self.last_finished, finished
-        for i in range(count):
-            self._read_step(first + i, {k: float(v[i]) for k, v in host.items()},
-                            started + (finished - started) * (i + 1) / count)
+    def _read(self, pending: "PendingCall") -> None:
+        """Reads a call's metrics, each of its steps timed at an even share of the call's time."""
+        host = {k: np.asarray(v).reshape(pending.count) for k, v in self.runner.to_host(pending.metrics).items()}
+        times = self.clock.step_times(pending.count, pending.finished)
+        for i in range(pending.count):
+            self._read_step(pending.first + i, {k: float(v[i]) for k, v in host.items()}, times[i])
 
     def _read_step(self, s: int, m: dict, now: float) -> None:
         if not math.isfinite(m["loss"]):
@@ -518,52 +499,23 @@ class _Run:
                                    f"untouched (try a lower train.lr or train.grad_clip).")
         self.summary["last_loss"] = m["loss"]
         if s % self.cfg_t.log_interval == 0 or s == self.cfg_t.max_steps:
-            last_time, last_step = self.last_log
-            tok_s = self.tokens_per_step * (s - last_step) / max(now - last_time, 1e-9)
-            mfu = None if self.peak is None else self.flops_per_token * tok_s / self.peak
-            if mfu is not None and mfu > 1 and self.peak_measured:
-                mfu = self.flops_per_token * tok_s / self._remeasure_peak(self.flops_per_token * tok_s)
-            wait, loader = self._data_rates()
-            self.last_log = (now, s)
-            self.log.write({"step": s, **m, "tokens_per_s": tok_s, "mfu": mfu, "elapsed_s": now - self.t0,
-                            "data_wait_s": wait, "loader_tokens_per_s": loader})
-            waited = wait / max(now - last_time, 1e-9)  # the share of the time the step waited for data
+            r = self.clock.rates(s, now, self.prefetch)
+            self.log.write({"step": s, **m, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "elapsed_s": now - self.t0,
+                            "data_wait_s": r.data_wait_s, "loader_tokens_per_s": r.loader_tokens_per_s})
             self.note(f"step {s:6d} | loss {m['loss']:.4f} | lr {m.get('lr', 0):.2e} | grad norm "
-                      f"{m['grad_norm']:.3f} | {tok_s:,.0f} tok/s | MFU "
-                      f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'} | {now - self.t0:.1f}s"
-                      + (f" | waited for data {100 * waited:.0f}% (loader {loader:,.0f} tok/s per process)"
-                         if waited >= 0.02 else ""))
+                      f"{m['grad_norm']:.3f} | {r.tokens_per_s:,.0f} tok/s | MFU "
+                      f"{'unknown' if r.mfu is None else f'{100 * r.mfu:.1f}%'} | {now - self.t0:.1f}s"
+                      + (f" | waited for data {100 * r.waited:.0f}% (loader {r.loader_tokens_per_s:,.0f} tok/s "
+                         "per process)" if r.waited >= 0.02 else ""))
 
-    def _next_batch(self):
-        """The next batch from the prefetcher, the time waited for it counted."""
-        t0 = time.perf_counter()
-        batch = next(self.prefetch)
-        self.data_wait += time.perf_counter() - t0
-        return batch
 
-    def _data_rates(self) -> tuple[float, Optional[float]]:
-        """(seconds waited for data, the loader's tokens/s on this process) since the last log line."""
-        p = self.prefetch
-        wait0, made0, busy0 = self.data_mark
-        self.data_mark = (self.data_wait, p.produced, p.produce_s)
-        made, busy = p.produced - made0, p.produce_s - busy0
-        tokens = self.sampler.local_batch_size * self.gcfg.block_size * made
-        return self.data_wait - wait0, (tokens / busy if made and busy > 0 else None)
-
-    def _remeasure_peak(self, attained: float) -> float:
-        """The run went faster than the CPU's measured peak, so that matmul was timed while something else
-        held the cores (another process, a test worker beside it). Measures it again and keeps the higher of
-        the two and the rate the run itself attained, the true peak's best lower bound: an MFU never above
-        100%. Says so once."""
-        before = self.peak
-        again = measured_matmul_flops.__wrapped__(self.gcfg.dtype, self.peak_shape) * self.process_count
-        self.peak = max(self.peak, again, attained)
-        if not self.peak_noted:
-            self.peak_noted = True
-            self.note(f"jaxgpt: MFU now against {self.peak / 1e9:.0f} GFLOP/s: this run attained "
-                      f"{attained / 1e9:.0f}, above the {before / 1e9:.0f} measured at the start (the cores were "
-                      f"busy then; measured again: {again / 1e9:.0f})")
-        return self.peak
+class PendingCall(NamedTuple):
+    """A program call dispatched but not yet read: its steps first..first+count-1, their metrics (on the
+    device), and when it finished (None: not seen, its metrics not yet ready when it returned)."""
+    first: int
+    count: int
+    metrics: Any
+    finished: Optional[float]
 
 
 def _is_ready(tree) -> bool:
