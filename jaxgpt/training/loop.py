@@ -19,14 +19,15 @@ from jaxgpt import checkpoint as ckpt_lib
 from jaxgpt import compile_cache, loading
 from jaxgpt.backends import resolve
 from jaxgpt.backends.cpu import cpu_dispatch
-from jaxgpt.data import (BatchSampler, DocumentSampler, Prefetcher, document_ids, document_starts, prepare_dataset,
+from jaxgpt.data import (BatchSampler, DocumentSampler, Prefetcher, document_starts, prepare_dataset,
                          tokenizer_difference, tokenizer_fingerprint)
 from jaxgpt.data.shards import open_shards, shards_difference
 from jaxgpt.lora import LoraSpec
 from jaxgpt.model import convert_layers, num_params
 from jaxgpt.report import warn
-from jaxgpt.training import profiling, run_dir, task_eval
+from jaxgpt.training import profiling, run_dir
 from jaxgpt.training.config import doc_masked, model_config_from, parallel_mode, validate_config
+from jaxgpt.training.evaluation import Evaluator
 from jaxgpt.training.metrics import MetricsLog
 from jaxgpt.training.parallel import make_runner
 from jaxgpt.training.step import init_train_state, make_optimizer, make_schedule
@@ -306,17 +307,9 @@ class _Run:
         return False
 
     def prepare_eval(self) -> None:
-        """The fixed evaluation batches (both splits stacked [2 * eval_steps, b, T]: one call evaluates
-        all), the throughput figures, and process 0's start-up lines."""
+        """The throughput figures, process 0's start-up lines, and the evaluator (its fixed windows, its
+        tasks)."""
         cfg_t, gcfg, config = self.cfg_t, self.gcfg, self.config
-        samplers = [BatchSampler(split, cfg_t.batch_size, gcfg.block_size, config.seed + seed, self.process_index,
-                                 self.process_count) for split, seed in ((self.ds.train, 2), (self.ds.val, 1))]
-        self.eval_x, self.eval_y = (np.stack(a) for a in zip(*[s.batch(i) for s in samplers
-                                                               for i in range(cfg_t.eval_steps)]))
-        # document-masked training evaluates masked too: the fixed windows' document ids, from their tokens
-        self.eval_s = document_ids(self.eval_x.reshape(-1, gcfg.block_size), self.sampler.separator).reshape(
-            self.eval_x.shape) if doc_masked(config) else None
-        self.bytes_per_token = self.ds.bytes_per_token("val")
         self.clock = Throughput(cfg_t, gcfg, self.n_devices, self.process_count, self.sampler.local_batch_size,
                                 self.note)
         procs = f" on {self.process_count} processes" if self.multiprocess else ""
@@ -332,19 +325,11 @@ class _Run:
                       + ("within each document (data.doc_mask)" if s.segments else "across documents (doc_mask off)"))
         if self.resume:
             self.note(f"jaxgpt: resumed from step {self.start_step} in {self.checkpointer.directory}")
-        self.tasks = task_eval.from_config(cfg_t, self.tokenizer, gcfg, self.backend, self.runner)
-        if self.tasks is not None:
-            self.note(f"jaxgpt: eval tasks {self.tasks.describe()}, every {self.tasks.interval} steps")
-
-    def evaluate(self, step: int) -> dict:
-        losses = self.runner.eval(self.state, self.eval_x, self.eval_y, self.eval_s)
-        losses = np.asarray(self.runner.to_host(losses), np.float64)
-        n = self.cfg_t.eval_steps
-        out = {"step": step, "train_loss": float(losses[:n].mean()), "val_loss": float(losses[n:].mean())}
-        out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
-        # (None for shards whose tokenizer file does not record the bytes of text per token)
-        out["val_bpb"] = None if not self.bytes_per_token else out["val_loss"] / math.log(2) / self.bytes_per_token
-        return out
+        self.evaluator = Evaluator(config, self.ds, self.sampler, gcfg, self.backend, self.runner,
+                                   self.process_index, self.process_count)
+        tasks = self.evaluator.tasks
+        if tasks is not None:
+            self.note(f"jaxgpt: eval tasks {tasks.describe()}, every {tasks.interval} steps")
 
     def meta_for(self, step: int) -> dict:
         tok = self.tokenizer.to_dict()
@@ -353,8 +338,8 @@ class _Run:
                 "best_val_loss": self.best_val, "dataset": {k: v for k, v in self.ds.meta.items() if k != "tokenizer"},
                 # the user's modules that register its parts: imported again where the run is loaded
                 "imports": recorded_imports(self.config.get("imports"), self.gcfg)}
-        if self.tasks is not None and self.tasks.last:
-            meta["tasks"] = self.tasks.last
+        if self.evaluator.task_scores():
+            meta["tasks"] = self.evaluator.task_scores()
         if self.lora_spec is not None:  # the checkpoint holds the adapters; this says which base they adapt
             meta["lora"] = {**self.lora_spec.to_dict(), "base": self.base_ref}
         return meta
@@ -446,15 +431,10 @@ class _Run:
             self._read(pending)
 
     def _eval_and_log(self) -> float:
-        ev = self.evaluate(self.step)
-        self.best_val = min(self.best_val, ev["val_loss"])
-        ev["best_val_loss"] = self.best_val
-        if self.tasks is not None and self.tasks.due(self.step):
-            ev.update(self.tasks.run(self.runner.get_state(self.state), self.step))
+        ev = self.evaluator.run(self.state, self.step, self.best_val)
+        self.best_val = ev["best_val_loss"]
         self.log.write(ev)
-        self.note(f"eval {self.step:6d} | train {ev['train_loss']:.4f} | val {ev['val_loss']:.4f} | val ppl "
-                  f"{ev['val_ppl']:.2f} | " + ("" if ev["val_bpb"] is None else f"val bits/byte {ev['val_bpb']:.3f} | ")
-                  + f"best val {self.best_val:.4f}" + task_eval.LoopTasks.line(ev))
+        self.note(Evaluator.line(ev))
         self.summary.update(ev)
         return ev["val_loss"]
 
