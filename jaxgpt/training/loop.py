@@ -16,17 +16,17 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxgpt import checkpoint as ckpt_lib
-from jaxgpt import compile_cache, loading
+from jaxgpt import compile_cache
 from jaxgpt.backends import resolve
 from jaxgpt.backends.cpu import cpu_dispatch
 from jaxgpt.data import (BatchSampler, DocumentSampler, Prefetcher, document_starts, prepare_dataset,
-                         tokenizer_difference, tokenizer_fingerprint)
-from jaxgpt.data.shards import open_shards, shards_difference
+                         tokenizer_fingerprint)
+from jaxgpt.data.shards import open_shards
 from jaxgpt.lora import LoraSpec
-from jaxgpt.model import convert_layers, num_params
+from jaxgpt.model import num_params
 from jaxgpt.report import warn
-from jaxgpt.training import profiling, run_dir
-from jaxgpt.training.config import doc_masked, model_config_from, parallel_mode, validate_config
+from jaxgpt.training import profiling, restore, run_dir
+from jaxgpt.training.config import doc_masked, parallel_mode, validate_config
 from jaxgpt.training.evaluation import Evaluator
 from jaxgpt.training.metrics import MetricsLog
 from jaxgpt.training.parallel import make_runner
@@ -223,14 +223,8 @@ class _Run:
         self.ds, self.sampler = _load_data(config, self.process_index, self.process_count)
         self.tokenizer = self.ds.tokenizer
         self.lora_spec = LoraSpec.from_config(cfg_t.lora)  # None: every parameter trains
-        params, self.base_ref = None, None  # pretrained or base weights, and where they came from
-        if config.init_from not in ("scratch", "resume"):
-            gcfg, params, self.base_ref = _load_init(config, self.tokenizer)
-        else:
-            gcfg = model_config_from(config, self.tokenizer.vocab_size)
-            if self.resume and self.lora_spec is not None:  # a LoRA run's base is not in its checkpoints
-                self.base_ref = _saved_lora_base(self.out_dir)
-                gcfg, params = loading.load_base(self.base_ref, gcfg, flag="--config.imports")
+        # pretrained or base weights (None: none), and where they came from
+        gcfg, params, self.base_ref = restore.init_weights(config, self.tokenizer, self.out_dir, self.lora_spec)
         self.backend = resolve(gcfg)
         if gcfg.dtype == "bfloat16" and not self.backend.fast_bf16:
             self.note("jaxgpt: model.dtype=bfloat16, but this CPU has neither AVX512_BF16 nor AMX: computing in "
@@ -267,39 +261,13 @@ class _Run:
         return None
 
     def _restore(self) -> bool:
-        """Restore the newest checkpoint that reads (damaged newer ones moved aside, never deleted) into
-        the runner's layout; True when it is already at train.max_steps."""
-        gcfg, runner, checkpointer = self.gcfg, self.runner, self.checkpointer
-        saved_layers = {}  # step -> whether that checkpoint stores the blocks stacked (scan_layers)
-
-        def attempt(step):
-            meta = checkpointer.restore_meta(step)
-            _check_resume_meta(meta, gcfg, self.tokenizer)  # clear words before orbax's
-            _check_resume_data(meta, self.ds.meta)
-            _check_resume_optimizer(meta, self.cfg_t)
-            # restored in the layer layout it was saved in, on any device count, converted below
-            saved = gcfg.replace(scan_layers=bool(meta.get("model", {}).get("scan_layers", False)))
-            saved_layers[step] = saved.scan_layers
-            abstract = runner.abstract_state(lambda *a: convert_layers(self.make_state(*a), saved), *self.init_args)
-            return checkpointer.restore(abstract.replace(frozen=None), step)  # (LoRA: no base in it)
-
-        start_step, (state, meta), skipped = checkpointer.restore_newest(attempt)
-        if skipped:
-            self.barrier("jaxgpt-restored")
-            for e in skipped:
-                if self.is_main:
-                    warn(f"{e}; moved it to {checkpointer.move_aside(e.step, self.out_dir)} and resuming from "
-                         f"checkpoint {start_step}")
-            self.barrier("jaxgpt-moved-aside")
-            checkpointer.reload()
-        self.sampler.load_state_dict(meta["sampler"])
-        self.start_step = int(state.step)  # replicated: readable on every process
-        self.best_val = meta.get("best_val_loss", math.inf)
-        if saved_layers[self.start_step] != gcfg.scan_layers:
-            state = jax.jit(lambda s: convert_layers(s, gcfg))(state)
-        if self.lora_spec is not None:
-            state = state.replace(frozen=self.init_args[0])
-        self.state = runner.put_state(state)
+        """Restore the newest readable checkpoint into the runner's layout (restore.py); True when it is
+        already at train.max_steps."""
+        r = restore.restore_newest(self.checkpointer, self.runner, self.gcfg, self.make_state, self.init_args,
+                                   tokenizer=self.tokenizer, data_meta=self.ds.meta, cfg_t=self.cfg_t,
+                                   out_dir=self.out_dir, barrier=self.barrier, lora=self.lora_spec is not None)
+        self.sampler.load_state_dict(r.meta["sampler"])
+        self.state, self.start_step, self.best_val = r.state, r.step, r.best_val
         if self.start_step >= self.cfg_t.max_steps:
             self.note(f"jaxgpt: the checkpoint is at step {self.start_step} and train.max_steps is "
                       f"{self.cfg_t.max_steps}: nothing to train; raise --config.train.max_steps to continue")
@@ -395,7 +363,8 @@ class _Run:
                 if count == 1:
                     self.state, metrics = self.runner.step(self.state, *self.clock.next_batch(self.prefetch))
                 else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
-                    batches = zip(*(self.clock.next_batch(self.prefetch) for _ in range(count)))  # x, y (and segment ids)
+                    # x, y (and segment ids)
+                    batches = zip(*(self.clock.next_batch(self.prefetch) for _ in range(count)))
                     self.state, metrics = self.runner.steps(self.state, *(np.stack(a) for a in batches))
             finished = time.time() if _is_ready(metrics) else None
             first, self.step = self.step + 1, self.step + count
@@ -480,8 +449,9 @@ class _Run:
         self.summary["last_loss"] = m["loss"]
         if s % self.cfg_t.log_interval == 0 or s == self.cfg_t.max_steps:
             r = self.clock.rates(s, now, self.prefetch)
-            self.log.write({"step": s, **m, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "elapsed_s": now - self.t0,
-                            "data_wait_s": r.data_wait_s, "loader_tokens_per_s": r.loader_tokens_per_s})
+            self.log.write({"step": s, **m, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
+                            "elapsed_s": now - self.t0, "data_wait_s": r.data_wait_s,
+                            "loader_tokens_per_s": r.loader_tokens_per_s})
             self.note(f"step {s:6d} | loss {m['loss']:.4f} | lr {m.get('lr', 0):.2e} | grad norm "
                       f"{m['grad_norm']:.3f} | {r.tokens_per_s:,.0f} tok/s | MFU "
                       f"{'unknown' if r.mfu is None else f'{100 * r.mfu:.1f}%'} | {now - self.t0:.1f}s"
@@ -512,138 +482,3 @@ def _steps_to_run(step: int, cfg_t) -> int:
     for bound in profiling.bounds(cfg_t.get("profile")):  # a profiled window holds whole calls
         count = min(count, bound - step) if step < bound else count
     return count
-
-
-def _check_resume_meta(meta: dict, gcfg, tokenizer) -> None:
-    """Refuse, in one line, a checkpoint whose tokenizer or model shape differs from the config's."""
-    saved_tok, now_tok = meta.get("tokenizer"), tokenizer.to_dict()
-    same = meta.get("tokenizer_sha256") == tokenizer_fingerprint(now_tok)  # older checkpoints: compare the dicts
-    diff = None if same or not isinstance(saved_tok, dict) else tokenizer_difference(saved_tok, now_tok)
-    if diff:
-        raise ckpt_lib.CheckpointError(
-            f"the data's tokenizer is not the checkpoint's: {diff}. Resuming would feed the model ids that "
-            "mean other text; resume with the data settings the run was trained on (config.data), or start "
-            "a new run")
-    saved = meta.get("model", {})
-    now = gcfg.to_dict()
-    diff = {k: (saved.get(k), now[k]) for k in now if k in saved and saved[k] != now[k]
-            and k not in ("dropout", "attention", "kernels", "dtype", "scan_layers", "remat")}  # same params either way
-    if diff:
-        raise ckpt_lib.CheckpointError(
-            "the checkpoint's model differs from the config: " +
-            ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items()))
-
-
-def _check_resume_data(meta: dict, now: dict) -> None:
-    """Refuse, in one line, a checkpoint trained on llm.c shards other than the config's (files added,
-    removed or changed: the sampler's windows would fall elsewhere)."""
-    saved = meta.get("dataset") or {}
-    if now.get("corpus") != "shards" and saved.get("corpus") != "shards":
-        return
-    if saved.get("corpus") != now.get("corpus"):
-        diff = f"{saved.get('corpus') or 'a text corpus'} before, {now.get('corpus') or 'a text corpus'} now"
-    else:
-        diff = shards_difference(saved, now)
-    if diff:
-        raise ckpt_lib.CheckpointError(
-            f"the data is not the checkpoint's: {diff}. Resuming would not continue the run's batches; resume "
-            "with the shards it was trained on (config.data.path), or start a new run")
-
-
-# The train settings that shape the optimizer state, and what of each does: which optimizer, and whether
-# gradients are clipped (another lr, betas or clipping threshold fits the same state)
-_OPTIMIZER_LAYOUT = {"optimizer": lambda v: v, "grad_clip": lambda v: v > 0}
-
-
-def _check_resume_optimizer(meta: dict, cfg_t) -> None:
-    """Refuse, in one line naming the setting and both values, a checkpoint whose optimizer state another
-    optimizer made: another train.optimizer, or gradient clipping turned on or off since it was saved."""
-    saved = meta.get("config", {}).get("train")
-    if not isinstance(saved, dict):  # (a checkpoint without its config: orbax's words, as before)
-        return
-    saved = {"optimizer": "adamw", **saved}  # (checkpoints from before train.optimizer: AdamW's)
-    changed = [k for k, layout in _OPTIMIZER_LAYOUT.items() if k in saved and layout(saved[k]) != layout(cfg_t[k])]
-    if not changed:
-        return
-
-    def shown(key, value):
-        return f"{value!r}" + (f" (clipping {'on' if value > 0 else 'off'})" if key == "grad_clip" else "")
-
-    said = "; ".join(f"train.{k} was {shown(k, saved[k])} when it was saved and is {shown(k, cfg_t[k])} now"
-                     for k in changed)
-    back = " ".join(f"--config.train.{k}={saved[k]}" for k in changed)
-    raise ckpt_lib.CheckpointError(
-        f"checkpoint {meta.get('step')}'s optimizer state does not fit this config's optimizer: {said}. To "
-        f"continue the run, put it back ({back}); to train with the new setting, start a new run (another "
-        "--config.out_dir, or --config.overwrite=True)")
-
-
-def _load_init(config, tokenizer):
-    """(GPTConfig, params, reference) of the weights `init_from` names: a jaxgpt run folder (its latest
-    checkpoint), a Hugging Face folder or a GPT-2 name. The architecture comes from the weights, how to
-    compute it from config.model; a smaller model.block_size keeps the first position embeddings."""
-    m, source = config.model, config.init_from
-    compute = dict(dtype=m.dtype, attention=m.attention, kernels=m.kernels, dropout=m.dropout,
-                   scan_layers=m.scan_layers, remat=m.remat)
-    # (crops the position table when block_size is smaller, as nanoGPT's fine-tuning does)
-    gcfg, params, base_tokenizer, _, ref = loading.load(source, block_size=m.block_size, tokenizer=None,
-                                                        flag="--config.imports", **compute)
-    _check_base_architecture(m, gcfg, source)
-    if base_tokenizer is not None:  # a jaxgpt run's
-        saved, now = base_tokenizer.to_dict(), tokenizer.to_dict()
-        if tokenizer_fingerprint(saved) != tokenizer_fingerprint(now):
-            raise ckpt_lib.CheckpointError(
-                f"init_from={source}: that run's tokenizer is not the data's: "
-                f"{tokenizer_difference(saved, now) or 'they differ'}; use the data settings it was trained on")
-    elif tokenizer.vocab_size > gcfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but {source} has a "
-                         f"vocabulary of {gcfg.vocab_size}; use data.tokenizer='gpt2' with GPT-2 weights")
-    return gcfg, params, _base_ref(config, gcfg, params, ref)
-
-
-# what config.model may set over an init_from base: how it computes, not what its weights are
-# (block_size may only crop the position table: checked where it is cropped)
-_FREE_OVER_BASE = ("dropout", "dtype", "attention", "kernels", "scan_layers", "remat", "block_size", "zero_init_proj")
-
-
-def _check_base_architecture(m, base_cfg, source: str) -> None:
-    """Refuse, in one line, config.model settings that contradict the init_from base's architecture. A key
-    left at its default is the base's to decide; a key set otherwise must agree with the base."""
-    from jaxgpt.training.config import MODEL_KEYS, default_config
-
-    defaults = default_config().model
-    clash = [(k, m[k], getattr(base_cfg, k)) for k in MODEL_KEYS
-             if k not in _FREE_OVER_BASE and m[k] is not None and m[k] != defaults[k] and m[k] != getattr(base_cfg, k)]
-    if clash:
-        raise ValueError(
-            f"config.model contradicts the init_from base {source}: " +
-            ", ".join(f"model.{k}={mine!r} but the base has {k}={theirs!r}" for k, mine, theirs in clash) +
-            "; the base's architecture is used as it is: drop these settings or set them to the base's values")
-
-
-def _base_ref(config, gcfg, params, ref: dict) -> dict:
-    """`ref` with, for a LoRA run, the fingerprint of its base weights (checked whenever the base is loaded
-    again: on resume and when sampling)."""
-    from jaxgpt.lora import base_fingerprint
-
-    if LoraSpec.from_config(config.train.lora) is None:
-        return ref
-    return {**ref, "sha256": base_fingerprint(params, gcfg)}
-
-
-def _saved_lora_base(out_dir: str) -> dict:
-    """The base-model reference that a LoRA run's newest readable checkpoint records."""
-    ckpt = ckpt_lib.Checkpointer(out_dir, read_only=True)
-    try:
-        for step in sorted(ckpt_lib.existing_steps(out_dir), reverse=True):
-            try:
-                meta = ckpt.restore_meta(step)
-            except ckpt_lib.CheckpointError:
-                continue
-            if "lora" not in meta:
-                raise ckpt_lib.CheckpointError(f"checkpoint {step} in {out_dir} is not a LoRA run's; resume it "
-                                               "with train.lora.rank=0")
-            return meta["lora"]["base"]
-    finally:
-        ckpt.close()
-    raise ckpt_lib.CheckpointError(f"no readable checkpoint in {ckpt_lib.checkpoint_dir(out_dir)}")
