@@ -162,15 +162,14 @@ def train(config) -> dict:
 
 def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
     run = _Run(config, out_dir, n_devices, t0)
-    run.settle_out_dir()
-    run.build()
-    done = run.restore_or_init()
+    done = run.setup()
     return done if done is not None else run.train()
 
 
 class _Run:
-    """One training run through its phases: settle the out_dir, build data/model/runner, restore or
-    initialise the state, then train (evaluating, logging and checkpointing)."""
+    """One training run in the order of things: `setup` (settle the out_dir, build data/model/runner, restore or
+    initialise the state, the clocks and the evaluator: the run's state, set there), then `train` (the loop's
+    log, prefetcher and profiler opened and closed there; evaluating, logging and checkpointing)."""
 
     def __init__(self, config, out_dir: str, n_devices: int, t0: float):
         self.config, self.cfg_t, self.out_dir, self.n_devices, self.t0 = config, config.train, out_dir, n_devices, t0
@@ -178,8 +177,7 @@ class _Run:
         self.is_main = self.process_index == 0
         self.multiprocess = self.process_count > 1
         self.resume = config.init_from == "resume"
-        self.bar = None
-        self.start_step, self.best_val = 0, math.inf
+        self.bar = None  # the progress bar (train(): process 0's, on a terminal)
 
     def note(self, msg: str) -> None:
         """A line from process 0 (above the progress bar once there is one)."""
@@ -191,8 +189,39 @@ class _Run:
             from jaxgpt import distributed
             distributed.barrier(name)
 
-    def settle_out_dir(self) -> None:
-        """Refuse a start that would clobber or miss checkpoints; set aside the old ones of an overwrite."""
+    def setup(self) -> Optional[dict]:
+        """The run's state, in order: settle the out_dir, build, restore or initialise the state, then the
+        clocks, the start-up lines and the evaluator; a summary instead when there is nothing to train."""
+        self.awaiting_first = self.settle_out_dir()  # the same on every process
+        self.build()
+        self.checkpointer = ckpt_lib.Checkpointer(self.out_dir, keep=self.cfg_t.keep_checkpoints)
+        try:
+            self.state, self.start_step, self.best_val = self._start_state()
+        except BaseException:
+            if not self.multiprocess:  # (closing is collective on several processes; see train())
+                self.checkpointer.close()
+            raise
+        self.init_args = ()
+        if self.resume and self.start_step >= self.cfg_t.max_steps:
+            self.note(f"jaxgpt: the checkpoint is at step {self.start_step} and train.max_steps is "
+                      f"{self.cfg_t.max_steps}: nothing to train; raise --config.train.max_steps to continue")
+            self.checkpointer.close()
+            return {"start_step": self.start_step, "out_dir": self.out_dir, "steps": self.start_step,
+                    "nothing_to_do": True, "best_val_loss": self.best_val, "saved_step": self.start_step,
+                    "wall_time_s": time.time() - self.t0, "state": self.runner.get_state(self.state)}
+        self.clock = Throughput(self.cfg_t, self.gcfg, self.n_devices, self.process_count,
+                                self.sampler.local_batch_size, self.note)
+        self._startup_lines()
+        self.evaluator = Evaluator(self.config, self.ds, self.sampler, self.gcfg, self.backend, self.runner,
+                                   self.process_index, self.process_count)
+        if self.evaluator.tasks is not None:
+            self.note(f"jaxgpt: eval tasks {self.evaluator.tasks.describe()}, every {self.evaluator.tasks.interval} "
+                      "steps")
+        return None
+
+    def settle_out_dir(self) -> bool:
+        """Refuse a start that would clobber or miss checkpoints; set aside the old ones of an overwrite.
+        Whether this run waits for its first checkpoint before the old ones go."""
         cfg_t, out_dir = self.cfg_t, self.out_dir
         if self.is_main:
             settled = run_dir.settle_overwrite(out_dir)  # left by an overwrite=True start that was killed
@@ -211,11 +240,12 @@ class _Run:
             raise ValueError(f"{ckpt_lib.checkpoint_dir(out_dir)} already holds checkpoints (steps {existing}); "
                              "use --config.init_from=resume to continue, or --config.overwrite=True to start over")
         # the old checkpoints survive until this run has written its first one (jaxgpt/training/run_dir.py)
-        self.awaiting_first = not self.resume and bool(self.config.overwrite)  # the same on every process
-        if self.awaiting_first and existing and self.is_main:
+        awaiting_first = not self.resume and bool(self.config.overwrite)
+        if awaiting_first and existing and self.is_main:
             self.note(f"jaxgpt: overwrite=True: the previous checkpoints wait in {run_dir.set_aside(out_dir)} until "
                       "this run writes its first checkpoint")
         self.barrier("jaxgpt-out-dir")  # nobody opens the checkpoint folder while process 0 may move it
+        return awaiting_first
 
     def build(self) -> None:
         """The data, the model's GPTConfig and backend, the optimizer and the runner."""
@@ -241,45 +271,20 @@ class _Run:
         """A step-0 TrainState: fresh or given params, or LoRA adapters over them (the base frozen)."""
         return init_train_state(self.gcfg, self.optimizer, self.config.seed, self.lora_spec, *pretrained)
 
-    def restore_or_init(self) -> Optional[dict]:
-        """The state, restored from the newest readable checkpoint or initialised; a summary instead when
-        the checkpoint is already at max_steps."""
-        self.checkpointer = ckpt_lib.Checkpointer(self.out_dir, keep=self.cfg_t.keep_checkpoints)
-        try:
-            if not self.resume:
-                self.state = self.runner.init_state(self.make_state, *self.init_args)
-            elif self._restore():
-                self.checkpointer.close()
-                return {"start_step": self.start_step, "out_dir": self.out_dir, "steps": self.start_step,
-                        "nothing_to_do": True, "best_val_loss": self.best_val, "saved_step": self.start_step,
-                        "wall_time_s": time.time() - self.t0, "state": self.runner.get_state(self.state)}
-        except BaseException:
-            if not self.multiprocess:  # (closing is collective on several processes; see train())
-                self.checkpointer.close()
-            raise
-        self.init_args = ()
-        return None
-
-    def _restore(self) -> bool:
-        """Restore the newest readable checkpoint into the runner's layout (restore.py); True when it is
-        already at train.max_steps."""
+    def _start_state(self) -> tuple:
+        """(state, step, best val loss) the run starts from: restored from the newest readable checkpoint into
+        the runner's layout (restore.py), the sampler where it was; or initialised."""
+        if not self.resume:
+            return self.runner.init_state(self.make_state, *self.init_args), 0, math.inf
         r = restore.restore_newest(self.checkpointer, self.runner, self.gcfg, self.make_state, self.init_args,
                                    tokenizer=self.tokenizer, data_meta=self.ds.meta, cfg_t=self.cfg_t,
                                    out_dir=self.out_dir, barrier=self.barrier, lora=self.lora_spec is not None)
         self.sampler.load_state_dict(r.meta["sampler"])
-        self.state, self.start_step, self.best_val = r.state, r.step, r.best_val
-        if self.start_step >= self.cfg_t.max_steps:
-            self.note(f"jaxgpt: the checkpoint is at step {self.start_step} and train.max_steps is "
-                      f"{self.cfg_t.max_steps}: nothing to train; raise --config.train.max_steps to continue")
-            return True
-        return False
+        return r.state, r.step, r.best_val
 
-    def prepare_eval(self) -> None:
-        """The throughput figures, process 0's start-up lines, and the evaluator (its fixed windows, its
-        tasks)."""
-        cfg_t, gcfg, config = self.cfg_t, self.gcfg, self.config
-        self.clock = Throughput(cfg_t, gcfg, self.n_devices, self.process_count, self.sampler.local_batch_size,
-                                self.note)
+    def _startup_lines(self) -> None:
+        """Process 0's start-up lines: the model and its devices, the MFU's peak, the data's alignment."""
+        gcfg, config = self.gcfg, self.config
         procs = f" on {self.process_count} processes" if self.multiprocess else ""
         self.note(f"jaxgpt: {num_params(gcfg, non_embedding=False) / 1e6:.2f}M parameters, {self.n_devices} "
                   f"device(s) via {self.runner.name}{procs}, tokens/step {self.clock.tokens_per_step}, vocab "
@@ -293,11 +298,6 @@ class _Run:
                       + ("within each document (data.doc_mask)" if s.segments else "across documents (doc_mask off)"))
         if self.resume:
             self.note(f"jaxgpt: resumed from step {self.start_step} in {self.checkpointer.directory}")
-        self.evaluator = Evaluator(config, self.ds, self.sampler, gcfg, self.backend, self.runner,
-                                   self.process_index, self.process_count)
-        tasks = self.evaluator.tasks
-        if tasks is not None:
-            self.note(f"jaxgpt: eval tasks {tasks.describe()}, every {tasks.interval} steps")
 
     def meta_for(self, step: int) -> dict:
         tok = self.tokenizer.to_dict()
@@ -314,7 +314,6 @@ class _Run:
 
     def train(self) -> dict:
         """Steps until max_steps or a stop signal; the checkpointer and logs are closed whatever happens."""
-        self.prepare_eval()
         self.log = MetricsLog(self.out_dir, enabled=self.is_main,
                               truncate_after_step=self.start_step if self.resume else None,
                               trackers=self.cfg_t.get("trackers", "auto"), config=self.config)
