@@ -11,7 +11,7 @@ from jaxgpt.checkpoint import CHECKSUMS, ChecksumMismatch, CheckpointError, exis
 from jaxgpt.loading import load_model
 from jaxgpt.data import CharTokenizer, tokenizer_difference, tokenizer_fingerprint
 from jaxgpt.training import train
-from jaxgpt.training.loop import _check_resume_meta
+from jaxgpt.training.restore import check_meta as _check_resume_meta
 from tests.helpers import tiny_config
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from jaxgpt.checkpoint import existing_steps
 from jaxgpt.training.config import validate_config
-from jaxgpt.training import loop, run_dir, train
+from jaxgpt.training import loop, run_dir, throughput, train
 from jaxgpt.training.metrics import MetricsLog, read_records
 from tests.helpers import tiny_config
 
@@ -105,7 +105,8 @@ def test_stop_signals_and_overwrite(old_run, tmp_path, monkeypatch, capsys):
         return self.signal is not None
 
     monkeypatch.setattr(loop._Preemption, "stop", stop)
-    monkeypatch.setattr(loop, "peak_flops", lambda *a, **kw: (None, "device kind 'Some GPU' is not in jaxgpt's table"))
+    monkeypatch.setattr(throughput, "peak_flops",
+                        lambda *a, **kw: (None, "device kind 'Some GPU' is not in jaxgpt's table"))
     c.overwrite = True
     s = train(c)
     assert s["stopped_by"] == "SIGINT" and s["signal"] == signal.SIGINT and s["saved_step"] is None

@@ -183,7 +183,7 @@ def test_a_peak_measured_while_the_cores_were_busy_is_raised_never_an_mfu_above_
     """A CPU's peak is a matmul timed at the start; timed while another process held the cores, it is too
     low and the run's MFU went past 100% (CI: 124%, a test worker beside it). The run measures again and
     keeps the higher of that and its own attained rate, and says so once."""
-    from jaxgpt.training import loop
+    from jaxgpt.training import throughput
 
     calls = []
 
@@ -191,7 +191,7 @@ def test_a_peak_measured_while_the_cores_were_busy_is_raised_never_an_mfu_above_
         calls.append(tuple(matmul_shape))
         return 1e6, "measured float32 matmul, while busy"  # 1 MFLOP/s: any real step beats it
 
-    monkeypatch.setattr(loop, "peak_flops", low_peak)
+    monkeypatch.setattr(throughput, "peak_flops", low_peak)
     c = tiny_config(tmp_path, max_steps=6, log_interval=2, eval_interval=6)
     train(c)
     logged = [r for r in _metrics(c.out_dir) if "mfu" in r]
@@ -204,7 +204,7 @@ def test_a_peak_measured_while_the_cores_were_busy_is_raised_never_an_mfu_above_
     assert calls == [(rows, c.model.n_embd, 4 * c.model.n_embd)]  # measured once, at the start
 
     # a peak the user gave is theirs: an MFU above 100% then says that figure is wrong, and stays
-    monkeypatch.setattr(loop, "peak_flops", lambda *a, **kw: (1e6, "train.peak_flops"))
+    monkeypatch.setattr(throughput, "peak_flops", lambda *a, **kw: (1e6, "train.peak_flops"))
     c.overwrite = True
     train(c)
     assert all(r["mfu"] > 1 for r in _metrics(c.out_dir) if "mfu" in r)
@@ -327,7 +327,7 @@ def test_throughput_with_several_steps_per_call_is_each_calls_own(tmp_path):
     tokens_per_step = c.train.batch_size * c.model.block_size
     for r in lines:
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0, r
-        assert 0 < r["mfu"] <= 1, r  # an honest MFU is at most 100% (_Run._remeasure_peak)
+        assert 0 < r["mfu"] <= 1, r  # an honest MFU is at most 100% (Throughput.remeasure_peak)
     for call in range(4):  # steps 1-5, 6-10, ...: one call each, whose steps share its rate
         rates = [r["tokens_per_s"] for r in lines[5 * call:5 * call + 5]]
         np.testing.assert_allclose(rates, rates[0], rtol=1e-2)  # (time.time()'s rounding: ~1e-7 s)

@@ -9,27 +9,29 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
 from jaxgpt import checkpoint as ckpt_lib
-from jaxgpt import compile_cache, loading
+from jaxgpt import compile_cache
 from jaxgpt.backends import resolve
 from jaxgpt.backends.cpu import cpu_dispatch
-from jaxgpt.data import (BatchSampler, DocumentSampler, Prefetcher, document_ids, document_starts, prepare_dataset,
-                         tokenizer_difference, tokenizer_fingerprint)
-from jaxgpt.data.shards import open_shards, shards_difference
+from jaxgpt.data import (BatchSampler, DocumentSampler, Prefetcher, document_starts, prepare_dataset,
+                         tokenizer_fingerprint)
+from jaxgpt.data.shards import open_shards
 from jaxgpt.lora import LoraSpec
-from jaxgpt.model import convert_layers, flops_per_token, num_params
+from jaxgpt.model import num_params
 from jaxgpt.report import warn
-from jaxgpt.training import profiling, run_dir, task_eval
-from jaxgpt.training.config import doc_masked, model_config_from, parallel_mode, validate_config
-from jaxgpt.training.metrics import MetricsLog, measured_matmul_flops, peak_flops
+from jaxgpt.training import profiling, restore, run_dir
+from jaxgpt.training.config import doc_masked, parallel_mode, validate_config
+from jaxgpt.training.evaluation import Evaluator
+from jaxgpt.training.metrics import MetricsLog
 from jaxgpt.training.parallel import make_runner
 from jaxgpt.training.step import init_train_state, make_optimizer, make_schedule
+from jaxgpt.training.throughput import Throughput
 from jaxgpt.user_modules import recorded_imports
 
 
@@ -160,15 +162,14 @@ def train(config) -> dict:
 
 def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
     run = _Run(config, out_dir, n_devices, t0)
-    run.settle_out_dir()
-    run.build()
-    done = run.restore_or_init()
+    done = run.setup()
     return done if done is not None else run.train()
 
 
 class _Run:
-    """One training run through its phases: settle the out_dir, build data/model/runner, restore or
-    initialise the state, then train (evaluating, logging and checkpointing)."""
+    """One training run in the order of things: `setup` (settle the out_dir, build data/model/runner, restore or
+    initialise the state, the clocks and the evaluator: the run's state, set there), then `train` (the loop's
+    log, prefetcher and profiler opened and closed there; evaluating, logging and checkpointing)."""
 
     def __init__(self, config, out_dir: str, n_devices: int, t0: float):
         self.config, self.cfg_t, self.out_dir, self.n_devices, self.t0 = config, config.train, out_dir, n_devices, t0
@@ -176,9 +177,7 @@ class _Run:
         self.is_main = self.process_index == 0
         self.multiprocess = self.process_count > 1
         self.resume = config.init_from == "resume"
-        self.bar = None
-        self.start_step, self.best_val = 0, math.inf
-        self.peak_noted = False  # whether the measured peak has been raised (_Run._remeasure_peak)
+        self.bar = None  # the progress bar (train(): process 0's, on a terminal)
 
     def note(self, msg: str) -> None:
         """A line from process 0 (above the progress bar once there is one)."""
@@ -190,8 +189,39 @@ class _Run:
             from jaxgpt import distributed
             distributed.barrier(name)
 
-    def settle_out_dir(self) -> None:
-        """Refuse a start that would clobber or miss checkpoints; set aside the old ones of an overwrite."""
+    def setup(self) -> Optional[dict]:
+        """The run's state, in order: settle the out_dir, build, restore or initialise the state, then the
+        clocks, the start-up lines and the evaluator; a summary instead when there is nothing to train."""
+        self.awaiting_first = self.settle_out_dir()  # the same on every process
+        self.build()
+        self.checkpointer = ckpt_lib.Checkpointer(self.out_dir, keep=self.cfg_t.keep_checkpoints)
+        try:
+            self.state, self.start_step, self.best_val = self._start_state()
+        except BaseException:
+            if not self.multiprocess:  # (closing is collective on several processes; see train())
+                self.checkpointer.close()
+            raise
+        self.init_args = ()
+        if self.resume and self.start_step >= self.cfg_t.max_steps:
+            self.note(f"jaxgpt: the checkpoint is at step {self.start_step} and train.max_steps is "
+                      f"{self.cfg_t.max_steps}: nothing to train; raise --config.train.max_steps to continue")
+            self.checkpointer.close()
+            return {"start_step": self.start_step, "out_dir": self.out_dir, "steps": self.start_step,
+                    "nothing_to_do": True, "best_val_loss": self.best_val, "saved_step": self.start_step,
+                    "wall_time_s": time.time() - self.t0, "state": self.runner.get_state(self.state)}
+        self.clock = Throughput(self.cfg_t, self.gcfg, self.n_devices, self.process_count,
+                                self.sampler.local_batch_size, self.note)
+        self._startup_lines()
+        self.evaluator = Evaluator(self.config, self.ds, self.sampler, self.gcfg, self.backend, self.runner,
+                                   self.process_index, self.process_count)
+        if self.evaluator.tasks is not None:
+            self.note(f"jaxgpt: eval tasks {self.evaluator.tasks.describe()}, every {self.evaluator.tasks.interval} "
+                      "steps")
+        return None
+
+    def settle_out_dir(self) -> bool:
+        """Refuse a start that would clobber or miss checkpoints; set aside the old ones of an overwrite.
+        Whether this run waits for its first checkpoint before the old ones go."""
         cfg_t, out_dir = self.cfg_t, self.out_dir
         if self.is_main:
             settled = run_dir.settle_overwrite(out_dir)  # left by an overwrite=True start that was killed
@@ -210,11 +240,12 @@ class _Run:
             raise ValueError(f"{ckpt_lib.checkpoint_dir(out_dir)} already holds checkpoints (steps {existing}); "
                              "use --config.init_from=resume to continue, or --config.overwrite=True to start over")
         # the old checkpoints survive until this run has written its first one (jaxgpt/training/run_dir.py)
-        self.awaiting_first = not self.resume and bool(self.config.overwrite)  # the same on every process
-        if self.awaiting_first and existing and self.is_main:
+        awaiting_first = not self.resume and bool(self.config.overwrite)
+        if awaiting_first and existing and self.is_main:
             self.note(f"jaxgpt: overwrite=True: the previous checkpoints wait in {run_dir.set_aside(out_dir)} until "
                       "this run writes its first checkpoint")
         self.barrier("jaxgpt-out-dir")  # nobody opens the checkpoint folder while process 0 may move it
+        return awaiting_first
 
     def build(self) -> None:
         """The data, the model's GPTConfig and backend, the optimizer and the runner."""
@@ -222,14 +253,8 @@ class _Run:
         self.ds, self.sampler = _load_data(config, self.process_index, self.process_count)
         self.tokenizer = self.ds.tokenizer
         self.lora_spec = LoraSpec.from_config(cfg_t.lora)  # None: every parameter trains
-        params, self.base_ref = None, None  # pretrained or base weights, and where they came from
-        if config.init_from not in ("scratch", "resume"):
-            gcfg, params, self.base_ref = _load_init(config, self.tokenizer)
-        else:
-            gcfg = model_config_from(config, self.tokenizer.vocab_size)
-            if self.resume and self.lora_spec is not None:  # a LoRA run's base is not in its checkpoints
-                self.base_ref = _saved_lora_base(self.out_dir)
-                gcfg, params = loading.load_base(self.base_ref, gcfg, flag="--config.imports")
+        # pretrained or base weights (None: none), and where they came from
+        gcfg, params, self.base_ref = restore.init_weights(config, self.tokenizer, self.out_dir, self.lora_spec)
         self.backend = resolve(gcfg)
         if gcfg.dtype == "bfloat16" and not self.backend.fast_bf16:
             self.note("jaxgpt: model.dtype=bfloat16, but this CPU has neither AVX512_BF16 nor AMX: computing in "
@@ -246,92 +271,25 @@ class _Run:
         """A step-0 TrainState: fresh or given params, or LoRA adapters over them (the base frozen)."""
         return init_train_state(self.gcfg, self.optimizer, self.config.seed, self.lora_spec, *pretrained)
 
-    def restore_or_init(self) -> Optional[dict]:
-        """The state, restored from the newest readable checkpoint or initialised; a summary instead when
-        the checkpoint is already at max_steps."""
-        self.checkpointer = ckpt_lib.Checkpointer(self.out_dir, keep=self.cfg_t.keep_checkpoints)
-        try:
-            if not self.resume:
-                self.state = self.runner.init_state(self.make_state, *self.init_args)
-            elif self._restore():
-                self.checkpointer.close()
-                return {"start_step": self.start_step, "out_dir": self.out_dir, "steps": self.start_step,
-                        "nothing_to_do": True, "best_val_loss": self.best_val, "saved_step": self.start_step,
-                        "wall_time_s": time.time() - self.t0, "state": self.runner.get_state(self.state)}
-        except BaseException:
-            if not self.multiprocess:  # (closing is collective on several processes; see train())
-                self.checkpointer.close()
-            raise
-        self.init_args = ()
-        return None
+    def _start_state(self) -> tuple:
+        """(state, step, best val loss) the run starts from: restored from the newest readable checkpoint into
+        the runner's layout (restore.py), the sampler where it was; or initialised."""
+        if not self.resume:
+            return self.runner.init_state(self.make_state, *self.init_args), 0, math.inf
+        r = restore.restore_newest(self.checkpointer, self.runner, self.gcfg, self.make_state, self.init_args,
+                                   tokenizer=self.tokenizer, data_meta=self.ds.meta, cfg_t=self.cfg_t,
+                                   out_dir=self.out_dir, barrier=self.barrier, lora=self.lora_spec is not None)
+        self.sampler.load_state_dict(r.meta["sampler"])
+        return r.state, r.step, r.best_val
 
-    def _restore(self) -> bool:
-        """Restore the newest checkpoint that reads (damaged newer ones moved aside, never deleted) into
-        the runner's layout; True when it is already at train.max_steps."""
-        gcfg, runner, checkpointer = self.gcfg, self.runner, self.checkpointer
-        saved_layers = {}  # step -> whether that checkpoint stores the blocks stacked (scan_layers)
-
-        def attempt(step):
-            meta = checkpointer.restore_meta(step)
-            _check_resume_meta(meta, gcfg, self.tokenizer)  # clear words before orbax's
-            _check_resume_data(meta, self.ds.meta)
-            _check_resume_optimizer(meta, self.cfg_t)
-            # restored in the layer layout it was saved in, on any device count, converted below
-            saved = gcfg.replace(scan_layers=bool(meta.get("model", {}).get("scan_layers", False)))
-            saved_layers[step] = saved.scan_layers
-            abstract = runner.abstract_state(lambda *a: convert_layers(self.make_state(*a), saved), *self.init_args)
-            return checkpointer.restore(abstract.replace(frozen=None), step)  # (LoRA: no base in it)
-
-        start_step, (state, meta), skipped = checkpointer.restore_newest(attempt)
-        if skipped:
-            self.barrier("jaxgpt-restored")
-            for e in skipped:
-                if self.is_main:
-                    warn(f"{e}; moved it to {checkpointer.move_aside(e.step, self.out_dir)} and resuming from "
-                         f"checkpoint {start_step}")
-            self.barrier("jaxgpt-moved-aside")
-            checkpointer.reload()
-        self.sampler.load_state_dict(meta["sampler"])
-        self.start_step = int(state.step)  # replicated: readable on every process
-        self.best_val = meta.get("best_val_loss", math.inf)
-        if saved_layers[self.start_step] != gcfg.scan_layers:
-            state = jax.jit(lambda s: convert_layers(s, gcfg))(state)
-        if self.lora_spec is not None:
-            state = state.replace(frozen=self.init_args[0])
-        self.state = runner.put_state(state)
-        if self.start_step >= self.cfg_t.max_steps:
-            self.note(f"jaxgpt: the checkpoint is at step {self.start_step} and train.max_steps is "
-                      f"{self.cfg_t.max_steps}: nothing to train; raise --config.train.max_steps to continue")
-            return True
-        return False
-
-    def prepare_eval(self) -> None:
-        """The fixed evaluation batches (both splits stacked [2 * eval_steps, b, T]: one call evaluates
-        all), the throughput figures, and process 0's start-up lines."""
-        cfg_t, gcfg, config = self.cfg_t, self.gcfg, self.config
-        samplers = [BatchSampler(split, cfg_t.batch_size, gcfg.block_size, config.seed + seed, self.process_index,
-                                 self.process_count) for split, seed in ((self.ds.train, 2), (self.ds.val, 1))]
-        self.eval_x, self.eval_y = (np.stack(a) for a in zip(*[s.batch(i) for s in samplers
-                                                               for i in range(cfg_t.eval_steps)]))
-        # document-masked training evaluates masked too: the fixed windows' document ids, from their tokens
-        self.eval_s = document_ids(self.eval_x.reshape(-1, gcfg.block_size), self.sampler.separator).reshape(
-            self.eval_x.shape) if doc_masked(config) else None
-        self.bytes_per_token = self.ds.bytes_per_token("val")
-        self.tokens_per_step = cfg_t.batch_size * gcfg.block_size
-        self.flops_per_token = flops_per_token(gcfg, gcfg.block_size)
-        rows = cfg_t.batch_size // (cfg_t.grad_accum * self.n_devices) * gcfg.block_size  # one device's rows
-        self.peak_shape = (rows, gcfg.n_embd, gcfg.mlp_hidden)
-        self.peak, peak_source = peak_flops(gcfg.dtype, cfg_t.peak_flops, matmul_shape=self.peak_shape)
-        if self.peak is not None:
-            self.peak *= self.process_count  # peak_flops counts this process's devices, tokens/s all of them
-        self.peak_measured = peak_source.startswith("measured")
+    def _startup_lines(self) -> None:
+        """Process 0's start-up lines: the model and its devices, the MFU's peak, the data's alignment."""
+        gcfg, config = self.gcfg, self.config
         procs = f" on {self.process_count} processes" if self.multiprocess else ""
         self.note(f"jaxgpt: {num_params(gcfg, non_embedding=False) / 1e6:.2f}M parameters, {self.n_devices} "
-                  f"device(s) via {self.runner.name}{procs}, tokens/step {self.tokens_per_step}, vocab "
+                  f"device(s) via {self.runner.name}{procs}, tokens/step {self.clock.tokens_per_step}, vocab "
                   f"{gcfg.vocab_size} ({config.data.tokenizer}), dtype {gcfg.dtype}, backend {self.backend.name}; "
-                  + (f"MFU against {self.peak / 1e9:.0f} GFLOP/s ({peak_source})" if self.peak is not None
-                     else f"MFU unknown: {peak_source}")
-                  + f", {self.flops_per_token / 1e6:.2f} MFLOP/token (6N + 12*L*T*D, attention not halved)"
+                  + self.clock.describe()
                   + (f"; CPU dispatch {cpu_dispatch()}" if jax.default_backend() == "cpu" else ""))
         if isinstance(self.sampler, DocumentSampler):
             s = self.sampler
@@ -340,19 +298,6 @@ class _Run:
                       + ("within each document (data.doc_mask)" if s.segments else "across documents (doc_mask off)"))
         if self.resume:
             self.note(f"jaxgpt: resumed from step {self.start_step} in {self.checkpointer.directory}")
-        self.tasks = task_eval.from_config(cfg_t, self.tokenizer, gcfg, self.backend, self.runner)
-        if self.tasks is not None:
-            self.note(f"jaxgpt: eval tasks {self.tasks.describe()}, every {self.tasks.interval} steps")
-
-    def evaluate(self, step: int) -> dict:
-        losses = self.runner.eval(self.state, self.eval_x, self.eval_y, self.eval_s)
-        losses = np.asarray(self.runner.to_host(losses), np.float64)
-        n = self.cfg_t.eval_steps
-        out = {"step": step, "train_loss": float(losses[:n].mean()), "val_loss": float(losses[n:].mean())}
-        out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
-        # (None for shards whose tokenizer file does not record the bytes of text per token)
-        out["val_bpb"] = None if not self.bytes_per_token else out["val_loss"] / math.log(2) / self.bytes_per_token
-        return out
 
     def meta_for(self, step: int) -> dict:
         tok = self.tokenizer.to_dict()
@@ -361,15 +306,14 @@ class _Run:
                 "best_val_loss": self.best_val, "dataset": {k: v for k, v in self.ds.meta.items() if k != "tokenizer"},
                 # the user's modules that register its parts: imported again where the run is loaded
                 "imports": recorded_imports(self.config.get("imports"), self.gcfg)}
-        if self.tasks is not None and self.tasks.last:
-            meta["tasks"] = self.tasks.last
+        if self.evaluator.task_scores():
+            meta["tasks"] = self.evaluator.task_scores()
         if self.lora_spec is not None:  # the checkpoint holds the adapters; this says which base they adapt
             meta["lora"] = {**self.lora_spec.to_dict(), "base": self.base_ref}
         return meta
 
     def train(self) -> dict:
         """Steps until max_steps or a stop signal; the checkpointer and logs are closed whatever happens."""
-        self.prepare_eval()
         self.log = MetricsLog(self.out_dir, enabled=self.is_main,
                               truncate_after_step=self.start_step if self.resume else None,
                               trackers=self.cfg_t.get("trackers", "auto"), config=self.config)
@@ -379,10 +323,7 @@ class _Run:
             self.bar = None if bar.disable else bar
         self.prefetch = Prefetcher(self.sampler, size=max(2, self.cfg_t.steps_per_call))
         self.summary = {"start_step": self.start_step, "out_dir": self.out_dir}
-        self.last_log = (time.time(), self.start_step)
-        self.data_wait = 0.0  # seconds the loop has waited for the prefetcher's batches
-        self.data_mark = (0.0, 0, 0.0)  # (data_wait, batches made, seconds making them) at the last log line
-        self.last_finished = self.last_log[0]  # when the last program call read finished
+        self.clock.restart(self.start_step)
         self.step, self.saved_step = self.start_step, self.start_step if self.resume else None
         self.profiler = profiling.StepProfiler(profiling.parse_window(self.cfg_t.get("profile")),
                                                os.path.join(self.out_dir, "profile"))
@@ -419,21 +360,20 @@ class _Run:
                           f"{self.profiler.folder}")
             with self.profiler.annotate(self.step):
                 if count == 1:
-                    self.state, metrics = self.runner.step(self.state, *self._next_batch())
+                    self.state, metrics = self.runner.step(self.state, *self.clock.next_batch(self.prefetch))
                 else:  # one program call for `count` steps, ending at the next eval, checkpoint or the end
-                    batches = zip(*(self._next_batch() for _ in range(count)))  # x, y (and segment ids)
+                    # x, y (and segment ids)
+                    batches = zip(*(self.clock.next_batch(self.prefetch) for _ in range(count)))
                     self.state, metrics = self.runner.steps(self.state, *(np.stack(a) for a in batches))
             finished = time.time() if _is_ready(metrics) else None
             first, self.step = self.step + 1, self.step + count
             self.profiler.stop(self.step, self.state)
             if pending is not None:
-                if pending[3] is None and finished is not None:
-                    # both calls ended by `finished`, the earlier one at an unknown time before: each takes
-                    # a share of the time since the last read by its steps (not all of it, leaving none)
-                    share = pending[1] / (pending[1] + count)
-                    pending = pending[:3] + (self.last_finished + (finished - self.last_finished) * share,)
+                if pending.finished is None and finished is not None:
+                    # both calls ended by `finished`, the earlier one at an unknown time before
+                    pending = pending._replace(finished=self.clock.finish_share(pending.count, count, finished))
                 self._read(pending)
-            pending = (first, count, metrics, finished)
+            pending = PendingCall(first, count, metrics, finished)
             if self.bar is not None:
                 self.bar.update(count)
             last, stop = self.step == cfg_t.max_steps, preempt.stop(self.step)
@@ -449,8 +389,7 @@ class _Run:
             if do_save or reached:
                 self._save(last_val if do_eval else None)
             if do_eval or do_save:  # the next call's time, and rate, start now: not with the eval's or save's
-                self.last_finished = time.time()
-                self.last_log = (self.last_finished, self.step)
+                self.clock.restart(self.step)
             if reached:
                 break
             if stop:
@@ -460,15 +399,10 @@ class _Run:
             self._read(pending)
 
     def _eval_and_log(self) -> float:
-        ev = self.evaluate(self.step)
-        self.best_val = min(self.best_val, ev["val_loss"])
-        ev["best_val_loss"] = self.best_val
-        if self.tasks is not None and self.tasks.due(self.step):
-            ev.update(self.tasks.run(self.runner.get_state(self.state), self.step))
+        ev = self.evaluator.run(self.state, self.step, self.best_val)
+        self.best_val = ev["best_val_loss"]
         self.log.write(ev)
-        self.note(f"eval {self.step:6d} | train {ev['train_loss']:.4f} | val {ev['val_loss']:.4f} | val ppl "
-                  f"{ev['val_ppl']:.2f} | " + ("" if ev["val_bpb"] is None else f"val bits/byte {ev['val_bpb']:.3f} | ")
-                  + f"best val {self.best_val:.4f}" + task_eval.LoopTasks.line(ev))
+        self.note(Evaluator.line(ev))
         self.summary.update(ev)
         return ev["val_loss"]
 
@@ -500,17 +434,12 @@ class _Run:
                   ("checkpoint saved; resume with --config.init_from=resume" if saved else
                    "before this overwrite=True run's first checkpoint: nothing saved"))
 
-    def _read(self, pending) -> None:
-        """Reads a call's metrics. Its `count` steps finish together, so each is timed at an even share of
-        the call's time (from the previous call's finish): tokens/s and MFU over any steps are then those
-        of the calls that ran them, however train.steps_per_call and train.log_interval fall."""
-        first, count, metrics, finished = pending
-        host = {k: np.asarray(v).reshape(count) for k, v in self.runner.to_host(metrics).items()}
-        finished = time.time() if finished is None else finished
-        started, self.last_finished = self.last_finished, finished
-        for i in range(count):
-            self._read_step(first + i, {k: float(v[i]) for k, v in host.items()},
-                            started + (finished - started) * (i + 1) / count)
+    def _read(self, pending: "PendingCall") -> None:
+        """Reads a call's metrics, each of its steps timed at an even share of the call's time."""
+        host = {k: np.asarray(v).reshape(pending.count) for k, v in self.runner.to_host(pending.metrics).items()}
+        times = self.clock.step_times(pending.count, pending.finished)
+        for i in range(pending.count):
+            self._read_step(pending.first + i, {k: float(v[i]) for k, v in host.items()}, times[i])
 
     def _read_step(self, s: int, m: dict, now: float) -> None:
         if not math.isfinite(m["loss"]):
@@ -518,52 +447,24 @@ class _Run:
                                    f"untouched (try a lower train.lr or train.grad_clip).")
         self.summary["last_loss"] = m["loss"]
         if s % self.cfg_t.log_interval == 0 or s == self.cfg_t.max_steps:
-            last_time, last_step = self.last_log
-            tok_s = self.tokens_per_step * (s - last_step) / max(now - last_time, 1e-9)
-            mfu = None if self.peak is None else self.flops_per_token * tok_s / self.peak
-            if mfu is not None and mfu > 1 and self.peak_measured:
-                mfu = self.flops_per_token * tok_s / self._remeasure_peak(self.flops_per_token * tok_s)
-            wait, loader = self._data_rates()
-            self.last_log = (now, s)
-            self.log.write({"step": s, **m, "tokens_per_s": tok_s, "mfu": mfu, "elapsed_s": now - self.t0,
-                            "data_wait_s": wait, "loader_tokens_per_s": loader})
-            waited = wait / max(now - last_time, 1e-9)  # the share of the time the step waited for data
+            r = self.clock.rates(s, now, self.prefetch)
+            self.log.write({"step": s, **m, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu,
+                            "elapsed_s": now - self.t0, "data_wait_s": r.data_wait_s,
+                            "loader_tokens_per_s": r.loader_tokens_per_s})
             self.note(f"step {s:6d} | loss {m['loss']:.4f} | lr {m.get('lr', 0):.2e} | grad norm "
-                      f"{m['grad_norm']:.3f} | {tok_s:,.0f} tok/s | MFU "
-                      f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'} | {now - self.t0:.1f}s"
-                      + (f" | waited for data {100 * waited:.0f}% (loader {loader:,.0f} tok/s per process)"
-                         if waited >= 0.02 else ""))
+                      f"{m['grad_norm']:.3f} | {r.tokens_per_s:,.0f} tok/s | MFU "
+                      f"{'unknown' if r.mfu is None else f'{100 * r.mfu:.1f}%'} | {now - self.t0:.1f}s"
+                      + (f" | waited for data {100 * r.waited:.0f}% (loader {r.loader_tokens_per_s:,.0f} tok/s "
+                         "per process)" if r.waited >= 0.02 else ""))
 
-    def _next_batch(self):
-        """The next batch from the prefetcher, the time waited for it counted."""
-        t0 = time.perf_counter()
-        batch = next(self.prefetch)
-        self.data_wait += time.perf_counter() - t0
-        return batch
 
-    def _data_rates(self) -> tuple[float, Optional[float]]:
-        """(seconds waited for data, the loader's tokens/s on this process) since the last log line."""
-        p = self.prefetch
-        wait0, made0, busy0 = self.data_mark
-        self.data_mark = (self.data_wait, p.produced, p.produce_s)
-        made, busy = p.produced - made0, p.produce_s - busy0
-        tokens = self.sampler.local_batch_size * self.gcfg.block_size * made
-        return self.data_wait - wait0, (tokens / busy if made and busy > 0 else None)
-
-    def _remeasure_peak(self, attained: float) -> float:
-        """The run went faster than the CPU's measured peak, so that matmul was timed while something else
-        held the cores (another process, a test worker beside it). Measures it again and keeps the higher of
-        the two and the rate the run itself attained, the true peak's best lower bound: an MFU never above
-        100%. Says so once."""
-        before = self.peak
-        again = measured_matmul_flops.__wrapped__(self.gcfg.dtype, self.peak_shape) * self.process_count
-        self.peak = max(self.peak, again, attained)
-        if not self.peak_noted:
-            self.peak_noted = True
-            self.note(f"jaxgpt: MFU now against {self.peak / 1e9:.0f} GFLOP/s: this run attained "
-                      f"{attained / 1e9:.0f}, above the {before / 1e9:.0f} measured at the start (the cores were "
-                      f"busy then; measured again: {again / 1e9:.0f})")
-        return self.peak
+class PendingCall(NamedTuple):
+    """A program call dispatched but not yet read: its steps first..first+count-1, their metrics (on the
+    device), and when it finished (None: not seen, its metrics not yet ready when it returned)."""
+    first: int
+    count: int
+    metrics: Any
+    finished: Optional[float]
 
 
 def _is_ready(tree) -> bool:
@@ -580,138 +481,3 @@ def _steps_to_run(step: int, cfg_t) -> int:
     for bound in profiling.bounds(cfg_t.get("profile")):  # a profiled window holds whole calls
         count = min(count, bound - step) if step < bound else count
     return count
-
-
-def _check_resume_meta(meta: dict, gcfg, tokenizer) -> None:
-    """Refuse, in one line, a checkpoint whose tokenizer or model shape differs from the config's."""
-    saved_tok, now_tok = meta.get("tokenizer"), tokenizer.to_dict()
-    same = meta.get("tokenizer_sha256") == tokenizer_fingerprint(now_tok)  # older checkpoints: compare the dicts
-    diff = None if same or not isinstance(saved_tok, dict) else tokenizer_difference(saved_tok, now_tok)
-    if diff:
-        raise ckpt_lib.CheckpointError(
-            f"the data's tokenizer is not the checkpoint's: {diff}. Resuming would feed the model ids that "
-            "mean other text; resume with the data settings the run was trained on (config.data), or start "
-            "a new run")
-    saved = meta.get("model", {})
-    now = gcfg.to_dict()
-    diff = {k: (saved.get(k), now[k]) for k in now if k in saved and saved[k] != now[k]
-            and k not in ("dropout", "attention", "kernels", "dtype", "scan_layers", "remat")}  # same params either way
-    if diff:
-        raise ckpt_lib.CheckpointError(
-            "the checkpoint's model differs from the config: " +
-            ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items()))
-
-
-def _check_resume_data(meta: dict, now: dict) -> None:
-    """Refuse, in one line, a checkpoint trained on llm.c shards other than the config's (files added,
-    removed or changed: the sampler's windows would fall elsewhere)."""
-    saved = meta.get("dataset") or {}
-    if now.get("corpus") != "shards" and saved.get("corpus") != "shards":
-        return
-    if saved.get("corpus") != now.get("corpus"):
-        diff = f"{saved.get('corpus') or 'a text corpus'} before, {now.get('corpus') or 'a text corpus'} now"
-    else:
-        diff = shards_difference(saved, now)
-    if diff:
-        raise ckpt_lib.CheckpointError(
-            f"the data is not the checkpoint's: {diff}. Resuming would not continue the run's batches; resume "
-            "with the shards it was trained on (config.data.path), or start a new run")
-
-
-# The train settings that shape the optimizer state, and what of each does: which optimizer, and whether
-# gradients are clipped (another lr, betas or clipping threshold fits the same state)
-_OPTIMIZER_LAYOUT = {"optimizer": lambda v: v, "grad_clip": lambda v: v > 0}
-
-
-def _check_resume_optimizer(meta: dict, cfg_t) -> None:
-    """Refuse, in one line naming the setting and both values, a checkpoint whose optimizer state another
-    optimizer made: another train.optimizer, or gradient clipping turned on or off since it was saved."""
-    saved = meta.get("config", {}).get("train")
-    if not isinstance(saved, dict):  # (a checkpoint without its config: orbax's words, as before)
-        return
-    saved = {"optimizer": "adamw", **saved}  # (checkpoints from before train.optimizer: AdamW's)
-    changed = [k for k, layout in _OPTIMIZER_LAYOUT.items() if k in saved and layout(saved[k]) != layout(cfg_t[k])]
-    if not changed:
-        return
-
-    def shown(key, value):
-        return f"{value!r}" + (f" (clipping {'on' if value > 0 else 'off'})" if key == "grad_clip" else "")
-
-    said = "; ".join(f"train.{k} was {shown(k, saved[k])} when it was saved and is {shown(k, cfg_t[k])} now"
-                     for k in changed)
-    back = " ".join(f"--config.train.{k}={saved[k]}" for k in changed)
-    raise ckpt_lib.CheckpointError(
-        f"checkpoint {meta.get('step')}'s optimizer state does not fit this config's optimizer: {said}. To "
-        f"continue the run, put it back ({back}); to train with the new setting, start a new run (another "
-        "--config.out_dir, or --config.overwrite=True)")
-
-
-def _load_init(config, tokenizer):
-    """(GPTConfig, params, reference) of the weights `init_from` names: a jaxgpt run folder (its latest
-    checkpoint), a Hugging Face folder or a GPT-2 name. The architecture comes from the weights, how to
-    compute it from config.model; a smaller model.block_size keeps the first position embeddings."""
-    m, source = config.model, config.init_from
-    compute = dict(dtype=m.dtype, attention=m.attention, kernels=m.kernels, dropout=m.dropout,
-                   scan_layers=m.scan_layers, remat=m.remat)
-    # (crops the position table when block_size is smaller, as nanoGPT's fine-tuning does)
-    gcfg, params, base_tokenizer, _, ref = loading.load(source, block_size=m.block_size, tokenizer=None,
-                                                        flag="--config.imports", **compute)
-    _check_base_architecture(m, gcfg, source)
-    if base_tokenizer is not None:  # a jaxgpt run's
-        saved, now = base_tokenizer.to_dict(), tokenizer.to_dict()
-        if tokenizer_fingerprint(saved) != tokenizer_fingerprint(now):
-            raise ckpt_lib.CheckpointError(
-                f"init_from={source}: that run's tokenizer is not the data's: "
-                f"{tokenizer_difference(saved, now) or 'they differ'}; use the data settings it was trained on")
-    elif tokenizer.vocab_size > gcfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but {source} has a "
-                         f"vocabulary of {gcfg.vocab_size}; use data.tokenizer='gpt2' with GPT-2 weights")
-    return gcfg, params, _base_ref(config, gcfg, params, ref)
-
-
-# what config.model may set over an init_from base: how it computes, not what its weights are
-# (block_size may only crop the position table: checked where it is cropped)
-_FREE_OVER_BASE = ("dropout", "dtype", "attention", "kernels", "scan_layers", "remat", "block_size", "zero_init_proj")
-
-
-def _check_base_architecture(m, base_cfg, source: str) -> None:
-    """Refuse, in one line, config.model settings that contradict the init_from base's architecture. A key
-    left at its default is the base's to decide; a key set otherwise must agree with the base."""
-    from jaxgpt.training.config import MODEL_KEYS, default_config
-
-    defaults = default_config().model
-    clash = [(k, m[k], getattr(base_cfg, k)) for k in MODEL_KEYS
-             if k not in _FREE_OVER_BASE and m[k] is not None and m[k] != defaults[k] and m[k] != getattr(base_cfg, k)]
-    if clash:
-        raise ValueError(
-            f"config.model contradicts the init_from base {source}: " +
-            ", ".join(f"model.{k}={mine!r} but the base has {k}={theirs!r}" for k, mine, theirs in clash) +
-            "; the base's architecture is used as it is: drop these settings or set them to the base's values")
-
-
-def _base_ref(config, gcfg, params, ref: dict) -> dict:
-    """`ref` with, for a LoRA run, the fingerprint of its base weights (checked whenever the base is loaded
-    again: on resume and when sampling)."""
-    from jaxgpt.lora import base_fingerprint
-
-    if LoraSpec.from_config(config.train.lora) is None:
-        return ref
-    return {**ref, "sha256": base_fingerprint(params, gcfg)}
-
-
-def _saved_lora_base(out_dir: str) -> dict:
-    """The base-model reference that a LoRA run's newest readable checkpoint records."""
-    ckpt = ckpt_lib.Checkpointer(out_dir, read_only=True)
-    try:
-        for step in sorted(ckpt_lib.existing_steps(out_dir), reverse=True):
-            try:
-                meta = ckpt.restore_meta(step)
-            except ckpt_lib.CheckpointError:
-                continue
-            if "lora" not in meta:
-                raise ckpt_lib.CheckpointError(f"checkpoint {step} in {out_dir} is not a LoRA run's; resume it "
-                                               "with train.lora.rank=0")
-            return meta["lora"]["base"]
-    finally:
-        ckpt.close()
-    raise ckpt_lib.CheckpointError(f"no readable checkpoint in {ckpt_lib.checkpoint_dir(out_dir)}")
