@@ -14,6 +14,10 @@ published column:
   split where the context's tokens end; acc_norm: the least summed loss per character of the choice
   (lm-eval's `acc_norm`, which its docs call byte-length normalisation: the same on ASCII text).
 
+llm.c's own evaluation file (`hellaswag_val.bin`, written by its dev/data/hellaswag.py) is read too: its
+items are GPT-2 token ids already (the context's, and each ending's with its leading space), scored as
+they are in style "llmc" (`read_llmc_bin`).
+
 Scoring is batched: every (item, choice) row padded to one of a few lengths (powers of two up to the
 model's window), a fixed number of rows a call, one jitted forward per shape; the rows are split over
 the devices of a mesh (data parallel; by default all of JAX's devices). A context longer than the window
@@ -45,11 +49,13 @@ STYLES = ("llmc", "lm_eval")
 @dataclasses.dataclass(frozen=True)
 class Item:
     """One question: the context, each choice's continuation text as appended to it, the gold index, and
-    the per-choice lengths that lm-eval's acc_norm divides by (None: llm.c's mean per token)."""
+    the per-choice lengths that lm-eval's acc_norm divides by (None: llm.c's mean per token). An item of
+    token ids (llm.c's .bin file) has `ids`, (context ids, (each continuation's ids, ...)), its texts empty."""
     context: str
     continuations: tuple[str, ...]
     label: int
     norm_lengths: Optional[tuple[float, ...]] = None
+    ids: Optional[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]] = None
 
 
 def lm_eval_preprocess(text: str) -> str:
@@ -97,13 +103,77 @@ def parse_item(row: Any, style: str = "llmc") -> Item:
     return item
 
 
+LLMC_EVAL_MAGIC, LLMC_EVAL_VERSION, LLMC_DELIMITER = 20240522, 1, 2 ** 16 - 1
+
+
+def _llmc_record(rec: np.ndarray) -> Item:
+    """The Item of one .bin record's uint16 fields: delimiter, its size in bytes, example index, label,
+    number of completions, then the context's length and ids, then each completion's length and ids."""
+    label, n = int(rec[3]), int(rec[4])
+    fields, pos = [], 5
+    for _ in range(n + 1):
+        if pos >= len(rec) or pos + 1 + int(rec[pos]) > len(rec):
+            raise ValueError("its token lists run past the record's size")
+        length = int(rec[pos])
+        fields.append(tuple(int(t) for t in rec[pos + 1:pos + 1 + length]))
+        pos += 1 + length
+    if pos != len(rec):
+        raise ValueError(f"its token lists fill {2 * pos} of its {2 * len(rec)} bytes")
+    if n < 2 or not 0 <= label < n:
+        raise ValueError(f"label {label} is not one of its {n} completions (0..{n - 1}; at least 2)")
+    return Item("", ("",) * n, label, None, (fields[0], tuple(fields[1:])))
+
+
+def read_llmc_bin(path: str, limit: Optional[int] = None) -> list[Item]:
+    """The first `limit` (None: all) items of llm.c's multiple-choice file (hellaswag_val.bin): a header of
+    256 int32 (magic 20240522, version 1, number of examples, longest example in bytes, ...), then each
+    example a record of uint16 (`_llmc_record`). ValueError naming the file (and example) otherwise."""
+    raw = open(path, "rb").read()
+    header = np.frombuffer(raw[:1024], "<i4") if len(raw) >= 1024 else np.zeros(3, np.int32)
+    if header[0] != LLMC_EVAL_MAGIC or header[1] != LLMC_EVAL_VERSION:
+        raise ValueError(f"{path} is no llm.c evaluation file (magic {LLMC_EVAL_MAGIC}, version "
+                         f"{LLMC_EVAL_VERSION}): its header starts {header[:2].tolist()}")
+    data = np.frombuffer(raw[1024:len(raw) - len(raw) % 2], "<u2")
+    count = int(header[2]) if limit is None else min(int(header[2]), limit)
+    items, at = [], 0
+    for k in range(count):
+        if at + 5 > len(data) or data[at] != LLMC_DELIMITER or data[at + 1] % 2 or data[at + 1] < 10:
+            raise ValueError(f"{path} example {k}: no record starts at byte {1024 + 2 * at} (the file holds fewer "
+                             f"than its header's {header[2]} examples, or is damaged)")
+        rec = data[at:at + int(data[at + 1]) // 2]
+        try:
+            items.append(_llmc_record(rec))
+        except ValueError as e:
+            raise ValueError(f"{path} example {k}: {e}") from None
+        at += len(rec)
+    if not items:
+        raise ValueError(f"task file {path} holds no items")
+    return items
+
+
+def check_vocab(tasks: dict, vocab_size: int) -> None:
+    """ValueError naming the task of an item of token ids (llm.c's .bin) with an id past `vocab_size`: a
+    model that is not GPT-2's vocabulary cannot score it (checked before a run starts, not at its first eval)."""
+    for name, items in tasks.items():
+        for k, item in enumerate(items):
+            if item.ids is not None:
+                top = max(max(item.ids[0], default=0), *(max(c, default=0) for c in item.ids[1]))
+                if top >= vocab_size:
+                    raise ValueError(f"task {name} item {k} has token id {top}, past the model's vocabulary "
+                                     f"({vocab_size} ids); llm.c's .bin files hold GPT-2 token ids")
+
+
 def read_task(path: str, style: str = "llmc", limit: Optional[int] = None) -> list[Item]:
-    """The first `limit` (None: all) items of a JSON Lines task file; ValueError naming the file and line
-    of one that does not parse."""
+    """The first `limit` (None: all) items of a JSON Lines task file (or of llm.c's .bin file); ValueError
+    naming the file and line of one that does not parse."""
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
         raise ValueError(f"task file {path} does not exist; give local JSON Lines files (HellaSwag's form or "
-                         '{"context", "choices", "label"})')
+                         '{"context", "choices", "label"}) or llm.c\'s hellaswag_val.bin')
+    if path.endswith(".bin"):
+        if style != "llmc":
+            raise ValueError(f"{path}: llm.c's .bin file holds GPT-2 token ids, scored in style llmc only, not {style}")
+        return read_llmc_bin(path, limit)
     items = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -142,15 +212,20 @@ def encode_items(items: Sequence[Item], tokenizer, style: str) -> list[list[tupl
     out = []
     for i, item in enumerate(items):
         pairs = []
-        for cont in item.continuations:
-            ctx, ids = encode_pair(tokenizer, item.context, cont, style) if item.context else ([], tokenizer.encode(cont))
+        for c, cont in enumerate(item.continuations):
+            if item.ids is not None:  # token ids already (llm.c's .bin)
+                ctx, ids = item.ids[0], item.ids[1][c]
+            elif item.context:
+                ctx, ids = encode_pair(tokenizer, item.context, cont, style)
+            else:
+                ctx, ids = [], tokenizer.encode(cont)
             if not ctx:
                 if tokenizer.eos_id is None:
                     raise ValueError(f"item {i} has an empty context and the tokenizer no end-of-text token to "
                                      "stand for it; give the item a context")
                 ctx = [tokenizer.eos_id]
             if not ids:
-                raise ValueError(f"item {i}: choice {cont!r} encodes to no tokens")
+                raise ValueError(f"item {i}: choice {c} ({cont!r}) has no tokens")
             pairs.append((list(ctx), list(ids)))
         out.append(pairs)
     return out

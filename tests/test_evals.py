@@ -307,3 +307,93 @@ def test_bad_eval_task_settings_are_refused_naming_the_key(tmp_path, key, value,
     c.train[key] = value
     with pytest.raises(ValueError, match=match):
         validate_config(c)
+
+
+def _write_llmc_bin(path, examples):
+    """llm.c's multiple-choice file as its format is described: a header of 256 int32 (magic 20240522,
+    version 1, examples, longest example in bytes), then per example uint16 fields: 65535, the record's size
+    in bytes, its index, the label, the number of completions, the context's length and ids, then each
+    completion's length and ids. `examples`: (context ids, [completion ids], label)."""
+    records = []
+    for k, (ctx, ends, label) in enumerate(examples):
+        fields = [k, label, len(ends), len(ctx), *ctx]
+        for e in ends:
+            fields += [len(e), *e]
+        records.append([2 ** 16 - 1, 2 * (len(fields) + 2), *fields])
+    header = np.zeros(256, np.int32)
+    header[:4] = [20240522, 1, len(examples), max(2 * len(r) for r in records)]
+    with open(path, "wb") as f:
+        f.write(header.astype("<i4").tobytes())
+        for r in records:
+            f.write(np.asarray(r, "<u2").tobytes())
+
+
+def test_llmc_bin_scores_equal_its_items_as_hellaswag_jsonl(tmp_path, params, capsys):
+    """llm.c's hellaswag_val.bin (written here by its format's description, with the char tokenizer's ids
+    for GPT-2's): the same items as HellaSwag-form JSON Lines through that tokenizer give the same ids, the
+    same per-choice losses and the same scores, standalone (jaxgpt-eval) and as train.eval_tasks accepts it."""
+    from jaxgpt.cli import eval as eval_cli
+
+    rng = np.random.default_rng(7)
+    rows = [{"ctx": _word(rng, 3, 20), "endings": [_word(rng, 1, 9) for _ in range(3 + i % 2)], "label": i % 3}
+            for i in range(7)]
+    _write_jsonl(tmp_path / "hs.jsonl", rows)
+    _write_llmc_bin(tmp_path / "hellaswag_val.bin",
+                    [(TOK.encode(r["ctx"]), [TOK.encode(" " + e) for e in r["endings"]], r["label"]) for r in rows])
+    binary, text = evals.read_task(str(tmp_path / "hellaswag_val.bin")), evals.read_task(str(tmp_path / "hs.jsonl"))
+    assert [it.ids for it in binary] == [(tuple(TOK.encode(r["ctx"])), tuple(tuple(TOK.encode(" " + e))
+                                          for e in r["endings"])) for r in rows]
+    scorer = evals.Scorer({"params": params}, CFG)
+    got, want = evals.item_losses(scorer, TOK, binary), evals.item_losses(scorer, TOK, text)
+    for (s1, c1), (s2, c2) in zip(got, want):
+        np.testing.assert_array_equal(s1, s2)
+        np.testing.assert_array_equal(c1, c2)
+    scores = evals.accuracy(text, want)
+    assert evals.accuracy(binary, got) == scores
+    assert len(evals.read_task(str(tmp_path / "hellaswag_val.bin"), limit=3)) == 3
+    _write_run(tmp_path / "run", params)
+    argv = [f"--out_dir={tmp_path / 'run'}", f"--tasks={tmp_path / 'hellaswag_val.bin'}", "--compile_cache=off"]
+    assert eval_cli.main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"hellaswag_val": scores}
+    assert eval_cli.main(argv + ["--style=lm_eval"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hellaswag_val.bin: llm.c's .bin file holds GPT-2 token ids, scored in style llmc only" \
+        in err[0], err
+
+
+def test_train_eval_tasks_take_an_llmc_bin_in_style_llmc_only(tmp_path):
+    from jaxgpt.training import task_eval
+    from jaxgpt.training.config import validate_config
+    from tests.helpers import tiny_config
+
+    c = tiny_config(tmp_path)
+    _write_llmc_bin(tmp_path / "hellaswag_val.bin", [([1, 2], [[3], [4, 5]], 1)])
+    c.train.eval_tasks = str(tmp_path / "hellaswag_val.bin")
+    validate_config(c)
+    c.train.eval_tasks_style = "lm_eval"
+    with pytest.raises(ValueError, match=r"config.train.eval_tasks_style: .*hellaswag_val.bin is llm.c's .bin file"):
+        task_eval.check_config(c.train)
+    tasks = evals.read_tasks([c.train.eval_tasks])
+    evals.check_vocab(tasks, 6)
+    with pytest.raises(ValueError, match=r"task hellaswag_val item 0 has token id 5, past the model's vocabulary \(5"):
+        evals.check_vocab(tasks, 5)
+
+
+def test_a_damaged_llmc_bin_is_refused_naming_the_example(tmp_path):
+    path = tmp_path / "hs.bin"
+    _write_llmc_bin(path, [([1, 2], [[3], [4, 5]], 1), ([6], [[7], [8]], 0)])
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-2])
+    with pytest.raises(ValueError, match=r"hs.bin example 1: its token lists run past the record's size"):
+        evals.read_task(str(path))
+    path.write_bytes(raw[:-14])  # 4 of example 1's 11 fields left
+    with pytest.raises(ValueError, match=r"hs.bin example 1: no record starts at byte 1050"):
+        evals.read_task(str(path))
+    path.write_bytes(np.int32(20240520).tobytes() + raw[4:])
+    with pytest.raises(ValueError, match=r"hs.bin is no llm.c evaluation file \(magic 20240522, version 1\)"):
+        evals.read_task(str(path))
+    bad_label = bytearray(raw)
+    bad_label[1024 + 6:1024 + 8] = np.uint16(2).tobytes()  # example 0's label: 2 of 2 completions
+    path.write_bytes(bytes(bad_label))
+    with pytest.raises(ValueError, match=r"hs.bin example 0: label 2 is not one of its 2 completions"):
+        evals.read_task(str(path))

@@ -788,3 +788,35 @@ def test_an_engine_thread_in_one_malloc_arena_keeps_its_temporaries():
 
     own, shared = faults(False), faults(True)
     assert shared * 50 < own, (own, shared)
+
+
+@pytest.mark.parametrize("spec, match", [("3", "must be 'START:STOP'"), ("2:2", "needs 0 <= START < STOP")])
+def test_jaxgpt_serve_refuses_a_bad_profile_window_before_loading(spec, match, monkeypatch, capsys):
+    from jaxgpt.cli import serve
+
+    monkeypatch.setattr(serve, "_load", lambda args: pytest.fail("loaded the model before checking --profile"))
+    assert serve.main([f"--profile={spec}", "--out_dir=/nonexistent", "--compile_cache=off"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"jaxgpt-serve: --profile: {match}"), lines
+
+
+def test_profile_traces_a_window_of_engine_steps(params, tmp_path):
+    """--profile 1:3: the trace (made as jaxgpt-serve makes it from its flags) holds engine steps 1 and 2, each
+    annotated, and the engine's programs; the requests' answers are unchanged by it."""
+    from jaxgpt.cli import serve
+    from tests.test_profiling import _trace
+
+    folder = str(tmp_path / "prof")
+    profiler = serve._profiler(serve.build_parser().parse_args(["--profile", "1:3", f"--profile_dir={folder}"]))
+    app = create_app(Engine(params, CFG, slots=2, prefill_chunk=16), TOK, model_name="tiny", warmup=False,
+                     profiler=profiler)
+    with TestClient(app) as c:
+        _wait_healthy(c)
+        for prompt in ["ROMEO:", "To be"]:
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == _greedy(params, prompt, 6)
+    assert profiler.done and not profiler.active
+    xplane, events = _trace(folder)
+    steps = sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "engine")
+    assert steps == [1, 2]
+    assert b"engine" in xplane and b"jit_" in xplane  # the annotations and the engine's compiled calls

@@ -18,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="checkpoint step to load (default: the latest)")
     p.add_argument("--tasks", required=True,
                    help="comma-separated JSON Lines task files: HellaSwag's form (ctx, endings, label) or "
-                        '{"context", "choices", "label"}; scores go under each file\'s stem')
+                        '{"context", "choices", "label"}, or llm.c\'s hellaswag_val.bin (GPT-2 token ids, style llmc); '
+                        "scores go under each file's stem")
     p.add_argument("--limit", type=int, default=None, help="score only the first N items of each task")
     p.add_argument("--style", default="llmc", choices=["llmc", "lm_eval"],
                    help="llmc: llm.c's scoring (default); lm_eval: lm-evaluation-harness's HellaSwag "
@@ -76,6 +77,7 @@ def main(argv=None) -> int:
             raise ValueError("--tasks names no task file")
         tasks = evals.read_tasks(paths, args.style, args.limit)  # (before the model: a bad file fails fast)
         config, params, tok, source = _load(args)
+        evals.check_vocab(tasks, config.vocab_size)
         scorer = evals.Scorer({"params": params}, config, rows=args.rows)
         scores = evals.evaluate(scorer, tok, tasks, args.style)
     except (ValueError, CheckpointError, OSError, ImportError) as e:

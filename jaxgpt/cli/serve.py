@@ -52,6 +52,12 @@ def check_numbers(args) -> str | None:
         return f"--{name} must be in {lo}..{hi}{zero}, got {value}"
     if not (math.isfinite(args.grace_period) and args.grace_period >= 0):
         return f"--grace_period must be a number of seconds >= 0, got {args.grace_period}"
+    if args.profile:
+        from jaxgpt.training.profiling import parse_window
+        try:
+            parse_window(args.profile, key="--profile")
+        except ValueError as e:
+            return str(e).replace("traces steps", "traces engine steps")
     return None
 
 
@@ -119,7 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "second model); every request's tokens stay what plain decoding gives (default none)")
     p.add_argument("--speculative_k", type=int, default=4, help="tokens proposed per step and request (default 4)")
     p.add_argument("--ngram", type=int, default=3, help="with --speculative=ngram: tokens matched (default 3)")
+    p.add_argument("--profile", default=None, metavar="START:STOP",
+                   help="a jax.profiler trace of engine steps START..STOP-1 (counted from 0 at the first step after "
+                        "the warm-up), each step annotated, the device synchronised at both ends; into --profile_dir")
+    p.add_argument("--profile_dir", default="jaxgpt-serve-profile",
+                   help="with --profile: the trace's folder (default ./jaxgpt-serve-profile; TensorBoard's profile "
+                        "plugin and Perfetto read it)")
     return p
+
+
+def _profiler(args):
+    """The StepProfiler of --profile (None without it)."""
+    if not args.profile:
+        return None
+    from jaxgpt.training.profiling import StepProfiler, parse_window
+    return StepProfiler(parse_window(args.profile, key="--profile"), os.path.expanduser(args.profile_dir),
+                        name="engine")
 
 
 def _chat_template(args, folder) -> str | None:
@@ -231,7 +252,7 @@ def main(argv=None) -> int:
     app = create_app(engine, tok, model_name=args.served_model_name or name, max_waiting=args.max_waiting,
                      max_request_bytes=args.max_request_bytes,
                      api_key=args.api_key or os.environ.get("JAXGPT_API_KEY"), log_requests=args.log_requests,
-                     chat_template=template, progress=True)
+                     chat_template=template, progress=True, profiler=_profiler(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.grace_period, lifespan="on"))
     worker = app.state.service.worker

@@ -61,13 +61,15 @@ class Service:
 
 def create_app(engine: Engine, tokenizer, *, model_name: str = "jaxgpt", max_waiting: Optional[int] = 256,
                api_key: Optional[str] = None, log_requests: bool = False, chat_template: Optional[str] = None,
-               warmup: bool = True, progress: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+               warmup: bool = True, progress: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES,
+               profiler=None) -> FastAPI:
     """The FastAPI app serving `engine` with `tokenizer` (encode, decode, vocab_size, eos_id). Its engine
     thread starts (and warms the engine up: /health is 503 until then; `progress`: a bar on stderr
-    meanwhile, on a terminal) with the app's lifespan. A request body past `max_request_bytes` is a 413."""
+    meanwhile, on a terminal) with the app's lifespan. A request body past `max_request_bytes` is a 413.
+    `profiler`: a StepProfiler (jaxgpt/training/profiling.py) tracing a window of engine steps."""
     if not (isinstance(max_request_bytes, int) and max_request_bytes >= 1):
         raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
-    worker = EngineWorker.for_engine(engine, max_waiting, warmup=warmup, progress=progress)
+    worker = EngineWorker.for_engine(engine, max_waiting, warmup=warmup, progress=progress, profiler=profiler)
     svc = Service(worker, tokenizer, model_name=model_name, max_len=engine.max_len,
                   vocab_size=engine.config.vocab_size, max_logprobs=engine.max_logprobs, api_key=api_key,
                   log_requests=log_requests, chat_template=chat_template, max_request_bytes=max_request_bytes)

@@ -44,8 +44,11 @@ class EngineWorker:
     waiting; None: no limit); `num_running` and `num_waiting` are read from any thread."""
 
     def __init__(self, engine: Engine, *, capacity: Optional[int] = None, warmup: bool = True,
-                 progress: bool = False):
+                 progress: bool = False, profiler=None):
         self.engine = engine
+        # a StepProfiler (jaxgpt/training/profiling.py) or None: traces a window of engine steps, counted
+        # from 0 at the first step after the warm-up
+        self.profiler, self._steps = profiler, 0
         self.capacity = capacity
         self.warmup, self.progress = warmup, progress  # progress: the warm-up's bar (on a terminal)
         self.ready = threading.Event()
@@ -60,10 +63,10 @@ class EngineWorker:
 
     @classmethod
     def for_engine(cls, engine: Engine, max_waiting: Optional[int], warmup: bool = True,
-                   progress: bool = False) -> "EngineWorker":
+                   progress: bool = False, profiler=None) -> "EngineWorker":
         """A worker that lets `max_waiting` requests wait for a slot beyond the engine's slots."""
         return cls(engine, capacity=None if max_waiting is None else engine.slots + max_waiting, warmup=warmup,
-                   progress=progress)
+                   progress=progress, profiler=profiler)
 
     # -- from the HTTP side (any thread) --------------------------------------------------------------
 
@@ -153,13 +156,30 @@ class EngineWorker:
 
     def _step(self) -> None:
         try:
-            self.engine.step()
+            self._profiled_step()
         except Exception as e:  # a device error: fail the requests in flight, keep serving
             log.exception("engine step failed")
             for ticket in list(self._live.values()):
                 self._post(ticket, RuntimeError(f"the engine failed: {e}"))
                 self.engine.cancel(ticket.request_id)
         self._running = self.engine.num_running
+
+    def _profiled_step(self) -> None:
+        """One engine step; inside the profiler's window traced and annotated with its number, the device
+        synchronised (on the KV cache) before the window's first step and after its last."""
+        n, profiler = self._steps, self.profiler
+        self._steps += 1
+        if profiler is None:
+            self.engine.step()
+            return
+        if profiler.start(n, self.engine.cache):
+            log.info("profiling engine steps %d to %d into %s", n, profiler.window[1] - 1, profiler.folder)
+        try:
+            with profiler.annotate(n):
+                self.engine.step()
+        finally:
+            if profiler.stop(n + 1, self.engine.cache):
+                log.info("the engine's profile is in %s", profiler.folder)
 
     def _deliver(self, ticket: Ticket, event: Event) -> None:
         if event.finish_reason is not None:
@@ -187,6 +207,8 @@ class EngineWorker:
                 pass
 
     def _cancel_all(self) -> None:
+        if self.profiler is not None:
+            self.profiler.close()  # a window the server stopped inside of: what it traced is kept
         for ticket in list(self._live.values()):
             self.engine.cancel(ticket.request_id)
         while True:  # submitted after the stop: never reached the engine

@@ -20,10 +20,15 @@ def check_config(t) -> None:
     for p in paths:
         if not os.path.isfile(os.path.expanduser(p)):
             raise ValueError(f"config.train.eval_tasks: task file {p} does not exist; give local JSON Lines files "
-                             f"(--config.train.eval_tasks=PATH[,PATH]), or --config.train.eval_tasks='' for none")
+                             f"or llm.c's hellaswag_val.bin (--config.train.eval_tasks=PATH[,PATH]), or "
+                             f"--config.train.eval_tasks='' for none")
     style, limit, every = t.get("eval_tasks_style", "llmc"), t.get("eval_tasks_limit"), t.get("eval_tasks_interval")
     if style not in evals.STYLES:
         raise ValueError(f"config.train.eval_tasks_style: must be one of {evals.STYLES}, got {style!r}")
+    bins = [p for p in paths if p.endswith(".bin")]
+    if bins and style != "llmc":
+        raise ValueError(f"config.train.eval_tasks_style: {bins[0]} is llm.c's .bin file (GPT-2 token ids), scored "
+                         f"in style llmc only, got {style!r}")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ValueError(f"config.train.eval_tasks_limit: must be an integer >= 1 (None: every item), got {limit!r}")
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1
@@ -38,6 +43,7 @@ class LoopTasks:
     def __init__(self, cfg_t, tokenizer, gcfg, backend, runner):
         self.style = cfg_t.get("eval_tasks_style", "llmc")
         self.tasks = evals.read_tasks(evals.parse_task_list(cfg_t.eval_tasks), self.style, cfg_t.get("eval_tasks_limit"))
+        evals.check_vocab(self.tasks, gcfg.vocab_size)
         self.interval = cfg_t.get("eval_tasks_interval") or cfg_t.eval_interval
         self.max_steps, self.tokenizer = cfg_t.max_steps, tokenizer
         self.scorer = evals.Scorer(None, gcfg, backend=getattr(runner, "backend", backend), mesh=runner.mesh,
