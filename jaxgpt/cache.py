@@ -192,17 +192,22 @@ class KVCache:
         return tuple(dequantize_kv(read(q[i]), read_scale(s[i]), dtype or jnp.float32)
                      for q, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
-    def on_mesh(self, mesh, axis: str = "tensor", *, inside_jit: bool = False) -> "KVCache":
+    def on_mesh(self, mesh, axis: str = "tensor", *, inside_jit: bool = False, abstract: bool = False) -> "KVCache":
         """This cache placed on `mesh`: keys and values (and an int8 cache's scales) split by kv head over
         mesh axis `axis`, as tensor parallelism splits attention's heads, where the layout keeps the heads
         on an axis of their own and the axis's size divides them; replicated otherwise (lengths always).
-        `inside_jit`: as sharding constraints in a traced program (a cache that a program allocates)."""
+        `inside_jit`: as sharding constraints in a traced program (a cache that a program allocates);
+        `abstract`: a cache of shapes (jax.eval_shape's) as ShapeDtypeStructs carrying those shardings
+        (a program's abstract argument, jaxgpt-aot's)."""
         from jax.sharding import NamedSharding, PartitionSpec as P
 
         size = dict(mesh.shape).get(axis, 1)
         at = self.layout.heads_axis()
         stacked = not isinstance(self.k, tuple)
-        put = jax.lax.with_sharding_constraint if inside_jit else jax.device_put
+        if abstract:
+            put = lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)  # noqa: E731
+        else:
+            put = jax.lax.with_sharding_constraint if inside_jit else jax.device_put
 
         def place(buf):
             parts = [None] * buf.ndim

@@ -1048,12 +1048,20 @@ class Engine:
 
 def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, backend: Optional[Backend] = None,
                  sharding=None, max_logprobs: int = 20, params=None, quantize: Optional[str] = None,
-                 kv_dtype: Optional[str] = None, packed: Optional[int] = None) -> dict:
+                 kv_dtype: Optional[str] = None, packed: Optional[int] = None, mesh=None,
+                 weight_shardings=None) -> dict:
     """The engine's decode step (every slot) and its prefill of a `chunk`-token piece, lowered for
     abstract inputs placed on `sharding` (nothing allocated): {"decode": lowered, "prefill": lowered,
-    "weights": the abstract DecodeWeights both take}. `.compile()` them to check them for another
-    platform's devices. With `packed` (a token count) also "prefill_packed": `packed_prefill`'s call of
-    that many tokens (whole prompts of up to min(slots, 8) requests, none longer than `chunk`).
+    "weights": the abstract DecodeWeights both take, "cache": the abstract KVCache}. `.compile()` them to
+    check them for another platform's devices. With `packed` (a token count) also "prefill_packed":
+    `packed_prefill`'s call of that many tokens (whole prompts of up to min(slots, 8) requests, none longer
+    than `chunk`).
+
+    `mesh` (with `sharding` replicated on it): as an Engine over params placed on that mesh, attention
+    split by heads over its tensor axis (Backend.on_mesh) and the cache by kv head (KVCache.on_mesh,
+    split_cache's default); `weight_shardings`: a function from the abstract DecodeWeights to their
+    shardings (e.g. `sharding.tree_shardings` by a rules table), default `sharding`. The packed prefill is
+    not on a mesh (the Engine does not pack there).
 
     With `quantize` and a backend whose int8 kernels take any row count (`Int8Kernel`s, multiplied with
     XLA: the portable, tpu and gpu backends) the weights are what a device would hold: the int8 kernels
@@ -1069,7 +1077,13 @@ def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, bac
     check_sizes(config, slots, max_len, chunk, max_logprobs=max_logprobs)
     if packed:
         check_packed(config, slots, packed)
+        if mesh is not None:
+            raise ValueError("the packed prefill is not run on a mesh (Engine(packed_prefill=True) packs only "
+                             "on one device)")
     backend = backend or resolve(config)
+    tensor = mesh is not None and dict(mesh.shape).get("tensor", 1) > 1
+    if tensor:
+        backend = backend.on_mesh(mesh, ())
     config = config.replace(remat="none")
     quantize, kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
     params = abstract_params(config) if params is None else params
@@ -1099,7 +1113,13 @@ def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, bac
                            arr((n, 2), jnp.uint32), arr((n,), jnp.int32), arr((), jnp.bool_))
 
     static = dict(config=config, backend=backend, n_logprobs=max_logprobs)
-    weights, cache = place(DecodeWeights(params, prepared)), place(cache)
+    weights = DecodeWeights(params, prepared)
+    if weight_shardings is None:
+        weights = place(weights)
+    else:
+        weights = jax.tree.map(lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), weights,
+                               weight_shardings(weights))
+    cache = cache.on_mesh(mesh, abstract=True) if tensor else place(cache)
     scalar = arr((), jnp.int32)
     packed_program = {}
     if packed:
@@ -1112,4 +1132,4 @@ def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, bac
             "prefill": _prefill.lower(weights if int8_any_rows else weights.params, cache, scalar, scalar,
                                       arr((1, chunk), jnp.int32), scalar, arr((chunk,), jnp.int32), rows(1),
                                       prompt_logprobs=False, **static),
-            "weights": weights, **packed_program}
+            "weights": weights, "cache": cache, **packed_program}

@@ -199,6 +199,9 @@ def test_inputs_a_user_types_end_in_one_line_before_any_compile(tmp_path):
              (["--target=tpu:v5e:2x2", f"--json={tmp_path}"], {}, "is a folder; give a file path"),
              (["--target=tpu:v5e:2x2", "--engine_packed=64"], {}, "add engine to --programs"),
              (["--target=tpu:v5e:1x1", "--programs=engine", "--engine_packed=4096"], {}, "packed prefill needs"),
+             (["--target=tpu:v5e:2x2", "--engine_mesh=tensor=4"], {}, "add engine to --programs"),
+             (["--target=tpu:v5e:2x2", "--programs=engine", "--engine_mesh=tensor=4", "--engine_packed=64"], {},
+              "not run on a mesh"),
              (["--target=tpu:v5e:2x2", f"--json={tmp_path / 'missing' / 'r.json'}"], {}, "cannot write --json="),
              (["--target=gpu:h100:2"], {"XLA_PYTHON_CLIENT_MEM_FRACTION": "abc"}, "must be a number in (0, 1]"),
              (["--target=gpu:h100:2"], {"XLA_PYTHON_CLIENT_MEM_FRACTION": "5"}, "must be a number in (0, 1]")]
@@ -264,6 +267,25 @@ def test_the_packed_prefill_compiles_for_the_target_and_counts_in_what_fits():
     for bad in ({**args, "packed": 1}, {**args, "packed": 65}, {**args, "slots": 1, "packed": 16}):
         with pytest.raises(aot.AotError, match="packed prefill needs"):
             aot.compile_for_target(_tiny(), tpu, programs=("engine",), progress=False, engine_args=bad)
+
+
+@needs_aot
+def test_the_engine_compiles_on_a_tensor_mesh_its_cache_and_attention_split_by_heads():
+    # as an Engine over params placed on a tensor=4 mesh: the weights by the rules table, attention per
+    # device on its own heads and the cache split by kv head (a quarter of each slot's keys and values a chip)
+    aot.prepare_environment()
+    r = aot.compile_for_target(_tiny(), aot.parse_target("tpu:v5e:2x2"), programs=("engine",), progress=False,
+                               engine_args={"slots": 4, "max_len": 32, "chunk": 8, "mesh": "tensor=4"})
+    e = r["programs"]["engine"]
+    assert r["fits"] and e["mesh"] == "tensor=4" and e["prefill"]["peak_bytes"] > 0
+    assert e["cache_bytes"] == 4 * 2 * 2 * 4 * 32 * 16 * 4 and e["cache_bytes_per_chip"] == e["cache_bytes"] // 4
+    assert e["weight_bytes_per_chip"] < e["weight_bytes"] // 2  # the blocks' matrices split four ways
+    # a slot's bytes on a chip are at least its quarter of the cache, and the step's arguments hold less
+    # than the weights and cache whole
+    assert e["bytes_per_slot"] >= e["cache_bytes_per_chip"] // 4
+    assert e["argument_bytes"] < e["weight_bytes"] + e["cache_bytes"] // 2
+    assert e["collectives"]["all-reduce"] > 0  # the row-parallel partial sums
+    assert "on mesh tensor=4" in aot.format_result(r)
 
 
 @needs_aot

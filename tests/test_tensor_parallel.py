@@ -270,6 +270,7 @@ def test_jaxgpt_aot_compiles_a_tensor_mesh_train_step_and_generate_at_tensor_4()
     train, gen = r["programs"]["train"], r["programs"]["generate"]
     assert r["fits"] and train["parallel"] == "mesh (fsdp=2, tensor=2)" and train["per_device_batch"] == 4
     assert gen["mesh"] == "tensor=4" and gen["batch_size"] == 1  # no batch axis: one row
+    assert gen["heads_split"]  # lowered as Decoder runs params on the mesh: attention by heads, the cache by kv head
     assert train["collectives"]["all-reduce"] > 0 and gen["collectives"]["all-reduce"] > 0  # the partial sums
     assert "mesh tensor=4" in aot.format_result(r)
 

@@ -165,7 +165,7 @@ def _batch_split(runner) -> int:
 
 def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optional[int] = None,
                      prompt_len: Optional[int] = None, max_new_tokens: Optional[int] = None,
-                     progress: bool = True, mesh: str = "") -> ProgramReport:
+                     progress: bool = True, mesh: str = "", weights: str = "float32") -> ProgramReport:
     """Compile `jaxgpt.generate`'s program (prefill + lax.scan decode) for the target; its figures (a ProgramReport).
 
     Without `mesh` the parameters are replicated on every device and the prompt rows split over the
@@ -173,6 +173,8 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     as "tensor=8") the parameters are placed by the rules table (train.logical_axis_rules; tensor splits
     heads, the MLP and the vocabulary) and the rows split over its batch axes when their count divides
     (default: one row per batch device). Defaults: a prompt of half the context, the rest new.
+    `weights`: "float32" (training's params, cast to the compute dtype inside the program) or "compute"
+    (given in the compute dtype, as a model kept for serving: the program casts nothing).
     """
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -180,9 +182,18 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     from jaxgpt import sampling
 
     gcfg, backend = model_config(config, vocab_size, devs.target.platform)
+    if weights not in ("float32", "compute"):
+        raise AotError(f"generate's weights are 'float32' or 'compute', got {weights!r}")
+    params = None
+    if weights == "compute":
+        import jax
+
+        from jaxgpt.backends.base import cast_floats
+        from jaxgpt.model import abstract_params
+        params = jax.eval_shape(lambda p: cast_floats(p, gcfg.compute_dtype), abstract_params(gcfg))
     if mesh:
         return _compile_generate_on_mesh(config, gcfg, backend, devs, mesh, batch_size, prompt_len, max_new_tokens,
-                                         progress)
+                                         progress, params)
     n = len(devs.devices)
     b, p, new = _generate_sizes(gcfg, n, batch_size, prompt_len, max_new_tokens)
     mesh = Mesh(np.array(devs.devices), ("data",))
@@ -190,16 +201,17 @@ def compile_generate(config, devs: Devices, vocab_size: int, batch_size: Optiona
     rows = NamedSharding(mesh, P("data")) if b % n == 0 else replicated
 
     def lower():
-        return sampling.lower_generate(gcfg, b, p, new, backend=backend, sharding=replicated, row_sharding=rows)
+        return sampling.lower_generate(gcfg, b, p, new, backend=backend, sharding=replicated, row_sharding=rows,
+                                       params=params)
 
     compiled, seconds = _compile("generate program", lower, devs, progress)
     extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": backend.name,
-             "attention": gcfg.attention}
+             "attention": gcfg.attention, "weights": weights}
     return analyze("generate program", compiled, seconds, devs, None, extra)
 
 
 def _compile_generate_on_mesh(config, gcfg, backend, devs: Devices, mesh: str, batch_size, prompt_len, new,
-                              progress) -> ProgramReport:
+                              progress, params=None) -> ProgramReport:
     """compile_generate over `mesh` (a train.mesh string), the weights placed by the rules table."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -218,14 +230,19 @@ def _compile_generate_on_mesh(config, gcfg, backend, devs: Devices, mesh: str, b
     replicated = NamedSharding(grid, P())
     rows = NamedSharding(grid, P(rows_over)) if rows_over and b % n_rows == 0 else replicated
     cfg = gcfg.replace(remat="none")
+    # as Decoder does for params on a mesh: attention split by heads over tensor, and the cache by kv head
+    # (split_cache's default: wherever tensor > 1)
+    heads = grid if dict(grid.shape).get("tensor", 1) > 1 else None
 
     def lower():
         return sampling.lower_generate(gcfg, b, p, new, backend=backend, sharding=replicated, row_sharding=rows,
-                                       weight_shardings=lambda w: tree_shardings(w, cfg, grid, table))
+                                       weight_shardings=lambda w: tree_shardings(w, cfg, grid, table), mesh=heads,
+                                       params=params)
 
     compiled, seconds = _compile("generate program", lower, devs, progress)
     extra = {"batch_size": b, "prompt_len": p, "max_new_tokens": new, "dtype": gcfg.dtype, "kernels": backend.name,
-             "attention": gcfg.attention, "mesh": ", ".join(f"{a}={s}" for a, s in grid.shape.items())}
+             "attention": gcfg.attention, "mesh": ", ".join(f"{a}={s}" for a, s in grid.shape.items()),
+             "heads_split": heads is not None, "weights": "float32" if params is None else "compute"}
     return analyze("generate program", compiled, seconds, devs, None, extra)
 
 
@@ -243,7 +260,7 @@ def _generate_sizes(gcfg, n_rows: int, batch_size, prompt_len, new) -> tuple[int
 
 def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_len: Optional[int] = None,
                    chunk: int = 256, progress: bool = True, quantize: Optional[str] = None,
-                   kv_dtype: Optional[str] = None, packed: Optional[int] = None) -> ProgramReport:
+                   kv_dtype: Optional[str] = None, packed: Optional[int] = None, mesh: str = "") -> ProgramReport:
     """Compile the engine's decode step (every slot) and a prefill chunk for the target, weights and cache
     replicated on each device (one engine per device); its figures (a ProgramReport), with how many slots of `max_len`
     positions fit beside the weights. A slot's bytes are measured, not assumed: the decode step compiled
@@ -252,7 +269,11 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
     programs hold the int8 kernels and not the float ones they replace); `kv_dtype="int8"`: an int8 cache
     (its float32 scales counted); `packed`: also the packed prefill of that many tokens
     (`Engine(packed_prefill=True)`'s longest call, whole prompts of several requests in one forward), its
-    memory counted in what fits."""
+    memory counted in what fits.
+
+    `mesh` (a train.mesh string such as "tensor=4"): the engine over params placed on that mesh by the rules
+    table (train.logical_axis_rules), as `Engine` runs them: attention split by heads over tensor and the
+    cache by kv head; the slot figures are then per chip (`cache_bytes_per_chip`)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -269,7 +290,22 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
             engine.check_packed(gcfg, slots, packed)
     except ValueError as e:
         raise AotError(f"the engine: {e}") from None
-    replicated = NamedSharding(Mesh(np.array(devs.devices), ("data",)), P())
+    grid, weight_shardings = None, None
+    if mesh:
+        from jaxgpt.sharding import rules, tree_shardings
+        from jaxgpt.training.mesh import build_mesh
+
+        if packed is not None:
+            raise AotError("the engine: the packed prefill (--engine_packed) is not run on a mesh "
+                           "(Engine(packed_prefill=True) packs only on one device); drop --engine_packed or --engine_mesh")
+        try:
+            table = rules(config.train.get("logical_axis_rules", ""))
+            grid = build_mesh(mesh, devs.devices)
+        except ValueError as e:
+            raise AotError(f"--engine_mesh: {e}") from None
+        cfg = gcfg.replace(remat="none")
+        weight_shardings = lambda w: tree_shardings(w, cfg, grid, table)  # noqa: E731
+    replicated = NamedSharding(grid or Mesh(np.array(devs.devices), ("data",)), P())
 
     lowered = {}
 
@@ -277,7 +313,8 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
         def run():
             lowered[n] = lowered.get(n) or engine.lower_engine(gcfg, n, max_len, chunk, backend=backend,
                                                                sharding=replicated, quantize=quantize,
-                                                               kv_dtype=kv_dtype, packed=packed)
+                                                               kv_dtype=kv_dtype, packed=packed, mesh=grid,
+                                                               weight_shardings=weight_shardings)
             return lowered[n][name]
         return run
 
@@ -287,12 +324,23 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
     per_slot = cache_bytes(gcfg, 1, max_len, dtype=kv_dtype)
     weights = lowered[slots]["weights"]
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+
+    def chip_bytes(tree):  # what one device holds of the placed abstract arrays
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    c = lowered[slots]["cache"]
+    cache_chip = chip_bytes((c.k, c.v, c.k_scale, c.v_scale))
+    per_slot_chip = cache_chip // slots
     extra = {"slots": slots, "max_len": max_len, "chunk": chunk, "dtype": gcfg.dtype, "kernels": backend.name,
              "quantize": quantize, "kv_dtype": kv_dtype or gcfg.dtype,
              # what the programs take as weights: float params (with int8, those int8 does not replace) and
              # the backend's prepared forms (the int8 kernels and their scales)
              "weight_bytes": nbytes(weights), "float_weight_bytes": nbytes(weights.params),
-             "cache_bytes": per_slot * slots, "cache_bytes_per_slot": per_slot}
+             "cache_bytes": per_slot * slots, "cache_bytes_per_slot": per_slot,
+             # per device: the cache split by kv head on a tensor mesh, the weights by the rules table
+             "cache_bytes_per_chip": cache_chip, "weight_bytes_per_chip": chip_bytes(weights)}
+    if grid is not None:
+        extra["mesh"] = ", ".join(f"{a}={s}" for a, s in grid.shape.items())
     out = analyze("engine decode step", decode, decode_s, devs, None, extra)
     pre = memory_dict(prefill)
     out.more["prefill"] = {"compile_s": round(prefill_s, 2), **pre}
@@ -303,7 +351,7 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
                                      progress)
         out.more["prefill_packed"] = {"tokens": packed, "compile_s": round(seconds, 2), **memory_dict(compiled)}
         peaks.append(out.more["prefill_packed"].get("peak_bytes", 0))
-    bytes_per_slot = out.more["bytes_per_slot"] = max(per_slot, grown // slots)
+    bytes_per_slot = out.more["bytes_per_slot"] = max(per_slot_chip, grown // slots)
     # what does not grow with the slots (weights, the rest of the temporaries); the largest program's
     fixed = max(peaks) - bytes_per_slot * slots
     out.more["slots_that_fit"] = max(0, (devs.limit_bytes - fixed) // bytes_per_slot)

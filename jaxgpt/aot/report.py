@@ -212,7 +212,9 @@ def format_result(result: dict) -> str:
         elif p["program"] == "engine decode step":
             head = (f"engine: {p['slots']} slots of {p['max_len']} positions (KV cache {_gib(p['cache_bytes'])}, "
                     f"{p['cache_bytes_per_slot'] / 2 ** 20:.1f} MiB a slot, {p.get('kv_dtype', p['dtype'])}), "
-                    f"prefill chunks of {p['chunk']}, dtype {p['dtype']}, weights {p.get('quantize') or p['dtype']} "
+                    + (f"on mesh {p['mesh']} ({_gib(p.get('cache_bytes_per_chip'))} of cache and "
+                       f"{_gib(p.get('weight_bytes_per_chip'))} of weights per device), " if p.get("mesh") else "")
+                    + f"prefill chunks of {p['chunk']}, dtype {p['dtype']}, weights {p.get('quantize') or p['dtype']} "
                     f"({_gib(p.get('weight_bytes'))}), kernels {p['kernels']}; each slot takes "
                     f"{p['bytes_per_slot'] / 2 ** 20:.1f} MiB in the compiled step; slots of {p['max_len']} positions "
                     f"that fit beside the weights: {p['slots_that_fit']}; prefill program peak "
@@ -221,7 +223,8 @@ def format_result(result: dict) -> str:
                        f"{_gib(p['prefill_packed'].get('peak_bytes'))}" if p.get("prefill_packed") else ""))
         else:
             head = (f"generate: batch {p['batch_size']}, prompt {p['prompt_len']}, {p['max_new_tokens']} new tokens, "
-                    f"dtype {p['dtype']}, kernels {p['kernels']}" + (f", mesh {p['mesh']}" if p.get("mesh") else ""))
+                    f"dtype {p['dtype']}, kernels {p['kernels']}" + (f", mesh {p['mesh']}" if p.get("mesh") else "")
+                    + (", weights given in the compute dtype" if p.get("weights") == "compute" else ""))
         lines.append(head)
         lines.append(f"  compiled in {p['compile_s']:.1f}s; per device: arguments {_gib(p['argument_bytes'])}, outputs "
                      f"{_gib(p['output_bytes'])} (aliased {_gib(p['alias_bytes'])}), temporaries {_gib(p['temp_bytes'])}; "

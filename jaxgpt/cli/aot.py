@@ -41,6 +41,13 @@ flags.DEFINE_string("kv_dtype", None, "engine: the KV cache's dtype: int8 (a flo
 flags.DEFINE_integer("gen_batch", None, "generate: prompt rows (default one per device)")
 flags.DEFINE_integer("gen_prompt_len", None, "generate: prompt length (default half the context)")
 flags.DEFINE_integer("gen_new_tokens", None, "generate: new tokens (default the rest of the context)")
+flags.DEFINE_enum("gen_weights", "float32", ["float32", "compute"], "generate: the weights it is given: float32 "
+                  "(training's params; generate casts them to the compute dtype inside its program, a copy among "
+                  "its temporaries) or compute (already in the compute dtype, as a model kept for serving: "
+                  "nothing cast)")
+flags.DEFINE_string("engine_mesh", None, "engine: a mesh to serve over, e.g. tensor=4 (the parameters placed by the "
+                    "rules table, train.logical_axis_rules; attention split by heads over tensor and the cache by kv "
+                    "head, as Engine does for params on a mesh); default the weights and cache whole on each device")
 flags.DEFINE_string("gen_mesh", None, "generate: a mesh to decode over, e.g. tensor=8 (the parameters placed by the "
                     "rules table, train.logical_axis_rules; the rows over its batch axes); default the rows over "
                     "every device, the parameters replicated")
@@ -157,7 +164,8 @@ def _run(argv) -> None:
         programs = aot.check_programs(FLAGS.programs)
     except aot.AotError as e:
         _fail(e)
-    for name in ("quantize", "kv_dtype", "engine_slots", "engine_max_len", "engine_chunk", "engine_packed"):
+    for name in ("quantize", "kv_dtype", "engine_slots", "engine_max_len", "engine_chunk", "engine_packed",
+                 "engine_mesh"):
         if FLAGS[name].value is not None and "engine" not in programs:
             _fail(f"--{name} applies to the engine's programs: add engine to --programs (e.g. --programs=engine)")
     try:
@@ -175,12 +183,13 @@ def _run(argv) -> None:
         _fail(e)
     aot.prepare_environment()
     gen = {"batch_size": FLAGS.gen_batch, "prompt_len": FLAGS.gen_prompt_len, "max_new_tokens": FLAGS.gen_new_tokens,
-           "mesh": FLAGS.gen_mesh or ""}
+           "mesh": FLAGS.gen_mesh or "", "weights": FLAGS.gen_weights}
     result, error = None, None
     with _FilteredStderr():
         try:
             engine = {"slots": FLAGS.engine_slots, "max_len": FLAGS.engine_max_len, "chunk": FLAGS.engine_chunk,
-                      "quantize": FLAGS.quantize, "kv_dtype": FLAGS.kv_dtype, "packed": FLAGS.engine_packed}
+                      "quantize": FLAGS.quantize, "kv_dtype": FLAGS.kv_dtype, "packed": FLAGS.engine_packed,
+                      "mesh": FLAGS.engine_mesh}
             result = aot.compile_for_target(config, target, FLAGS.vocab_size, tuple(FLAGS.programs),
                                             progress=Progress, generate_args=gen, engine_args=engine)
         except aot.DoesNotFit as e:
