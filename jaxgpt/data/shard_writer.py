@@ -76,6 +76,20 @@ def _chunks(pieces: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool
         yield chunk
 
 
+def _start_method() -> str:
+    """fork (the workers start at once) unless this process has started JAX's runtime, whose threads a forked
+    child may find holding a lock (a deadlock): then forkserver (jaxgpt-prepare itself never starts it)."""
+    methods = multiprocessing.get_all_start_methods()
+    try:
+        from jax._src import xla_bridge
+        started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # (a JAX without it: the safe choice)
+        started = True
+    if "fork" in methods and not started:
+        return "fork"
+    return "forkserver" if "forkserver" in methods else "spawn"
+
+
 def _encoded(chunks: Iterator[list], tok: Tokenizer, sep: int, dtype: str, workers: int) -> Iterator[tuple]:
     """encode_chunk over `chunks`, in order: in this process (workers=1) or a pool of `workers` processes
     with at most 2 * workers chunks in flight (Pool.imap would read the whole corpus ahead)."""
@@ -83,8 +97,7 @@ def _encoded(chunks: Iterator[list], tok: Tokenizer, sep: int, dtype: str, worke
         for c in chunks:
             yield c, encode_chunk(c, sep, dtype, tok)
         return
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    ctx = multiprocessing.get_context(_start_method())
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # (HF tokenizers in forked workers: no warning)
     with ctx.Pool(workers, initializer=_init_worker, initargs=(tok.to_dict(),)) as pool:
         pending: deque = deque()
