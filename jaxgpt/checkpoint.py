@@ -235,7 +235,10 @@ class Checkpointer:
 
 def _sha256(path: str) -> str:
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()  # (hashlib drops the GIL while it hashes)
+        h = hashlib.sha256()
+        for block in iter(lambda: f.read(1 << 22), b""):  # (hashlib drops the GIL while it hashes a block)
+            h.update(block)
+        return h.hexdigest()
 
 
 def _item_files(step_dir: str) -> list[str]:

@@ -416,6 +416,16 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 # ---------------------------------------------------------------------------------------------------
 # The engine
 
+
+def seed_key(seed: int) -> jax.Array:
+    """A request's key from its 64-bit seed: jax.random.key(seed) within 32 bits (what it always was); past
+    them (jax.random.key keeps only the low 32 bits without x64) the high half folded in, so that seeds 0
+    and 2**32 draw differently, as vLLM's do."""
+    seed = int(seed)
+    if -2 ** 31 <= seed < 2 ** 32:
+        return jax.random.key(seed)
+    return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), (seed >> 32) & 0xFFFFFFFF)
+
 class Engine:
     """A pool of `slots` rows over one KV cache of `max_len` positions each, serving requests as they come.
 
@@ -604,7 +614,7 @@ class Engine:
             raise ValueError(f"prompt must be a sequence of token ids (integers), got {prompt!r:.80}")
         req = self._check(Request(tuple(tokens.tolist()), **settings))
         rid = next(self._ids)
-        key = jax.random.key(req.seed) if req.rng is None else req.rng
+        key = seed_key(req.seed) if req.rng is None else req.rng
         if not jax.dtypes.issubdtype(getattr(key, "dtype", np.float32), jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))  # a raw uint32 [2] key
         out = Completion(rid, req.prompt, submitted=time.perf_counter())

@@ -292,9 +292,11 @@ class Scorer:
         return sums, counts
 
 
-def item_losses(scorer: Scorer, tokenizer, items: Sequence[Item], style: str = "llmc") -> list[tuple]:
-    """Per item (summed losses [choices], tokens [choices]), all items' rows scored together."""
-    encoded = encode_items(items, tokenizer, style)
+def item_losses(scorer: Scorer, tokenizer, items: Sequence[Item], style: str = "llmc",
+                encoded: Optional[list] = None) -> list[tuple]:
+    """Per item (summed losses [choices], tokens [choices]), all items' rows scored together; `encoded`:
+    encode_items' result when the caller keeps it (the training loop encodes its tasks once)."""
+    encoded = encode_items(items, tokenizer, style) if encoded is None else encoded
     sums, counts = scorer.score([pair for pairs in encoded for pair in pairs])
     out, at = [], 0
     for pairs in encoded:
@@ -315,12 +317,13 @@ def accuracy(items: Sequence[Item], losses: Sequence[tuple]) -> dict:
     return {"acc": acc / n, "acc_norm": norm / n, "n": n}
 
 
-def evaluate(scorer: Scorer, tokenizer, tasks: dict, style: str = "llmc") -> dict:
-    """{task: {"acc", "acc_norm", "n", "seconds"}} for {task: [Item]}."""
+def evaluate(scorer: Scorer, tokenizer, tasks: dict, style: str = "llmc", encoded: Optional[dict] = None) -> dict:
+    """{task: {"acc", "acc_norm", "n", "seconds"}} for {task: [Item]} (`encoded`: {task: encode_items(...)})."""
     out = {}
     for name, items in tasks.items():
         t0 = time.perf_counter()
-        scores = accuracy(items, item_losses(scorer, tokenizer, items, style))
+        pairs = None if encoded is None else encoded[name]
+        scores = accuracy(items, item_losses(scorer, tokenizer, items, style, pairs))
         out[name] = {**scores, "seconds": time.perf_counter() - t0}
     return out
 

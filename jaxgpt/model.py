@@ -84,9 +84,11 @@ class Dense(nn.Module):
         bounds = [sum(self.parts[:i]) * h for i in range(len(self.parts) + 1)]
         # a prepared kernel (a backend's decode form) and a LoRA adapter act on all the columns at once
         if self.backend.head_mesh is None or prepared or self.has_variable("lora", "a"):
+            # (split as one op: XLA then folds a backend's join of q, k and v back into the projection, which
+            # the native CPU attention reads in place; three slices are copied out)
             y = self._fused(x, kernel, bias, out_dtype)
-            return tuple(y[..., lo:hi].reshape(*y.shape[:-1], n, h)
-                         for n, lo, hi in zip(self.parts, bounds, bounds[1:]))
+            return tuple(p.reshape(*p.shape[:-1], n, h)
+                         for n, p in zip(self.parts, jnp.split(y, bounds[1:-1], axis=-1)))
         return self._by_heads(x, kernel, bias, out_dtype, h, bounds)
 
     def _by_heads(self, x, kernel, bias, out_dtype, h: int, bounds: list) -> tuple:

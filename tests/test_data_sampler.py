@@ -183,6 +183,14 @@ def test_document_starts_are_the_separators_and_the_first_token(tmp_path, eot_fi
                                   want[want < len(toks) - 5])
     other = document_starts(mm, 11, cache=tmp_path / "starts.npy")
     np.testing.assert_array_equal(other, np.concatenate([[0] if toks[0] != 11 else [], np.flatnonzero(toks == 11)]))
+    # data prepared again with the same length and separator: another fingerprint (key) is computed afresh
+    document_starts(mm, SEP, cache=tmp_path / "starts.npy", key="first")
+    shuffled = np.random.default_rng(3).permutation(toks)
+    shuffled.tofile(tmp_path / "toks2.bin")
+    mm2 = np.memmap(tmp_path / "toks2.bin", dtype=np.uint16, mode="r")
+    want2 = np.flatnonzero(shuffled == SEP)
+    want2 = want2 if shuffled[0] == SEP else np.concatenate([[0], want2])
+    np.testing.assert_array_equal(document_starts(mm2, SEP, cache=tmp_path / "starts.npy", key="second"), want2)
 
 
 @pytest.mark.parametrize("eot_first", [True, False], ids=["eot-before", "eot-after"])

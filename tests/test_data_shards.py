@@ -271,8 +271,11 @@ def test_a_run_over_a_thousand_shard_files_starts_and_trains(tmp_path):
     for _ in range(4):
         s.next()
     assert ds.train.open_files() <= 64
+    ds.close()
     c = _config(tmp_path, folder, max_steps=2, eval_interval=2, checkpoint_interval=2)
+    before = len(os.listdir("/proc/self/fd"))
     assert train(c)["steps"] == 2
+    assert len(os.listdir("/proc/self/fd")) < before + 8  # the run closed its shards (up to 64 a split) itself
 
 
 # --- jaxgpt-prepare --shards ------------------------------------------------------------------------
@@ -417,3 +420,49 @@ def test_document_aligned_windows_over_shards_start_at_the_shards_separator_and_
         x, y, ids = sampler.batch(step)
         assert (x[:, 0] == sep).all() and (ids[:, 0] == ids.min(axis=1)).all()  # every window starts a document
     assert train(c)["steps"] == 2
+
+
+def test_prepare_twice_reuses_one_preparation_a_folder_and_refuses_bad_names_and_sizes(tmp_path, capsys):
+    from jaxgpt.cli.prepare import main
+    from jaxgpt.data.shard_writer import prepare_shards
+
+    docs = _jsonl(tmp_path / "docs", _docs(n=60))
+    argv = ["--corpus=jsonl", f"--path={docs}", "--text_field=body", "--tokenizer=bpe", "--vocab_size=300",
+            "--shard_tokens=700", "--val_tokens=300", "--workers=1", f"--shards={tmp_path / 'out'}"]
+    assert main(argv) == 0
+    first = _sha256s(tmp_path / "out")
+    capsys.readouterr()
+    assert main(argv) == 0  # a finished folder: left as it is, its summary printed again
+    assert str(tmp_path / "out") in capsys.readouterr().out and _sha256s(tmp_path / "out") == first
+    kw = dict(corpus="jsonl", path=docs, tokenizer="bpe", vocab_size=300, workers=1, progress=False, text_field="body")
+    with pytest.raises(ValueError, match="another preparation .'docs'.* a folder holds one"):
+        prepare_shards(tmp_path / "out", name="other", shard_tokens=700, val_tokens=300, **kw)
+    assert _sha256s(tmp_path / "out") == first  # the first preparation's shards.json untouched
+    for name, words in (("my_val_set", "the split"), ("a/b", "letters, digits")):
+        with pytest.raises(ValueError, match=words):
+            prepare_shards(tmp_path / "n", name=name, shard_tokens=700, val_tokens=300, **kw)
+    with pytest.raises(ValueError, match="shard_tokens must be at most 2,147,483,647"):
+        prepare_shards(tmp_path / "n", shard_tokens=2 ** 31, val_tokens=300, **kw)
+
+
+def test_an_unfinished_preparation_or_a_sidecar_without_a_vocabulary_is_refused(tmp_path):
+    folder = _folder(tmp_path)
+    side = {"format": "jaxgpt-shards", "tokenizer": {"type": "byte"}, "vocab_size": 256, "complete": False}
+    (folder / "shards.json").write_text(json.dumps(side))
+    with pytest.raises(ShardError, match="unfinished preparation"):
+        open_shards(str(folder))
+    del side["vocab_size"], side["complete"]
+    (folder / "shards.json").write_text(json.dumps(side))
+    with pytest.raises(ShardError, match="no vocabulary size"):
+        open_shards(str(folder))
+
+
+def test_a_glob_with_a_wildcard_folder_prepares(tmp_path):
+    from jaxgpt.data.shard_writer import prepare_shards
+
+    for part in ("a", "b"):
+        _jsonl(tmp_path / "g" / part, _docs(n=40, seed=ord(part)), parts=1)
+    d = prepare_shards(tmp_path / "out", corpus="jsonl", path=str(tmp_path / "g" / "*" / "*.jsonl"), tokenizer="bpe",
+                       vocab_size=300, shard_tokens=700, val_tokens=300, workers=1, progress=False,
+                       text_field="body", name="g")
+    assert d["path"] == str(tmp_path / "out") and len(_read_shards(tmp_path / "out")[0]) >= 2

@@ -512,3 +512,12 @@ def test_a_prefill_chunk_writes_the_cache_in_place(params, kernels):
             np.zeros((c,), np.int32), eng._rows([None]), prompt_logprobs=False, n_logprobs=eng.max_logprobs,
             window=w, **eng._static).compile().as_text()
         assert not whole_buffer_copies(hlo, shapes), (c, w)
+
+
+def test_seeds_past_32_bits_draw_differently_and_small_seeds_keep_their_keys():
+    from jaxgpt.engine import seed_key
+
+    data = lambda seed: jax.random.key_data(seed_key(seed)).tolist()  # noqa: E731
+    assert data(5) == jax.random.key_data(jax.random.key(5)).tolist()  # what a request's seed always gave
+    seeds = [0, 2 ** 32, 2 ** 33, -2 ** 63, 2 ** 63 - 1, 2 ** 62]
+    assert len({tuple(data(s)) for s in seeds}) == len(seeds)  # jax.random.key alone: 0, 2**32, 2**62 alike

@@ -258,7 +258,7 @@ def _corpus_tasks(tmp_path, text, n=4):
     return [str(tmp_path / "gen.jsonl"), str(tmp_path / "hs.jsonl")]
 
 
-def test_tasks_in_the_training_loop_reach_metrics_the_log_and_the_checkpoint(tmp_path, capsys):
+def test_tasks_in_the_training_loop_reach_metrics_the_log_and_the_checkpoint(tmp_path, capsys, monkeypatch):
     from jaxgpt import loading
     from jaxgpt.checkpoint import Checkpointer
     from jaxgpt.training import train
@@ -269,7 +269,10 @@ def test_tasks_in_the_training_loop_reach_metrics_the_log_and_the_checkpoint(tmp
     c.train.eval_tasks = ",".join(paths)
     c.train.eval_tasks_interval = 20
     c.train.eval_tasks_limit = 4
+    encoded, encode = [], evals.encode_items
+    monkeypatch.setattr(evals, "encode_items", lambda items, *a: encoded.append(len(items)) or encode(items, *a))
     train(c)
+    assert encoded == [4, 4]  # each task tokenized once, at the start, not at each of its two evals
     rows = [json.loads(line) for line in open(os.path.join(c.out_dir, "metrics.jsonl"))]
     evals_ = {r["step"]: r for r in rows if "val_loss" in r}
     assert sorted(evals_) == [10, 20, 30]

@@ -7,6 +7,7 @@ import json
 import os
 import struct
 import subprocess
+import time
 
 import pytest
 
@@ -78,6 +79,11 @@ def test_an_offline_wandb_run_holds_the_config_losses_and_scores_and_resumes(tmp
     paths = sorted(glob.glob(os.path.join(c.out_dir, "wandb", "offline-run-*", "*.wandb")))
     assert len(paths) == 2  # the first run and its resumption, both inside the run folder
     runs = [_read_run(p) for p in paths]
+    for _ in range(120):  # (wandb's service process may still be writing a file out after finish() returned)
+        if all(r[0] is not None for r in runs):
+            break
+        time.sleep(0.5)
+        runs = [_read_run(p) for p in paths]
     assert [r[0] for r in runs] == [run_id, run_id]  # one W&B run, continued
     config = runs[0][1]
     assert config["train"]["max_steps"] == 10 and config["train"]["trackers"] == "jsonl,wandb"

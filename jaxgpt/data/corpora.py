@@ -504,11 +504,14 @@ def document_files(kind: str, path: str | os.PathLike) -> tuple[list[Path], Path
     if p.is_dir():
         files, root = [q for q in p.rglob("*") if q.is_file() and q.name.endswith(suffixes)], p
     else:
-        files, root = [Path(q) for q in glob.glob(str(p), recursive=True) if os.path.isfile(q)], p.parent
+        files, root = [Path(q) for q in glob.glob(str(p), recursive=True) if os.path.isfile(q)], None
     if not files:
         raise FileNotFoundError(f"corpus '{kind}': {p} holds no {' / '.join(suffixes)} files; pass a file, a folder "
                                 "or a glob of them")
-    return sorted(q.resolve() for q in files), root.resolve()
+    files = sorted(q.resolve() for q in files)
+    # a glob's root: the folder all its files lie in (its pattern may name folders: data/*/part-*.jsonl)
+    root = Path(os.path.commonpath([q.parent for q in files])) if root is None else root.resolve()
+    return files, root
 
 
 def get_corpus(

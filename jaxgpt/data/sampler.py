@@ -14,6 +14,7 @@ the window (`document_ids`), which the model's document masking reads.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import queue
@@ -154,14 +155,16 @@ class BatchSampler:
 _STARTS_CHUNK = 1 << 24  # tokens scanned for separators at a time (64 MB of uint32 at most in memory)
 
 
-def document_starts(tokens: np.ndarray, separator: int, cache: Optional[str | os.PathLike] = None) -> np.ndarray:
+def document_starts(tokens: np.ndarray, separator: int, cache: Optional[str | os.PathLike] = None,
+                    key: str = "") -> np.ndarray:
     """int64 [n_documents]: where each document starts in a 1-D token array: every position holding the
     `separator` (end-of-text) token, and position 0 when it holds another token. Read a chunk at a time
     (a memmap is never read whole); with `cache` (a .npy path) the result is saved there and reused,
-    memory-mapped, while it matches the array's length and separator (an unwritable path is skipped)."""
+    memory-mapped, while it matches the array's length, the separator and `key` (the dataset's fingerprint:
+    data prepared again with the same length is not taken for the old); an unwritable path is skipped."""
     n = int(tokens.shape[0])
     if cache is not None:
-        found = _cached_starts(Path(cache), n, separator)
+        found = _cached_starts(Path(cache), _starts_key(n, separator, key))
         if found is not None:
             return found
     parts = [] if n and int(tokens[0]) == separator else [np.zeros(1, np.int64)]
@@ -170,26 +173,31 @@ def document_starts(tokens: np.ndarray, separator: int, cache: Optional[str | os
         parts.append(np.flatnonzero(chunk == separator).astype(np.int64) + lo)
     starts = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     if cache is not None:
-        _save_starts(Path(cache), starts, n, separator)
+        _save_starts(Path(cache), starts, _starts_key(n, separator, key))
     return starts
 
 
-def _cached_starts(path: Path, n: int, separator: int) -> Optional[np.ndarray]:
-    """The starts saved at `path` for an array of n tokens and this separator, memory-mapped; else None."""
+def _starts_key(n: int, separator: int, key: str) -> np.ndarray:
+    """uint8 [32]: what the cached starts were computed from (SHA-256 of the length, separator and key)."""
+    return np.frombuffer(hashlib.sha256(f"{n}:{int(separator)}:{key}".encode()).digest(), np.uint8)
+
+
+def _cached_starts(path: Path, want: np.ndarray) -> Optional[np.ndarray]:
+    """The starts saved at `path` under the key `want`, memory-mapped; else None."""
     try:
         head = np.load(path.with_suffix(".key.npy"))
-        if head.tolist() != [n, int(separator)]:
+        if head.shape != want.shape or not np.array_equal(head, want):
             return None
         return np.load(path, mmap_mode="r")
     except (OSError, ValueError):
         return None
 
 
-def _save_starts(path: Path, starts: np.ndarray, n: int, separator: int) -> None:
-    """Write the starts and their key ([n_tokens, separator]) under temporary names, renamed into place."""
+def _save_starts(path: Path, starts: np.ndarray, key: np.ndarray) -> None:
+    """Write the starts and their key under temporary names, renamed into place."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        for target, value in ((path, starts), (path.with_suffix(".key.npy"), np.array([n, int(separator)]))):
+        for target, value in ((path, starts), (path.with_suffix(".key.npy"), key)):
             tmp = target.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{target.name}")
             np.save(tmp, value)
             os.replace(tmp, target)

@@ -76,6 +76,20 @@ def _chunks(pieces: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool
         yield chunk
 
 
+def _start_method() -> str:
+    """fork (the workers start at once) unless this process has started JAX's runtime, whose threads a forked
+    child may find holding a lock (a deadlock): then forkserver (jaxgpt-prepare itself never starts it)."""
+    methods = multiprocessing.get_all_start_methods()
+    try:
+        from jax._src import xla_bridge
+        started = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # (a JAX without it: the safe choice)
+        started = True
+    if "fork" in methods and not started:
+        return "fork"
+    return "forkserver" if "forkserver" in methods else "spawn"
+
+
 def _encoded(chunks: Iterator[list], tok: Tokenizer, sep: int, dtype: str, workers: int) -> Iterator[tuple]:
     """encode_chunk over `chunks`, in order: in this process (workers=1) or a pool of `workers` processes
     with at most 2 * workers chunks in flight (Pool.imap would read the whole corpus ahead)."""
@@ -83,8 +97,7 @@ def _encoded(chunks: Iterator[list], tok: Tokenizer, sep: int, dtype: str, worke
         for c in chunks:
             yield c, encode_chunk(c, sep, dtype, tok)
         return
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    ctx = multiprocessing.get_context(_start_method())
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # (HF tokenizers in forked workers: no warning)
     with ctx.Pool(workers, initializer=_init_worker, initargs=(tok.to_dict(),)) as pool:
         pending: deque = deque()
@@ -200,10 +213,41 @@ def _pieces(src: Corpus, start: int, in_doc: bool) -> Iterator[tuple[int, str, b
             yield i, text, bool(text) and not before, before, in_doc
 
 
+MAX_SHARD_TOKENS = 2 ** 31 - 1  # the header's count is an int32
+
+
 def _check_numbers(shard_tokens: Any, val_tokens: Any, workers: Any) -> None:
     for key, v in (("shard_tokens", shard_tokens), ("val_tokens", val_tokens), ("workers", workers)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"--{key} must be a positive integer, got {v!r}")
+    for key, v in (("shard_tokens", shard_tokens), ("val_tokens", val_tokens)):
+        if v > MAX_SHARD_TOKENS:
+            raise ValueError(f"--{key} must be at most {MAX_SHARD_TOKENS:,} (a shard header's count is an int32), "
+                             f"got {v:,}")
+
+
+def _check_name(name: str) -> None:
+    """A shard name: letters, digits, '-' and '_', without the split markers the reader goes by."""
+    if not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise ValueError(f"--shard_name must be letters, digits, '-' and '_' only, got {name!r}")
+    if "_val_" in f"_{name}_" or "_train_" in f"_{name}_":
+        raise ValueError(f"--shard_name {name!r} contains 'val' or 'train' as a part, which the reader takes for "
+                         "the split (files named *_val_* are the validation split); choose another name")
+
+
+def _temporaries(out: Path, name: str) -> list[Path]:
+    """Half-written shards of `name` (a killed run's): never read, removed when a preparation starts."""
+    return [f for split in ("val", "train") for f in out.glob(f".{name}_{split}_*.tmp-*")]
+
+
+def _other_preparation(out: Path, name: str) -> str | None:
+    """The name of another preparation whose shards.json `out` holds (one preparation a folder), else None."""
+    f = out / SIDECAR
+    try:
+        other = json.loads(f.read_text(encoding="utf-8")).get("name") if f.is_file() else None
+    except ValueError:
+        return None
+    return other if other not in (None, name) else None
 
 
 def _default_name(corpus: str, path: Any) -> str:
@@ -218,7 +262,7 @@ def _existing(out: Path, name: str) -> list[Path]:
 
 
 def _remove_outputs(out: Path, name: str) -> None:
-    for f in _existing(out, name) + list(out.glob(f".{name}_*.tmp-*")) + [out / f"{name}_progress.json"]:
+    for f in _existing(out, name) + _temporaries(out, name) + [out / f"{name}_progress.json"]:
         f.unlink(missing_ok=True)
 
 
@@ -226,7 +270,7 @@ def _resume_state(out: Path, name: str, settings: dict, force: bool) -> dict | N
     """The progress of an unfinished preparation with these settings (its shards checked), else None when
     there is nothing to resume; ValueError when the folder holds another preparation's shards."""
     prog_file = out / f"{name}_progress.json"
-    for tmp in out.glob(f".{name}_*.tmp-*"):  # half-written shards of a killed run: never read, removed
+    for tmp in _temporaries(out, name):  # half-written shards of a killed run: never read, removed
         tmp.unlink(missing_ok=True)
     if force:
         _remove_outputs(out, name)
@@ -246,7 +290,7 @@ def _resume_state(out: Path, name: str, settings: dict, force: bool) -> dict | N
         return prog
     if _existing(out, name):
         raise ValueError(f"{out} already holds {name!r} shards of a finished or another preparation; pass --force "
-                         "to replace them, or choose another folder or --shard_name")
+                         "to replace them, or choose another folder")
     return None
 
 
@@ -372,13 +416,18 @@ def prepare_shards(out_dir: str | os.PathLike, corpus: str = "file", path: Any =
     src = get_corpus(corpus, path, cache, hf_config=hf_config, hf_split=hf_split, text_field=text_field,
                      hf_kwargs=hf_kwargs)
     name = name or _default_name(corpus, path)
+    _check_name(name)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
+    other = _other_preparation(out, name)
+    if other is not None:  # shards.json describes one preparation: a second would take its place
+        raise ValueError(f"{out} holds the shards of another preparation ({other!r}, {out / SIDECAR}); a folder holds "
+                         "one: choose another folder")
     settings = {"corpus": src.spec, "source": src.fingerprint(), "tokenizer": tokenizer, "vocab_size": vocab_size,
                 "shard_tokens": int(shard_tokens), "val_tokens": int(val_tokens)}
     done = _finished(out, name, settings)
     if done is not None and not force:
-        return dict(done, reused=True)
+        return dict(done, path=str(out), reused=True)
     prog = _resume_state(out, name, settings, force or done is not None)
     resumed = prog is not None
     if prog is None:

@@ -304,6 +304,12 @@ def read_sidecar(folder: Path) -> dict | None:
         raise ShardError(f"{f} is not a readable tokenizer file: {e}") from None
     if not isinstance(d, dict) or d.get("format") != SIDECAR_FORMAT or not isinstance(d.get("tokenizer"), dict):
         raise ShardError(f"{f} is not a jaxgpt shards file (format {SIDECAR_FORMAT!r} with a tokenizer)")
+    vocab = d.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ShardError(f"{f} has no vocabulary size (vocab_size: {vocab!r}); prepare the shards again")
+    if d.get("complete") is False:  # jaxgpt-prepare writes it first, and complete once every shard is in
+        raise ShardError(f"{folder} holds an unfinished preparation ({f} says it is not complete; a killed or "
+                         "running jaxgpt-prepare --shards): run the same command again to finish it")
     d["file"] = str(f)
     return d
 

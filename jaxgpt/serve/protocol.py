@@ -179,7 +179,7 @@ def parse_prompts(value: Any, tokenizer, vocab_size: int) -> list:
                                 "lists of token ids")
         bad_ids = [t for t in v if not 0 <= t < vocab_size]
         if bad_ids:
-            raise bad("prompt", f"prompt token {bad_ids[0]} is outside the vocabulary [0, {vocab_size})")
+            raise bad("prompt", f"prompt token {_shown(bad_ids[0])} is outside the vocabulary [0, {vocab_size})")
         return list(v)
 
     if isinstance(value, str):

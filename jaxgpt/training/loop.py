@@ -80,14 +80,25 @@ def _document_sampler(config, ds, process_index: int, process_count: int) -> Doc
     sep = getattr(ds, "separator_id", None)  # llm.c shards: the token before each document (Llama-3's is BOS)
     if sep is None:
         sep = separator_id(config, ds.tokenizer)
-    folder = getattr(ds, "path", None)
-    cache = f"{folder}/document_starts_train.npy" if folder is not None and os.path.isdir(folder) else None
-    starts = document_starts(ds.train, sep, cache=cache)
+    cache, key = _starts_cache(ds)
+    starts = document_starts(ds.train, sep, cache=cache, key=key)
     try:
         return DocumentSampler(ds.train, sep, config.train.batch_size, config.model.block_size, config.seed,
                                process_index, process_count, segments=doc_masked(config), starts=starts)
     except ValueError as e:
         raise ValueError(f"config.data.align='document': the training split: {e}") from None
+
+
+def _starts_cache(ds) -> tuple[Optional[str], str]:
+    """(where the training split's document starts are cached, the dataset's fingerprint they are keyed by):
+    beside the bins, or beside the first training shard (data.path may be a glob)."""
+    meta = getattr(ds, "meta", None) or {}
+    key = meta.get("fingerprint") or (meta.get("train") or {}).get("sha256") or meta.get("source_hash") or ""
+    shards = getattr(ds.train, "shards", None)
+    folder = os.path.dirname(shards[0].path) if shards else getattr(ds, "path", None)
+    if folder is None or not os.path.isdir(folder):
+        return None, key
+    return os.path.join(folder, "document_starts_train.npy"), str(key)
 
 
 class _Preemption:
@@ -162,8 +173,13 @@ def train(config) -> dict:
 
 def _train(config, out_dir: str, n_devices: int, t0: float) -> dict:
     run = _Run(config, out_dir, n_devices, t0)
-    done = run.setup()
-    return done if done is not None else run.train()
+    try:
+        done = run.setup()
+        return done if done is not None else run.train()
+    finally:  # llm.c shards hold open files (up to 64 a split): closed with the run, not by the collector
+        close = getattr(getattr(run, "ds", None), "close", None)
+        if close is not None:
+            close()
 
 
 class _Run:

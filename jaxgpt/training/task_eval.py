@@ -46,6 +46,9 @@ class LoopTasks:
         evals.check_vocab(self.tasks, gcfg.vocab_size)
         self.interval = cfg_t.get("eval_tasks_interval") or cfg_t.eval_interval
         self.max_steps, self.tokenizer = cfg_t.max_steps, tokenizer
+        # tokenized once, here, before anything compiles: a tokenizer that cannot encode them (GPT-2's BPE files
+        # missing offline, a vocabulary-only tokenizer) stops the run now, not at its first task eval hours in
+        self.encoded = {name: evals.encode_items(items, tokenizer, self.style) for name, items in self.tasks.items()}
         self.scorer = evals.Scorer(None, gcfg, backend=getattr(runner, "backend", backend), mesh=runner.mesh,
                                    axes=runner.batch_axes)
         self.last: dict = {}  # the latest scores, {task: {acc, acc_norm, n, step}}: the checkpoint's meta
@@ -62,7 +65,7 @@ class LoopTasks:
         returns it (its params as the runner lays them out)."""
         t0 = time.perf_counter()
         self.scorer.variables = model_variables(state.params, state.frozen)
-        scores = evals.evaluate(self.scorer, self.tokenizer, self.tasks, self.style)
+        scores = evals.evaluate(self.scorer, self.tokenizer, self.tasks, self.style, self.encoded)
         self.scorer.variables = None  # (holds no state between evals)
         self.last = {name: {"acc": s["acc"], "acc_norm": s["acc_norm"], "n": s["n"], "step": step}
                      for name, s in scores.items()}
