@@ -1056,6 +1056,31 @@ class Engine:
 # ---------------------------------------------------------------------------------------------------
 # Ahead of time (jaxgpt-aot): the engine's programs lowered for abstract inputs
 
+def _abstract_weights(config: GPTConfig, backend: Backend, slots: int, quantize, params) -> tuple:
+    """(abstract params, the backend's prepared forms, whether its int8 kernels take any row count) for
+    lower_engine: with such kernels the float leaves they replace are left out, as a device holds them."""
+    from flax import traverse_util
+
+    from jaxgpt.model import abstract_params
+    from jaxgpt.quantize import Int8Kernel, quantized_paths
+
+    params = abstract_params(config) if params is None else params
+    params = jax.eval_shape(lambda p: cast_floats(p, config.compute_dtype), params)
+    prepared = jax.eval_shape(lambda p: _prepare.__wrapped__(p, config=config, backend=backend, batch_size=slots,
+                                                             quantize=quantize), params)
+    is_kernel = lambda x: isinstance(x, Int8Kernel)  # noqa: E731
+    int8_any_rows = bool(quantize) and all(is_kernel(x) for x in jax.tree.leaves(prepared, is_leaf=is_kernel))
+    if int8_any_rows:
+        flat = traverse_util.flatten_dict(params)
+        for path in quantized_paths(params, config):
+            # with scan_layers the stacked layers' float kernels stay: the model's scan checks the stacked
+            # params' shapes against their initializer's
+            if path != ("wte", "embedding") and not (config.scan_layers and path[0] == "h"):
+                del flat[path]
+        params = traverse_util.unflatten_dict(flat)
+    return params, prepared, int8_any_rows
+
+
 def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, backend: Optional[Backend] = None,
                  sharding=None, max_logprobs: int = 20, params=None, quantize: Optional[str] = None,
                  kv_dtype: Optional[str] = None, packed: Optional[int] = None, mesh=None,
@@ -1079,11 +1104,6 @@ def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, bac
     it; a running engine's is the dequantized table), and the prefill runs on them too, which computes
     what the CPU Engine's prefill of the dequantized params does. Other backends keep the float params
     beside their forms."""
-    from flax import traverse_util
-
-    from jaxgpt.model import abstract_params
-    from jaxgpt.quantize import Int8Kernel, quantized_paths
-
     check_sizes(config, slots, max_len, chunk, max_logprobs=max_logprobs)
     if packed:
         check_packed(config, slots, packed)
@@ -1096,21 +1116,8 @@ def lower_engine(config: GPTConfig, slots: int, max_len: int, chunk: int, *, bac
         backend = backend.on_mesh(mesh, ())
     config = config.replace(remat="none")
     quantize, kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
-    params = abstract_params(config) if params is None else params
-    params = jax.eval_shape(lambda p: cast_floats(p, config.compute_dtype), params)
-    prepared = jax.eval_shape(lambda p: _prepare.__wrapped__(p, config=config, backend=backend, batch_size=slots,
-                                                             quantize=quantize), params)
+    params, prepared, int8_any_rows = _abstract_weights(config, backend, slots, quantize, params)
     cache = jax.eval_shape(lambda: KVCache.create(config, slots, max_len, dtype=kv_dtype, layout=backend.cache_layout))
-    is_kernel = lambda x: isinstance(x, Int8Kernel)  # noqa: E731
-    int8_any_rows = bool(quantize) and all(is_kernel(x) for x in jax.tree.leaves(prepared, is_leaf=is_kernel))
-    if int8_any_rows:
-        flat = traverse_util.flatten_dict(params)
-        for path in quantized_paths(params, config):
-            # with scan_layers the stacked layers' float kernels stay: the model's scan checks the stacked
-            # params' shapes against their initializer's
-            if path != ("wte", "embedding") and not (config.scan_layers and path[0] == "h"):
-                del flat[path]
-        params = traverse_util.unflatten_dict(flat)
 
     def place(tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)

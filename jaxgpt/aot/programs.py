@@ -258,6 +258,37 @@ def _generate_sizes(gcfg, n_rows: int, batch_size, prompt_len, new) -> tuple[int
     return b, p, new
 
 
+def _chip_bytes(tree) -> int:
+    """What one device holds of placed abstract arrays."""
+    import jax
+
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _engine_placement(config, gcfg, devs: Devices, mesh: str, packed: Optional[int]) -> tuple:
+    """(the mesh or None, the weights' shardings by the rules table or None, the replicated sharding) of the
+    engine's programs: `mesh` a train.mesh string ("tensor=4"), "" for one engine per device."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    grid, weight_shardings = None, None
+    if mesh:
+        from jaxgpt.sharding import rules, tree_shardings
+        from jaxgpt.training.mesh import build_mesh
+
+        if packed is not None:
+            raise AotError("the engine: the packed prefill (--engine_packed) is not run on a mesh "
+                           "(Engine(packed_prefill=True) packs only on one device); drop --engine_packed or --engine_mesh")
+        try:
+            table = rules(config.train.get("logical_axis_rules", ""))
+            grid = build_mesh(mesh, devs.devices)
+        except ValueError as e:
+            raise AotError(f"--engine_mesh: {e}") from None
+        cfg = gcfg.replace(remat="none")
+        weight_shardings = lambda w: tree_shardings(w, cfg, grid, table)  # noqa: E731
+    return grid, weight_shardings, NamedSharding(grid or Mesh(np.array(devs.devices), ("data",)), P())
+
+
 def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_len: Optional[int] = None,
                    chunk: int = 256, progress: bool = True, quantize: Optional[str] = None,
                    kv_dtype: Optional[str] = None, packed: Optional[int] = None, mesh: str = "") -> ProgramReport:
@@ -275,8 +306,6 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
     table (train.logical_axis_rules), as `Engine` runs them: attention split by heads over tensor and the
     cache by kv head; the slot figures are then per chip (`cache_bytes_per_chip`)."""
     import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxgpt import engine
     from jaxgpt.cache import cache_bytes
@@ -290,22 +319,7 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
             engine.check_packed(gcfg, slots, packed)
     except ValueError as e:
         raise AotError(f"the engine: {e}") from None
-    grid, weight_shardings = None, None
-    if mesh:
-        from jaxgpt.sharding import rules, tree_shardings
-        from jaxgpt.training.mesh import build_mesh
-
-        if packed is not None:
-            raise AotError("the engine: the packed prefill (--engine_packed) is not run on a mesh "
-                           "(Engine(packed_prefill=True) packs only on one device); drop --engine_packed or --engine_mesh")
-        try:
-            table = rules(config.train.get("logical_axis_rules", ""))
-            grid = build_mesh(mesh, devs.devices)
-        except ValueError as e:
-            raise AotError(f"--engine_mesh: {e}") from None
-        cfg = gcfg.replace(remat="none")
-        weight_shardings = lambda w: tree_shardings(w, cfg, grid, table)  # noqa: E731
-    replicated = NamedSharding(grid or Mesh(np.array(devs.devices), ("data",)), P())
+    grid, weight_shardings, replicated = _engine_placement(config, gcfg, devs, mesh, packed)
 
     lowered = {}
 
@@ -325,11 +339,8 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
     weights = lowered[slots]["weights"]
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
 
-    def chip_bytes(tree):  # what one device holds of the placed abstract arrays
-        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
     c = lowered[slots]["cache"]
-    cache_chip = chip_bytes((c.k, c.v, c.k_scale, c.v_scale))
+    cache_chip = _chip_bytes((c.k, c.v, c.k_scale, c.v_scale))
     per_slot_chip = cache_chip // slots
     extra = {"slots": slots, "max_len": max_len, "chunk": chunk, "dtype": gcfg.dtype, "kernels": backend.name,
              "quantize": quantize, "kv_dtype": kv_dtype or gcfg.dtype,
@@ -338,7 +349,7 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
              "weight_bytes": nbytes(weights), "float_weight_bytes": nbytes(weights.params),
              "cache_bytes": per_slot * slots, "cache_bytes_per_slot": per_slot,
              # per device: the cache split by kv head on a tensor mesh, the weights by the rules table
-             "cache_bytes_per_chip": cache_chip, "weight_bytes_per_chip": chip_bytes(weights)}
+             "cache_bytes_per_chip": cache_chip, "weight_bytes_per_chip": _chip_bytes(weights)}
     if grid is not None:
         extra["mesh"] = ", ".join(f"{a}={s}" for a, s in grid.shape.items())
     out = analyze("engine decode step", decode, decode_s, devs, None, extra)
