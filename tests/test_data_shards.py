@@ -333,9 +333,23 @@ def test_prepared_shards_hold_each_document_after_the_end_token_and_train(tmp_pa
     assert eos == tok.eos_id == d["eos_id"]
     want = np.concatenate([np.concatenate([[eos], tok.encode(doc)]) for doc in docs])
     assert np.array_equal(np.concatenate([val] + train_parts), want)  # the end token before every document
-    # a Parquet folder of the same documents gives the same bytes
-    import pyarrow as pa
+    c = _config(tmp_path / "run", out, max_steps=2, eval_interval=2, checkpoint_interval=2)
+    c.data.tokenizer = "auto"  # the bpe of shards.json, vocab 300
+    summary = train(c)
+    assert summary["steps"] == 2 and summary["state"].params["wte"]["embedding"].shape[0] == 300
+
+
+def test_a_parquet_folder_prepares_the_same_shards_as_json_lines(tmp_path):
+    pa = pytest.importorskip("pyarrow", reason="Parquet corpora need pyarrow (the hf or eval extra brings it)")
     import pyarrow.parquet as pq
+
+    from jaxgpt.data.shard_writer import prepare_shards
+
+    docs = _docs()
+    out = tmp_path / "shards"
+    prepare_shards(out, corpus="jsonl", path=_jsonl(tmp_path / "docs", docs), tokenizer="bpe", vocab_size=300,
+                   shard_tokens=700, val_tokens=500, workers=1, progress=False, text_field="body")
+    # a Parquet folder of the same documents gives the same bytes
     (tmp_path / "pq").mkdir()
     for p in range(2):
         pq.write_table(pa.table({"body": docs[p * 75 : (p + 1) * 75]}), tmp_path / "pq" / f"p{p}.parquet")
@@ -343,10 +357,6 @@ def test_prepared_shards_hold_each_document_after_the_end_token_and_train(tmp_pa
                    shard_tokens=700, val_tokens=500, workers=1, progress=False, text_field="body", name="docs")
     bins = lambda folder: {k: v for k, v in _sha256s(folder).items() if k.endswith(".bin")}  # noqa: E731
     assert bins(tmp_path / "from_pq") == bins(out)
-    c = _config(tmp_path / "run", out, max_steps=2, eval_interval=2, checkpoint_interval=2)
-    c.data.tokenizer = "auto"  # the bpe of shards.json, vocab 300
-    summary = train(c)
-    assert summary["steps"] == 2 and summary["state"].params["wte"]["embedding"].shape[0] == 300
 
 
 def test_a_tokenizer_without_an_end_token_is_refused(tmp_path):

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             text_field=args.text_field,
             force=args.force,
         )
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:
         from jaxgpt.report import one_line
 
         print(f"jaxgpt-prepare: error: {one_line(str(e))}", file=sys.stderr)
@@ -110,7 +110,7 @@ def _shards(args) -> int:
                            val_tokens=args.val_tokens, workers=args.workers, progress=not args.quiet,
                            force=args.force, bpe_dir=args.bpe_dir, text_field=args.text_field,
                            hf_config=args.hf_config, hf_split=args.hf_split, cache_dir=args.cache_dir)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:
         print(f"jaxgpt-prepare: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     if args.json:

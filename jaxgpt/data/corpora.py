@@ -453,7 +453,7 @@ class DocumentFiles(Corpus):
     def n_documents(self) -> int | None:
         if self.kind != "parquet":
             return None
-        import pyarrow.parquet as pq
+        pq = _parquet_module()
 
         return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
 
@@ -479,7 +479,7 @@ class DocumentFiles(Corpus):
                 yield row[self.field] or ""
 
     def _parquet(self, f: Path) -> Iterator[str]:
-        import pyarrow.parquet as pq
+        pq = _parquet_module()
 
         pf = pq.ParquetFile(f)
         if self.field not in pf.schema_arrow.names:
@@ -491,6 +491,16 @@ class DocumentFiles(Corpus):
     def pieces(self, val_fraction: float) -> Iterator[Piece]:
         for i, text in enumerate(self._texts()):
             yield ("val" if _unit_hash(i) < val_fraction else "train"), text, True
+
+
+def _parquet_module():
+    """pyarrow.parquet, or an ImportError that says how to get it (the hf and eval extras bring it)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError("corpus 'parquet' reads its files with pyarrow, which is not installed: "
+                          "pip install pyarrow (or jaxgpt's hf extra)") from None
+    return pq
 
 
 def document_files(kind: str, path: str | os.PathLike) -> tuple[list[Path], Path]:
