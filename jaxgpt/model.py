@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from jaxgpt import lora
+from jaxgpt import lora, paged
 from jaxgpt.attention import packed_attention, rotary_embedding, segment_positions, takes_segments
 from jaxgpt.backends import PORTABLE, Backend, resolve
 from jaxgpt.cache import KVCache, PackedCache
 from jaxgpt.config import GPTConfig
 from jaxgpt.layers import convert_layers, stack_layers, unstack_layers  # noqa: F401  (re-exported)
+from jaxgpt.paged import PagedCache
 from jaxgpt.registry import BLOCKS
 from jaxgpt.schema import (HEAD, UNNAMED, ParamInfo, declare, declare_block, embedding, leaf_infos, matrix,
                            param_schema, vector)
@@ -220,6 +221,9 @@ class CausalSelfAttention(nn.Module):
             return attend(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, None, None, segment_ids_BxT=segment_ids), None
         if cache is None:  # queries and keys at 0..T-1
             return attend(q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, None, None), None
+        if isinstance(cache, PagedCache):  # a ragged step over a page pool: each token within its own request
+            cache = cache.write(layer, k_BxKxTxH, v_BxKxTxH)
+            return paged.attend(q_BxTxNxH, cache, layer, self.backend), cache
         if isinstance(cache, PackedCache):  # several prompts in one row: each attends within itself
             cache = cache.write(layer, k_BxKxTxH, v_BxKxTxH)
             k_BxKxTxH, v_BxKxTxH = (a.astype(q_BxTxNxH.dtype) for a in cache.layer(layer))

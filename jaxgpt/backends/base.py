@@ -79,6 +79,9 @@ class Backend:
       over layer `layer` of a KV cache read as stored (float or int8, a `KVCache.view_first` included:
       its buffers hold more rows than q), or None where it does not take the cache; unset or None: the
       layer is read as [B, K, S, H] floats (`KVCache.layer`) and attended by the attention function.
+    - `paged_attention(q_TxNxH, k_pool, v_pool, token_rows, positions, limits, block_tables, k_scale,
+      v_scale)`: attention of a ragged step's queries over a paged cache's layer as stored (jaxgpt/paged.py
+      says what each argument holds), or None where it does not take it; unset or None: `paged.paged_attention`.
     """
 
     name: str
@@ -94,6 +97,7 @@ class Backend:
     batch_mesh: Optional[tuple] = None
     head_mesh: Optional[tuple] = None
     cache_attention: Optional[Callable] = None
+    paged_attention: Optional[Callable] = None
 
     def attention(self, name: str) -> AttentionFn:
         """The function that computes the registered attention `name` on this backend. A backend's own

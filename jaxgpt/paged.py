@@ -1,0 +1,201 @@
+"""A paged KV cache: a pool of fixed-size pages that many requests share through block tables.
+
+Each layer's keys (and values) are one pool [P, K, page, H]: page p holds `page` consecutive positions of
+one request, for every kv head. A request's block table lists its pages in order, so its position s lies in
+page table[s // page] at offset s % page. Pages are handed out as tokens arrive and taken back when a
+request ends (jaxgpt/engine/pages.py keeps that account on the host); the cache holds bytes in proportion
+to the tokens in use, not to slots x max_len. Page 0 is never a request's: padding tokens write there.
+
+One forward over a flat, ragged list of T tokens (`PagedCache.step`): token t belongs to row rows[t] of
+the step (a request), sits at position positions[t] of it, and writes its keys and values at flat slot
+slots[t] = page * page_size + offset. It then attends to its own row's positions 0 .. positions[t]: those
+written by earlier steps and those of its own chunk written just before, in the same layer. Decoding
+requests (one token each) and prompt chunks share that one forward, so every weight is read once a step.
+
+`paged_attention` is the portable form in plain JAX (any backend; the oracle the native and Pallas kernels
+are tested against): it walks the block tables a few pages at a time, each token gathering its own row's
+pages, with a running (online) softmax, so it holds [T, K, tile, H] at once whatever the lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxgpt.cache import KVCache, _cache_dtype, _is_int8, dequantize_kv, quantize_kv
+from jaxgpt.checks import is_int
+from jaxgpt.config import GPTConfig
+
+# positions a step of `paged_attention`'s walk covers (whole pages: at least one)
+TILE_POSITIONS = 128
+
+
+def pool_shape(num_pages: int, kv_heads: int, page_size: int, head_dim: int) -> tuple:
+    return (num_pages, kv_heads, page_size, head_dim)
+
+
+def pool_bytes(config: GPTConfig, num_pages: int, page_size: int, dtype=None) -> int:
+    """The pool's bytes for every layer's keys and values (an int8 pool's float32 scales included)."""
+    dtype = _cache_dtype(config, dtype)
+    per_vector = config.head_dim * dtype.itemsize + (4 if _is_int8(dtype) else 0)
+    return 2 * config.n_layer * num_pages * page_size * config.n_kv_head * per_vector
+
+
+@struct.dataclass
+class PagedCache(KVCache):
+    """The page pool of every layer (`k`, `v`: a tuple of [P, K, page, H] buffers, or stacked [L, ...]
+    with `scan_layers`; an int8 pool also `k_scale`, `v_scale` [P, K, page]) and, inside a step, where
+    that step's T tokens go: `token_rows` [T] (each token's row), `token_positions` [1, T], `slots` [T]
+    (flat write index page * page_size + offset), `limits` [T] (the token sees its row's positions below
+    it: position + 1, or 0 for a padding token, which sees nothing) and `block_tables` [R, M] (row r's
+    pages in order; padding entries 0). `lengths` is unused ([1] zeros: the model's cache interface)."""
+
+    token_rows: Any = None
+    token_positions: Any = None
+    slots: Any = None
+    limits: Any = None
+    block_tables: Any = None
+
+    @classmethod
+    def create_pool(cls, config: GPTConfig, num_pages: int, page_size: int, dtype=None) -> "PagedCache":
+        """An empty pool of `num_pages` pages of `page_size` positions (page 0 included: the null page)."""
+        if not is_int(num_pages) or num_pages < 2:
+            raise ValueError(f"num_pages must be an integer >= 2 (page 0 is kept for padding), got {num_pages!r}")
+        if not is_int(page_size) or page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        dtype = _cache_dtype(config, dtype)
+
+        def buffers(shape, dtype):
+            if config.scan_layers:
+                return jnp.zeros((config.n_layer,) + shape, dtype)
+            return tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))
+
+        shape = pool_shape(int(num_pages), config.n_kv_head, int(page_size), config.head_dim)
+        scales = {}
+        if _is_int8(dtype):
+            scales = dict(k_scale=buffers(shape[:-1], jnp.float32), v_scale=buffers(shape[:-1], jnp.float32))
+        return cls(k=buffers(shape, dtype), v=buffers(shape, dtype), lengths=jnp.zeros((1,), jnp.int32), **scales)
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[-2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_len(self) -> int:  # (what one row can hold: its block table's width in positions)
+        return self.block_tables.shape[1] * self.page_size
+
+    def step(self, token_rows, positions, slots, limits, block_tables) -> "PagedCache":
+        """This pool set up for one ragged step (see the class)."""
+        return self.replace(token_rows=token_rows.astype(jnp.int32), token_positions=positions[None].astype(jnp.int32),
+                            slots=slots.astype(jnp.int32), limits=limits.astype(jnp.int32),
+                            block_tables=block_tables.astype(jnp.int32))
+
+    def pool(self) -> "PagedCache":
+        """The pool alone, without a step's token arrays (what the engine keeps between steps)."""
+        return self.replace(token_rows=None, token_positions=None, slots=None, limits=None, block_tables=None)
+
+    def write(self, i, k_BxKxTxH: jax.Array, v_BxKxTxH: jax.Array) -> "PagedCache":
+        """Layer i's keys and values of the step's tokens ([1, K, T, H]) written at their slots (an int8
+        pool's quantized, with their scales)."""
+        ps = self.page_size
+        page, offset = self.slots // ps, self.slots % ps
+
+        def put(layers, new_TxKx):
+            def one(buf, layer=None):
+                at = (page, slice(None), offset) if layer is None else (layer, page, slice(None), offset)
+                return buf.at[at].set(new_TxKx.astype(buf.dtype), mode="promise_in_bounds")
+            if isinstance(layers, tuple):
+                return layers[:i] + (one(layers[i]),) + layers[i + 1:]
+            return one(layers, i)
+
+        k_TxKxH, v_TxKxH = k_BxKxTxH[0].swapaxes(0, 1), v_BxKxTxH[0].swapaxes(0, 1)
+        if not self.quantized:
+            return self.replace(k=put(self.k, k_TxKxH), v=put(self.v, v_TxKxH))
+        (kq, ks), (vq, vs) = quantize_kv(k_TxKxH), quantize_kv(v_TxKxH)
+        return self.replace(k=put(self.k, kq), v=put(self.v, vq), k_scale=put(self.k_scale, ks),
+                            v_scale=put(self.v_scale, vs))
+
+    def layer_pool(self, i) -> tuple:
+        """Layer i's (k, v, k_scale, v_scale) pools as stored (scales None for a float pool)."""
+        def pick(layers):
+            return None if layers is None else layers[i]
+        return pick(self.k), pick(self.v), pick(self.k_scale), pick(self.v_scale)
+
+    def positions(self, num_tokens: int) -> jax.Array:
+        return self.token_positions
+
+    def overflow(self, num_tokens: int) -> jax.Array:
+        return jnp.zeros((1,), bool)
+
+    def advance(self, n) -> "PagedCache":
+        return self
+
+
+def paged_attention(q_TxNxH, k_pool, v_pool, token_rows_T, limits_T, block_tables_RxM, k_scale=None, v_scale=None,
+                    tile_positions: int = TILE_POSITIONS) -> jax.Array:
+    """Attention of T ragged queries over a paged cache, in plain JAX: query t (row token_rows[t]) sees
+    its row's positions below limits[t], read through block_tables[row]; scores scaled by 1/sqrt(H), the
+    softmax in float32. Pools [P, K, page, H] (int8 with float32 scales [P, K, page], or float); N a
+    multiple of K (grouped queries). A query that sees nothing (limit 0: padding) gets zeros. -> [T, N, H]
+    in q's dtype. Walks ceil(max(limits) / tile) tiles of whole pages, so short rows cost short walks."""
+    k_pool, v_pool, token_rows_T, limits_T, block_tables_RxM = (
+        jnp.asarray(a) for a in (k_pool, v_pool, token_rows_T, limits_T, block_tables_RxM))
+    t, n, h = q_TxNxH.shape
+    _, kh, ps, _ = k_pool.shape
+    g = n // kh
+    per_tile = max(1, tile_positions // ps)  # pages a step
+    m = block_tables_RxM.shape[1]
+    tables = jnp.pad(block_tables_RxM, ((0, 0), (0, -m % per_tile)))
+    tables_T = tables[token_rows_T]  # [T, M'] each token's own table
+    q = q_TxNxH.reshape(t, kh, g, h).astype(jnp.float32) * (1.0 / math.sqrt(h))
+    span = per_tile * ps
+    tiles = (jnp.max(limits_T) + span - 1) // span
+
+    def read(pool, scale, pages_TxP):
+        x = pool[pages_TxP]  # [T, P, K, ps, H]
+        if scale is not None:
+            x = dequantize_kv(x, scale[pages_TxP])
+        return x.astype(jnp.float32).transpose(0, 2, 1, 3, 4).reshape(t, kh, span, h)
+
+    def body(j, carry):
+        mx, denom, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(tables_T, j * per_tile, per_tile, axis=1)
+        k, v = read(k_pool, k_scale, pages), read(v_pool, v_scale, pages)
+        s = jnp.einsum("tkgh,tksh->tkgs", q, k)
+        seen = (j * span + jnp.arange(span, dtype=jnp.int32))[None, :] < limits_T[:, None]  # [T, span]
+        s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
+        new_mx = jnp.maximum(mx, jnp.max(s, axis=-1))
+        safe = jnp.where(jnp.isfinite(new_mx), new_mx, 0.0)
+        p = jnp.exp(s - safe[..., None])
+        fade = jnp.exp(jnp.where(jnp.isfinite(mx), mx - safe, -jnp.inf))
+        denom = denom * fade + jnp.sum(p, axis=-1)
+        acc = acc * fade[..., None] + jnp.einsum("tkgs,tksh->tkgh", p, v)
+        return new_mx, denom, acc
+
+    init = (jnp.full((t, kh, g), -jnp.inf, jnp.float32), jnp.zeros((t, kh, g), jnp.float32),
+            jnp.zeros((t, kh, g, h), jnp.float32))
+    _, denom, acc = jax.lax.fori_loop(0, tiles, body, init)
+    out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+    return out.reshape(t, n, h).astype(q_TxNxH.dtype)
+
+
+def attend(q_BxTxNxH, cache: PagedCache, layer, backend=None) -> jax.Array:
+    """The model's attention over a paged cache in a step (q [1, T, N, H]): the backend's own kernel where
+    it has one for this cache (`Backend.paged_attention`, which may decline with None), else
+    `paged_attention`."""
+    k, v, ks, vs = cache.layer_pool(layer)
+    own: Optional[Any] = getattr(backend, "paged_attention", None)
+    if own is not None:
+        out = own(q_BxTxNxH[0], k, v, cache.token_rows, cache.token_positions[0], cache.limits, cache.block_tables,
+                  ks, vs)
+        if out is not None:
+            return out[None].astype(q_BxTxNxH.dtype)
+    return paged_attention(q_BxTxNxH[0], k, v, cache.token_rows, cache.limits, cache.block_tables, ks, vs)[None]
