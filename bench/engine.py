@@ -91,9 +91,10 @@ def replay_engine(engine: Engine, prompts, new_tokens: list, stagger: float) -> 
 
     def submit(i, at):
         seen[i] = []  # when each of its tokens reached the caller (a call's tokens come together)
-        engine.submit(prompts[i], max_tokens=new_tokens[i], temperature=1.0, top_k=TOP_K, seed=i,
-                      callback=lambda e, i=i: seen[i].append(time.perf_counter()) if e.token is not None else None)
-        outs[i] = engine._waiting[-1].out
+        rid = engine.submit(prompts[i], max_tokens=new_tokens[i], temperature=1.0, top_k=TOP_K, seed=i,
+                            callback=lambda e, i=i: seen[i].append(time.perf_counter()) if e.token is not None
+                            else None)
+        outs[i] = engine._live[rid].out if isinstance(engine._live, dict) else engine._waiting[-1].out
         outs[i].submitted = at  # its arrival, not when this loop got to it
 
     while nxt < len(prompts) or engine.has_work():
@@ -207,6 +208,32 @@ def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps, quantize
     return out
 
 
+def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, quantize) -> dict:
+    """The same requests through a PagedEngine of c requests: tok/s, TTFT, ITL, the share of wall time its
+    thread spent outside compiled calls, pages held at most, programs and warm-up."""
+    from jaxgpt.engine.paged import PagedEngine
+
+    engine = PagedEngine(params, cfg, max_requests=c, max_len=max_len, page_size=args.page_size,
+                         token_budget=args.token_budget, quantize=quantize)
+    t0 = time.perf_counter()
+    programs = engine.warmup(prompt_logprobs=False)
+    warm = time.perf_counter() - t0
+    one = replay_engine(engine, prompts, counts, stagger=step)
+    st = engine.stats
+    out = dict(paged_tokens_per_s=one["tokens_per_s"], paged_over_fixed=one["tokens_per_s"] / fixed["tokens_per_s"],
+               paged_ttft_p50_s=percentile(one["ttft_s"], 50), paged_ttft_p99_s=percentile(one["ttft_s"], 99),
+               paged_itl_p50_s=percentile(one["itl_s"], 50), paged_itl_p99_s=percentile(one["itl_s"], 99),
+               paged_host_share=st.host_seconds / one["seconds"], paged_steps=st.steps,
+               paged_padding_share=st.padding_tokens / max(1, st.padding_tokens + st.prompt_tokens + st.decode_tokens),
+               paged_peak_pages=st.peak_pages, paged_page_size=args.page_size, paged_programs=programs,
+               paged_warmup_s=warm, paged_token_budget=args.token_budget)
+    print(f"       paged engine:   {one['tokens_per_s']:8.1f} tok/s  x{out['paged_over_fixed']:.2f}  TTFT p50/p99 "
+          f"{out['paged_ttft_p50_s']:.3f}/{out['paged_ttft_p99_s']:.3f} s  ITL p50/p99 {out['paged_itl_p50_s']:.3f}/"
+          f"{out['paged_itl_p99_s']:.3f} s  host {out['paged_host_share']:.1%}  peak pages {st.peak_pages} of "
+          f"{engine.num_pages - 1}  {programs} programs in {warm:.1f} s", flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -224,6 +251,10 @@ def main(argv=None) -> dict:
                     help="prompt tokens per engine step (Engine(prefill_budget=...); default --prefill-chunk)")
     ap.add_argument("--packed", action="store_true",
                     help="also replay an engine that packs whole prompts into one prefill call (packed_prefill=True)")
+    ap.add_argument("--paged", action="store_true",
+                    help="also replay the paged engine (jaxgpt.engine.PagedEngine: one ragged step a call)")
+    ap.add_argument("--token-budget", type=int, default=256, help="with --paged: tokens a step (default 256)")
+    ap.add_argument("--page-size", type=int, default=16, help="with --paged: positions a page (default 16)")
     ap.add_argument("--decode-steps", type=decode_steps_arg, default=DEFAULT_DECODE_STEPS,
                     help="the engine's decode steps per call, N or ROWS:N,... (Engine(decode_steps=...); default "
                          f"jaxgpt-serve's, {DEFAULT_DECODE_STEPS_TEXT})")
@@ -297,6 +328,8 @@ def main(argv=None) -> dict:
             print(f"       packed prompts: {one['tokens_per_s']:8.1f} tok/s  x{run['packed_over_fixed']:.2f}  "
                   f"TTFT p50/p99 {run['packed_ttft_p50_s']:.3f}/{run['packed_ttft_p99_s']:.3f} s  p99 past "
                   f"prefill {run['packed_ttft_past_prefill_p99_steps']:.2f} steps", flush=True)
+        if args.paged:
+            run.update(paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, quantize))
         results["runs"].append(run)
         del engine
         if args.packed:

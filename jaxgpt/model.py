@@ -372,7 +372,7 @@ class GPT(nn.Module):
         if tokens_BxT.ndim != 2:
             raise ValueError(f"tokens must be int [batch, time], got shape {tokens_BxT.shape}")
         b, t = tokens_BxT.shape
-        if t > cfg.block_size:
+        if t > cfg.block_size and not isinstance(cache, PagedCache):  # (a paged step's tokens are many requests')
             raise ValueError(f"sequence length {t} exceeds block_size {cfg.block_size}")
         positions_BxT = self._positions(b, t, cache, segment_ids)
         overflow_B = None if cache is None else cache.overflow(t)

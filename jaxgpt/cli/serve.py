@@ -35,7 +35,8 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 2 ** 20
 # the numeric flags' ranges (None: no bound that side), checked before anything loads or compiles
 _RANGES = {"port": (0, 65535), "step": (0, None), "slots": (1, None), "max_len": (2, None),
            "prefill_chunk": (1, None), "prefill_budget": (1, None), "max_logprobs": (1, None),
-           "max_waiting": (0, None), "max_request_bytes": (1, None), "speculative_k": (1, 15), "ngram": (1, None)}
+           "max_waiting": (0, None), "max_request_bytes": (1, None), "speculative_k": (1, 15), "ngram": (1, None),
+           "page_size": (1, None), "num_pages": (2, None), "token_budget": (1, None)}
 
 
 def check_numbers(args) -> str | None:
@@ -50,6 +51,8 @@ def check_numbers(args) -> str | None:
             return f"--{name} must be >= {lo}, got {value}"
         zero = " (0: any free port)" if name == "port" else ""
         return f"--{name} must be in {lo}..{hi}{zero}, got {value}"
+    if args.engine == "paged" and args.speculative != "none":
+        return "--speculative is not available with --engine paged (use --engine slots)"
     if not (math.isfinite(args.grace_period) and args.grace_period >= 0):
         return f"--grace_period must be a number of seconds >= 0, got {args.grace_period}"
     if args.profile:
@@ -59,6 +62,16 @@ def check_numbers(args) -> str | None:
         except ValueError as e:
             return str(e).replace("traces steps", "traces engine steps")
     return None
+
+
+def _paged_engine(args, params, config):
+    from jaxgpt.engine.paged import PagedEngine
+    return PagedEngine(params, config, max_requests=args.slots, max_len=args.max_len, page_size=args.page_size,
+                       num_pages=args.num_pages, token_budget=args.token_budget,
+                       max_logprobs=min(args.max_logprobs, config.vocab_size),
+                       quantize=None if args.quantize == "none" else args.quantize,
+                       kv_dtype=None if args.kv_dtype == "none" else args.kv_dtype,
+                       prefix_caching=not args.no_prefix_caching)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "the modules a run recorded are imported without it)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed when ready)")
+    p.add_argument("--engine", default="slots", choices=["slots", "paged"],
+                   help="slots: dense slots, each a cache row of --max_len (jaxgpt.Engine); paged: a pool of pages "
+                        "shared through block tables, one ragged step a call under --token_budget, prefixes "
+                        "reused by block hash (jaxgpt.engine.PagedEngine; --prefill_chunk, --prefill_budget, "
+                        "--decode_steps and --speculative are the slots engine's)")
     p.add_argument("--slots", type=int, default=8, help="requests decoded at once (the engine's slots)")
+    p.add_argument("--page_size", type=int, default=16, help="with --engine paged: positions per page (default 16)")
+    p.add_argument("--num_pages", type=int, default=None,
+                   help="with --engine paged: pages in the pool (default: --slots x --max_len positions, plus the "
+                        "padding page)")
+    p.add_argument("--token_budget", type=int, default=256,
+                   help="with --engine paged: most tokens per step, decode tokens and prompt chunks together "
+                        "(default 256)")
+    p.add_argument("--no_prefix_caching", action="store_true",
+                   help="with --engine paged: do not keep full pages for reuse by later requests")
     p.add_argument("--max_len", type=int, default=None,
                    help="positions per slot: prompt + completion (default: the model's block_size)")
     p.add_argument("--prefill_chunk", type=int, default=256,
@@ -240,7 +267,8 @@ def main(argv=None) -> int:
     own.propagate = False
     try:
         config, params, tok, name, template = _load(args)
-        engine = Engine(params, config, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+        engine = _paged_engine(args, params, config) if args.engine == "paged" else Engine(
+                        params, config, slots=args.slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                         prefill_budget=args.prefill_budget,
                         max_logprobs=min(args.max_logprobs, config.vocab_size), decode_steps=args.decode_steps,
                         quantize=None if args.quantize == "none" else args.quantize,

@@ -426,6 +426,57 @@ def seed_key(seed: int) -> jax.Array:
         return jax.random.key(seed)
     return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), (seed >> 32) & 0xFFFFFFFF)
 
+
+def decode_weights(params, config: GPTConfig, backend: Backend, quantize, row_counts: Sequence[int]) -> dict:
+    """The backend's decode forms of `params` for each step's row count, made once: {rows: DecodeWeights};
+    counts whose forms are alike share one copy (the CPU backend: packed kernels for up to 16 rows, its
+    matmul's above)."""
+    by_rows, made = {}, {}
+    for n in sorted(set(row_counts)):
+        def prepare(p, n=n):
+            return _prepare.__wrapped__(p, config=config, backend=backend, batch_size=n, quantize=quantize)
+        shape = jax.eval_shape(prepare, params)
+        key = (jax.tree.structure(shape), tuple((x.shape, x.dtype) for x in jax.tree.leaves(shape)))
+        if key not in made:
+            made[key] = DecodeWeights(params, _prepare(params, config=config, backend=backend, batch_size=n,
+                                                       quantize=quantize))
+        by_rows[n] = made[key]
+    return by_rows
+
+
+def check_request(req: Request, cfg: GPTConfig, max_len: int, max_logprobs: int) -> Request:
+    """`req` validated against an engine's model, length and logprobs (ValueError naming the field),
+    with its integers made Python ints and top_k bounded by the vocabulary."""
+    p = req.prompt
+    if not p:
+        raise ValueError("prompt must hold at least one token id")
+    if not all(is_int(t) and 0 <= t < cfg.vocab_size for t in p):
+        bad = next(t for t in p if not (is_int(t) and 0 <= t < cfg.vocab_size))
+        raise ValueError(f"prompt token {bad!r} is outside the vocabulary [0, {cfg.vocab_size})")
+    if not is_int(req.max_tokens) or req.max_tokens < 0:
+        raise ValueError(f"max_tokens must be an integer >= 0, got {req.max_tokens!r}")
+    if len(p) + req.max_tokens > max_len:
+        raise ValueError(f"prompt ({len(p)} tokens) + max_tokens ({req.max_tokens}) exceeds the engine's "
+                         f"max_len ({max_len}); shorten the prompt or ask for fewer tokens")
+    validate_sampler(req.temperature, req.top_k, req.top_p)
+    if not is_int(req.seed) or not SEED_MIN <= req.seed <= SEED_MAX:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {req.seed!r}")
+    if req.rng is not None:
+        _check_rng(req.rng)
+    for t in req.stop_token_ids:
+        if not is_int(t) or not 0 <= t < cfg.vocab_size:
+            raise ValueError(f"stop token {t!r} is outside the vocabulary [0, {cfg.vocab_size})")
+    if req.logprobs is not None and (not is_int(req.logprobs) or not 0 <= req.logprobs <= max_logprobs):
+        raise ValueError(f"logprobs must be an integer in [0, {max_logprobs}] or None, got {req.logprobs!r}")
+    if not is_int(req.score_from) or not 1 <= req.score_from <= max(1, len(p)):
+        raise ValueError(f"score_from must be in [1, {len(p)}], got {req.score_from!r}")
+    # every integer that goes into the step's int32 arrays is bounded here (top_k by the vocabulary, as
+    # generate does), so no request can overflow a step that its neighbours share
+    top_k = None if req.top_k is None else min(int(req.top_k), cfg.vocab_size)
+    return dataclasses.replace(req, max_tokens=int(req.max_tokens), seed=int(req.seed), top_k=top_k,
+                               stop_token_ids=tuple(int(t) for t in req.stop_token_ids))
+
+
 class Engine:
     """A pool of `slots` rows over one KV cache of `max_len` positions each, serving requests as they come.
 
@@ -521,20 +572,7 @@ class Engine:
         return 1 if self.speculative is None else self.speculative.k + 1
 
     def _decode_weights(self, row_counts: Sequence[int]) -> dict:
-        """The backend's decode forms for each decode step's row count, made once; counts whose forms are
-        alike share one copy (the CPU backend: packed kernels for up to 16 rows, its matmul's above)."""
-        by_rows, made = {}, {}
-        for n in sorted(set(row_counts)):
-            def prepare(p, n=n):
-                return _prepare.__wrapped__(p, config=self.config, backend=self.backend, batch_size=n,
-                                            quantize=self.quantize)
-            shape = jax.eval_shape(prepare, self.params)
-            key = (jax.tree.structure(shape), tuple((x.shape, x.dtype) for x in jax.tree.leaves(shape)))
-            if key not in made:
-                made[key] = DecodeWeights(self.params, _prepare(self.params, config=self.config, backend=self.backend,
-                                                                batch_size=n, quantize=self.quantize))
-            by_rows[n] = made[key]
-        return by_rows
+        return decode_weights(self.params, self.config, self.backend, self.quantize, row_counts)
 
     # -- sizes and programs -------------------------------------------------------------------------
 
@@ -624,34 +662,7 @@ class Engine:
         return rid
 
     def _check(self, req: Request) -> Request:
-        cfg, p = self.config, req.prompt
-        if not p:
-            raise ValueError("prompt must hold at least one token id")
-        if not all(is_int(t) and 0 <= t < cfg.vocab_size for t in p):
-            bad = next(t for t in p if not (is_int(t) and 0 <= t < cfg.vocab_size))
-            raise ValueError(f"prompt token {bad!r} is outside the vocabulary [0, {cfg.vocab_size})")
-        if not is_int(req.max_tokens) or req.max_tokens < 0:
-            raise ValueError(f"max_tokens must be an integer >= 0, got {req.max_tokens!r}")
-        if len(p) + req.max_tokens > self.max_len:
-            raise ValueError(f"prompt ({len(p)} tokens) + max_tokens ({req.max_tokens}) exceeds the engine's "
-                             f"max_len ({self.max_len}); shorten the prompt or ask for fewer tokens")
-        validate_sampler(req.temperature, req.top_k, req.top_p)
-        if not is_int(req.seed) or not SEED_MIN <= req.seed <= SEED_MAX:
-            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {req.seed!r}")
-        if req.rng is not None:
-            _check_rng(req.rng)
-        for t in req.stop_token_ids:
-            if not is_int(t) or not 0 <= t < cfg.vocab_size:
-                raise ValueError(f"stop token {t!r} is outside the vocabulary [0, {cfg.vocab_size})")
-        if req.logprobs is not None and (not is_int(req.logprobs) or not 0 <= req.logprobs <= self.max_logprobs):
-            raise ValueError(f"logprobs must be an integer in [0, {self.max_logprobs}] or None, got {req.logprobs!r}")
-        if not is_int(req.score_from) or not 1 <= req.score_from <= max(1, len(p)):
-            raise ValueError(f"score_from must be in [1, {len(p)}], got {req.score_from!r}")
-        # every integer that goes into the step's int32 arrays is bounded here (top_k by the vocabulary, as
-        # generate does), so no request can overflow a step that its neighbours share
-        top_k = None if req.top_k is None else min(int(req.top_k), cfg.vocab_size)
-        return dataclasses.replace(req, max_tokens=int(req.max_tokens), seed=int(req.seed), top_k=top_k,
-                                   stop_token_ids=tuple(int(t) for t in req.stop_token_ids))
+        return check_request(req, self.config, self.max_len, self.max_logprobs)
 
     def cancel(self, request_id: int) -> bool:
         """Drop a request (waiting or running); its slot is free at the next step. False if unknown/done."""

@@ -23,6 +23,16 @@ _ENGINE_COUNTERS = (
     ("decode_rows", "Requests generating, summed over decode steps (over decode_steps: the mean batch)"),
     ("decode_width", "Rows the decode steps computed, summed over steps (a power of two of the slots)"),
     ("decode_seconds", "Seconds in decode calls"),
+    # the paged engine's (--engine paged)
+    ("steps", "Ragged steps run (decode tokens and prompt chunks in one call)"),
+    ("step_seconds", "Seconds in ragged step calls"),
+    ("host_seconds", "Seconds the engine's thread spent outside compiled calls (planning, arrays, events)"),
+    ("prompt_tokens", "Prompt tokens run through ragged steps (recomputed ones included)"),
+    ("decode_tokens", "Decode tokens run through ragged steps"),
+    ("padding_tokens", "Padded token positions of ragged steps"),
+    ("prefix_queries", "Prompt tokens looked up in the prefix cache"),
+    ("prefix_hits", "Prompt tokens found in the prefix cache (not computed again)"),
+    ("preemptions", "Requests preempted for want of pages (recomputed later)"),
 )
 
 

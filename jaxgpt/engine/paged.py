@@ -1,0 +1,380 @@
+"""PagedEngine: many requests over a paged KV cache, one ragged step a call.
+
+The three parts, each in its own file: the scheduler (scheduler.py, with the page pool and prefix cache of
+pages.py) decides on the host which tokens of which requests run next and on which pages, as a plain
+`Plan`; the runner (runner.py) runs a plan as one compiled step over the page pool; this file holds the
+requests (their settings, checked once at `submit`, their outputs and events) and turns each step's draws
+into tokens. A request's randomness is its own key folded with its token index, so its tokens depend only
+on its prompt, settings and seed: never on its neighbours, on how its prompt was chunked, on a prefix
+found in the cache, or on having been preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+import sys
+import time
+from typing import Callable, Iterator, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.backends import Backend, resolve
+from jaxgpt.backends.base import cast_floats
+from jaxgpt.checks import is_int
+from jaxgpt.config import GPTConfig
+from jaxgpt.engine import runner
+from jaxgpt.engine.plan import Plan
+from jaxgpt.engine.scheduler import Scheduler
+from jaxgpt.engine.slots import (TRACES, Completion, Event, Request, Token, check_request, decode_weights,
+                                 seed_key)
+from jaxgpt.paged import PagedCache, pool_bytes
+from jaxgpt.quantize import check_kv_dtype, check_quantize
+from jaxgpt.sampling import RowSettings, _dequantized_jit
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """What the engine has done, by attribute (the server's /metrics reads these). Tokens, calls and
+    seconds of its steps; prefix-cache queries and hits in tokens (vLLM's prefix_cache_queries /
+    prefix_cache_hits); preemptions; the most pages held at once."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    host_seconds: float = 0.0      # the engine's thread outside compiled calls (planning, arrays, events)
+    prompt_tokens: int = 0         # prompt (and recomputed) tokens run
+    decode_tokens: int = 0         # decoding requests' tokens run
+    padding_tokens: int = 0
+    generated_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+    peak_pages: int = 0
+
+    def get(self, key: str, default=0):
+        """A counter by name (the dense engine's `stats` is a Counter: readers of either use this)."""
+        return getattr(self, key, default)
+
+    def __getitem__(self, key: str):
+        return self.get(key)
+
+
+@dataclasses.dataclass
+class _Live:
+    rid: int
+    req: Request
+    key_data: np.ndarray
+    out: Completion
+    callback: Optional[Callable]
+
+    @property
+    def sequence(self) -> list:
+        return list(self.req.prompt) + [t.id for t in self.out.tokens]
+
+
+class PagedEngine:
+    """Requests served over a pool of `num_pages` pages of `page_size` positions (default: as many
+    positions as `max_requests` rows of `max_len`, plus the null page), at most `max_requests` running at
+    once and `token_budget` tokens a step (decode tokens first, then prompt chunks of at most `max_chunk`).
+
+    The interface is `Engine`'s: `submit`, `step`, `run`, `stream`, `score`, `cancel`, `warmup`. Prefixes:
+    with `prefix_caching`, full pages are kept by the hash of their tokens and those before them, and a
+    request whose sequence begins with cached pages reuses them without computing them (`stats`
+    counts queries and hits in tokens). When pages run out, the newest running request is preempted and
+    later recomputed from its prompt and the tokens it had produced: its output is unchanged.
+    `kv_dtype="int8"`: pages of int8 keys and values with scales. `quantize`: "int8" or "w8a8" weights
+    (the step runs the backend's decode forms of them)."""
+
+    def __init__(self, params, config: GPTConfig, *, max_requests: int = 32, max_len: Optional[int] = None,
+                 page_size: int = 16, num_pages: Optional[int] = None, token_budget: int = 256,
+                 max_chunk: Optional[int] = None, max_logprobs: int = 20, backend: Optional[Backend] = None,
+                 quantize: Optional[str] = None, kv_dtype: Optional[str] = None, prefix_caching: bool = True):
+        self.quantize, self.kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
+        max_len = config.block_size if max_len is None else max_len
+        _check_sizes(config, max_requests, max_len, page_size, num_pages, token_budget, max_logprobs)
+        self.config = config.replace(remat="none")
+        self.backend = backend or resolve(config)
+        self.backend.setup()
+        self.max_requests, self.max_len, self.page_size = int(max_requests), int(max_len), int(page_size)
+        self.table_width = math.ceil(self.max_len / self.page_size)
+        self.num_pages = int(num_pages) if num_pages is not None else self.max_requests * self.table_width + 1
+        self.token_budget, self.max_logprobs = int(token_budget), int(max_logprobs)
+        if self.quantize is not None:
+            params = _dequantized_jit(params, config=self.config)
+        self.params = cast_floats(params, self.config.compute_dtype)
+        self.shapes = runner.step_shapes(self.token_budget, self.max_requests)
+        self.weights = decode_weights(self.params, self.config, self.backend, self.quantize,
+                                      [t for t, _ in self.shapes])
+        self.cache = PagedCache.create_pool(self.config, self.num_pages, self.page_size, dtype=self.kv_dtype)
+        self.scheduler = Scheduler(num_pages=self.num_pages, page_size=self.page_size, max_len=self.max_len,
+                                   token_budget=self.token_budget, max_requests=self.max_requests,
+                                   prefix_caching=prefix_caching, max_chunk=max_chunk)
+        self._static = dict(config=self.config, backend=self.backend, n_logprobs=self.max_logprobs)
+        self._live: dict = {}
+        self._ids = itertools.count()
+        self._traces_at_start = sum(TRACES.values())
+        self.stats = EngineStats()
+
+    # -- sizes and programs -------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        """Requests running at once (the dense engine's name for it)."""
+        return self.max_requests
+
+    @property
+    def cache_bytes(self) -> int:
+        return pool_bytes(self.config, self.num_pages, self.page_size, self.kv_dtype)
+
+    @property
+    def programs_compiled(self) -> int:
+        return sum(TRACES.values()) - self._traces_at_start
+
+    def warmup(self, prompt_logprobs: bool = True, progress: bool = False) -> int:
+        """Compile every step program (each shape of `runner.step_shapes`, with and without prompt
+        logprobs); returns how many were compiled now. The warm-up steps write only page 0."""
+        if self.has_work():
+            raise RuntimeError("warmup() runs the programs on the cache: call it before submitting requests")
+        from tqdm import tqdm
+
+        before = sum(TRACES.values())
+        calls = self._warmup_calls(prompt_logprobs)
+        with tqdm(total=len(calls), desc="compiling", unit="program", dynamic_ncols=True,
+                  disable=not (progress and sys.stderr.isatty())) as bar:
+            for shape, all_logits in calls:
+                a = runner.warm_arrays(shape, self.table_width)
+                self.cache, _ = runner.ragged_step(self.weights[shape[0]], self.cache, a, runner.idle_rows(shape[1]),
+                                                   all_logits=all_logits, **self._static)
+                bar.update()
+        jax.block_until_ready(self.cache.k)
+        return sum(TRACES.values()) - before
+
+    def warmup_programs(self, prompt_logprobs: bool = True) -> int:
+        return len(self._warmup_calls(prompt_logprobs))
+
+    def _warmup_calls(self, prompt_logprobs: bool) -> list:
+        return [(shape, lp) for shape in self.shapes for lp in ((False, True) if prompt_logprobs else (False,))]
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], *, callback: Optional[Callable[[Event], None]] = None,
+               **settings) -> int:
+        """Queue a request (prompt token ids; settings as `Request`'s fields); returns its id."""
+        unknown = set(settings) - {f.name for f in dataclasses.fields(Request)}
+        if unknown:
+            raise TypeError(f"unknown request setting(s) {sorted(unknown)}; known: "
+                            f"{[f.name for f in dataclasses.fields(Request)]}")
+        tokens = np.asarray(prompt)
+        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+            raise ValueError(f"prompt must be a sequence of token ids (integers), got {prompt!r:.80}")
+        req = check_request(Request(tuple(tokens.tolist()), **settings), self.config, self.max_len,
+                            self.max_logprobs)
+        rid = next(self._ids)
+        cacheable = len(req.prompt) - 1
+        if req.prompt_logprobs:
+            cacheable = min(cacheable, req.score_from - 1)
+        self.scheduler.add(rid, req.prompt, req.max_tokens, cacheable=cacheable)
+        key = seed_key(req.seed) if req.rng is None else req.rng
+        if not jax.dtypes.issubdtype(getattr(key, "dtype", np.float32), jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+        out = Completion(rid, req.prompt, submitted=time.perf_counter())
+        if req.prompt_logprobs:
+            out.prompt_logprobs, out.prompt_top, out.prompt_greedy = ([None] * len(req.prompt) for _ in range(3))
+        self._live[rid] = _Live(rid, req, np.asarray(jax.random.key_data(key), np.uint32), out, callback)
+        return rid
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a request (waiting or running); its pages are free at the next step. False if unknown/done."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return False
+        self.scheduler.finish(request_id)
+        self._finish(live, "cancelled", [])
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Plan a step, run it, and turn its draws into tokens and events."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        events: list[Event] = []
+        if not plan:
+            if self.has_work():
+                raise RuntimeError("the scheduler planned nothing while requests wait: the page pool is too "
+                                   "small for one request")
+            return events
+        shape = runner.shape_for(plan, self.shapes)
+        lives = [self._live[w.request_id] for w in plan.work]
+        want_all = any(lv.req.prompt_logprobs and w.start + 1 < len(lv.req.prompt) for lv, w in zip(lives, plan.work))
+        a = runner.step_arrays(plan, shape, self.page_size, self.table_width,
+                               {lv.rid: lv.sequence for lv in lives} if want_all else None)
+        rows = self._rows(lives, shape[1])
+        t1 = time.perf_counter()
+        self.cache, out = runner.ragged_step(self.weights[shape[0]], self.cache, a, rows, all_logits=want_all,
+                                             **self._static)
+        out = jax.device_get(out)
+        t2 = time.perf_counter()
+        sampled = {}
+        for j, (live, w) in enumerate(zip(lives, plan.work)):
+            if w.start < len(live.req.prompt):  # (its prompt's steps: "prefill" in a Completion's times)
+                live.out.prefill_s += t2 - t1
+            if want_all and live.req.prompt_logprobs:
+                self._record_prompt(live, w, int(a.last[j]) - len(w.tokens) + 1, out)
+            if w.sample and live.req.max_tokens > 0:  # (a scoring request draws nothing)
+                sampled[live.rid] = int(out["token"][j])
+        self.scheduler.update(plan, sampled)
+        for j, (live, w) in enumerate(zip(lives, plan.work)):
+            if w.sample:
+                self._emit(live, out["token"][j], out["logprob"][j], out["top_ids"][j], out["top_lps"][j], events)
+        decode = sum(1 for live, w in zip(lives, plan.work) if w.start >= len(live.req.prompt))
+        self._count(plan, shape, decode, t0, t1, t2)
+        return events
+
+    def _count(self, plan: Plan, shape: tuple, decode: int, t0: float, t1: float, t2: float) -> None:
+        st, now = self.stats, time.perf_counter()
+        st.steps += 1
+        st.step_seconds += t2 - t1
+        st.host_seconds += (t1 - t0) + (now - t2)
+        st.decode_tokens += decode
+        st.prompt_tokens += plan.num_tokens - decode
+        st.padding_tokens += shape[0] - plan.num_tokens
+        sched = self.scheduler.stats
+        st.prefix_queries, st.prefix_hits = sched.prefix_queries, sched.prefix_hits
+        st.preemptions, st.peak_pages = sched.preemptions, sched.peak_pages
+
+    def _rows(self, lives: Sequence[_Live], n: int) -> RowSettings:
+        """The sampler settings of the step's requests as arrays over n rows (padding: greedy zeros)."""
+        pad = [None] * (n - len(lives))
+        both = list(lives) + pad
+
+        def col(fn, dtype, empty=0):
+            return np.array([fn(x) if x is not None else empty for x in both], dtype)
+        return RowSettings(
+            temperature=col(lambda x: x.req.temperature, np.float32),
+            top_k=col(lambda x: x.req.top_k or 0, np.int32),
+            top_p=col(lambda x: 1.0 if x.req.top_p is None else x.req.top_p, np.float32, 1.0),
+            key_data=np.stack([x.key_data if x is not None else np.zeros(2, np.uint32) for x in both]),
+            index=col(lambda x: len(x.out.tokens), np.int32),
+            top_wanted=np.array(any(bool(x.req.logprobs) for x in lives)))
+
+    def _record_prompt(self, live: _Live, w, first: int, out: dict) -> None:
+        """Prompt token i's logprob comes from position i - 1 (this work's tokens start at flat index
+        `first`); each recorded once (a recomputed request's are already there)."""
+        res, req = live.out, live.req
+        k = 0 if req.logprobs is None else req.logprobs
+        for j in range(len(w.tokens)):
+            i = w.start + j + 1
+            if req.score_from <= i < len(req.prompt) and res.prompt_logprobs[i] is None:
+                f = first + j
+                res.prompt_logprobs[i] = float(out["prompt_lp"][f])
+                res.prompt_greedy[i] = bool(out["prompt_greedy"][f])
+                res.prompt_top[i] = [(int(a), float(b)) for a, b in
+                                     zip(out["prompt_top_ids"][f][:k], out["prompt_top_lps"][f][:k])]
+
+    def _emit(self, live: _Live, tok, lp, top_ids, top_lps, events: list) -> None:
+        """Record one drawn token (if the request wants one) and end the request when it is done."""
+        req = live.req
+        if req.max_tokens == 0:
+            self._end(live, "length", events)
+            return
+        k = 0 if req.logprobs is None else req.logprobs
+        token = Token(int(tok), float(lp), [(int(a), float(b)) for a, b in zip(top_ids[:k], top_lps[:k])])
+        if not live.out.tokens:
+            live.out.first_token = time.perf_counter()
+        live.out.tokens.append(token)
+        self.stats.generated_tokens += 1
+        reason = ("stop" if token.id in req.stop_token_ids else
+                  "length" if len(live.out.tokens) >= req.max_tokens else None)
+        if reason is None:
+            event = Event(live.rid, token)
+            events.append(event)
+            if live.callback is not None:
+                live.callback(event)
+            return
+        self._end(live, reason, events, token)
+
+    def _end(self, live: _Live, reason: str, events: list, token: Optional[Token] = None) -> None:
+        self._live.pop(live.rid, None)
+        self.scheduler.finish(live.rid)
+        live.out.finish_reason, live.out.finished = reason, time.perf_counter()
+        event = Event(live.rid, token, reason, live.out)
+        events.append(event)
+        if live.callback is not None:
+            live.callback(event)
+
+    def _finish(self, live: _Live, reason: str, events: list) -> None:
+        live.out.finish_reason, live.out.finished = reason, time.perf_counter()
+        event = Event(live.rid, None, reason, live.out)
+        events.append(event)
+        if live.callback is not None:
+            live.callback(event)
+
+    # -- conveniences -------------------------------------------------------------------------------
+
+    def run(self, requests: Sequence[dict] = ()) -> list[Completion]:
+        """Submit `requests` (dicts of `submit`'s arguments) and step until every request is done; the
+        given requests' completions, in order."""
+        ids = [self.submit(**r) for r in requests]
+        outs = {rid: self._live[rid].out for rid in ids}
+        while self.has_work():
+            self.step()
+        return [outs[rid] for rid in ids]
+
+    def stream(self, prompt: Sequence[int], **settings) -> Iterator[Token]:
+        """One request's tokens as they are drawn (stepping the engine, others' requests included)."""
+        queue: collections.deque = collections.deque()
+        self.submit(prompt, callback=queue.append, **settings)
+        while True:
+            while queue:
+                event = queue.popleft()
+                if event.token is not None:
+                    yield event.token
+                if event.finish_reason is not None:
+                    return
+            self.step()
+
+    def score(self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]) -> list[tuple]:
+        """Each (context, continuation) pair's summed logprob of the continuation and whether every
+        continuation token is the most likely one: [(logprob, is_greedy)]."""
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
+        reqs = []
+        for ctx, cont in zip(contexts, continuations):
+            ctx, cont = [int(t) for t in ctx], [int(t) for t in cont]
+            if not ctx or not cont:
+                raise ValueError("each context and each continuation must hold at least one token")
+            reqs.append(dict(prompt=ctx + cont, max_tokens=0, prompt_logprobs=True, score_from=len(ctx)))
+        results = []
+        for out, ctx in zip(self.run(reqs), contexts):
+            lps = out.prompt_logprobs[len(ctx):]
+            results.append((float(np.sum(np.asarray(lps, np.float64))), all(out.prompt_greedy[len(ctx):])))
+        return results
+
+
+def _check_sizes(config: GPTConfig, max_requests, max_len, page_size, num_pages, token_budget, max_logprobs) -> None:
+    """One clear ValueError for each setting out of range, before anything is allocated."""
+    for name, value in (("max_requests", max_requests), ("page_size", page_size), ("token_budget", token_budget)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not is_int(max_len) or not 1 <= max_len <= config.block_size:
+        raise ValueError(f"max_len must be an integer in [1, block_size={config.block_size}], got {max_len!r}")
+    if num_pages is not None and (not is_int(num_pages) or num_pages < 2):
+        raise ValueError(f"num_pages must be an integer >= 2 (page 0 is kept for padding), got {num_pages!r}")
+    if not is_int(max_logprobs) or not 0 <= max_logprobs <= config.vocab_size:
+        raise ValueError(f"max_logprobs must be an integer in [0, vocab_size], got {max_logprobs!r}")

@@ -1,0 +1,132 @@
+"""The paged engine's runner: the compiled ragged step, and a `Plan` turned into its arrays.
+
+One program runs a step: a flat list of T tokens (the decoding requests' latest tokens and prompt chunks,
+`paged.PagedCache`), then a draw for each of its R requests from the logits after its last token. T and R
+are padded to a few shapes (`step_shapes`: powers of two), so `warmup()` compiles every program a step can
+need and no mix of requests compiles another. With `all_logits` the step also scores every token against
+the next one (prompt logprobs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgpt.backends import Backend, DecodeWeights
+from jaxgpt.config import GPTConfig
+from jaxgpt.engine.plan import Plan
+from jaxgpt.engine.slots import TRACES
+from jaxgpt.model import GPT
+from jaxgpt.paged import PagedCache
+from jaxgpt.sampling import RowSettings, argmax_last, sample_rows, token_logprobs
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def step_shapes(token_budget: int, max_requests: int) -> tuple:
+    """(tokens, requests) of every step program: tokens a power of two up to the budget's, requests as
+    many (each request feeds at least one token) up to `max_requests`'s power of two."""
+    top_t, top_r = _pow2(token_budget), _pow2(max_requests)
+    return tuple((t, min(t, top_r)) for t in (1 << i for i in range(top_t.bit_length())))
+
+
+def shape_for(plan: Plan, shapes: Sequence[tuple]) -> tuple:
+    """The smallest step shape that holds the plan's tokens and requests."""
+    for t, r in shapes:
+        if t >= plan.num_tokens and r >= plan.num_requests:
+            return t, r
+    raise ValueError(f"a plan of {plan.num_tokens} tokens and {plan.num_requests} requests fits no step program "
+                     f"(largest {shapes[-1]})")
+
+
+@dataclasses.dataclass
+class StepArrays:
+    """A plan as the step program's inputs (numpy, padded to a step shape)."""
+
+    tokens: np.ndarray      # [T] token ids (padding 0)
+    rows: np.ndarray        # [T] each token's request row (padding 0)
+    positions: np.ndarray   # [T] each token's position in its request
+    slots: np.ndarray       # [T] flat write index page * page_size + offset (padding: page 0)
+    limits: np.ndarray      # [T] positions each token sees (position + 1; padding 0)
+    tables: np.ndarray      # [R, M] block tables (padding 0)
+    last: np.ndarray        # [R] index of each request's last token in the step
+    targets: np.ndarray     # [T] the token after each one (prompt logprobs; 0 where none)
+
+
+def step_arrays(plan: Plan, shape: tuple, page_size: int, table_width: int,
+                next_tokens: Optional[dict] = None) -> StepArrays:
+    """The plan's tokens laid out flat in its work's order. `next_tokens`: request id -> its sequence (for
+    `targets`; None: zeros)."""
+    t, r = shape
+    a = StepArrays(*(np.zeros(t, np.int32) for _ in range(5)), np.zeros((r, table_width), np.int32),
+                   np.zeros(r, np.int32), np.zeros(t, np.int32))
+    at = 0
+    for j, w in enumerate(plan.work):
+        n = len(w.tokens)
+        pos = np.arange(w.start, w.end, dtype=np.int32)
+        pages = np.asarray(w.pages, np.int32)
+        sl = slice(at, at + n)
+        a.tokens[sl], a.rows[sl], a.positions[sl], a.limits[sl] = w.tokens, j, pos, pos + 1
+        a.slots[sl] = pages[pos // page_size] * page_size + pos % page_size
+        a.tables[j, :len(pages)] = pages
+        a.last[j] = at + n - 1
+        if next_tokens is not None:
+            seq = next_tokens[w.request_id]
+            nxt = seq[w.start + 1:w.end + 1]
+            a.targets[at:at + len(nxt)] = nxt
+        at += n
+    return a
+
+
+def _count(kind: str) -> None:
+    TRACES[kind] += 1
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs", "all_logits"), donate_argnums=(1,))
+def ragged_step(params, pool: PagedCache, a: StepArrays, rows: RowSettings, *, config: GPTConfig, backend: Backend,
+                n_logprobs: int, all_logits: bool):
+    """One step: the tokens of `a` through the model over the page pool (their keys and values written to
+    their slots), then each request row's next token drawn from the logits after its last token, with its
+    logprob and the n most likely; with `all_logits` also every token's logprob of `a.targets`, its
+    alternatives and whether it was the argmax. Returns (the pool, outputs)."""
+    _count("ragged_step")
+    model = GPT(config, backend)
+    variables = params.variables() if isinstance(params, DecodeWeights) else {"params": params}
+    cache = pool.step(a.rows, a.positions, a.slots, a.limits, a.tables)
+    h_1xTxD, cache = model.apply(variables, a.tokens[None], cache, hidden=True)
+    extra = {}
+    if all_logits:
+        logits_TxV = model.apply(variables, h_1xTxD, method=GPT.head)[0]
+        lp_T, top_ids, top_lps = token_logprobs(logits_TxV, a.targets, n_logprobs)
+        extra = dict(prompt_lp=lp_T, prompt_top_ids=top_ids, prompt_top_lps=top_lps,
+                     prompt_greedy=argmax_last(logits_TxV) == a.targets)
+        last_RxV = logits_TxV[a.last]
+    else:
+        last_RxV = model.apply(variables, h_1xTxD[:, a.last], method=GPT.head)[0]
+    tok = sample_rows(last_RxV, rows)
+    lp, ids, lps = token_logprobs(last_RxV, tok, n_logprobs, rows.top_wanted)
+    return cache.pool(), dict(token=tok, logprob=lp, top_ids=ids, top_lps=lps, **extra)
+
+
+def idle_rows(n: int) -> RowSettings:
+    """Greedy settings for n padding rows."""
+    return RowSettings(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
+                       np.zeros((n, 2), np.uint32), np.zeros(n, np.int32), np.array(False))
+
+
+def warm_arrays(shape: tuple, table_width: int) -> StepArrays:
+    """A step of padding only (every token on page 0, seeing nothing): what warmup runs."""
+    t, r = shape
+    return StepArrays(*(np.zeros(t, np.int32) for _ in range(5)), np.zeros((r, table_width), np.int32),
+                      np.zeros(r, np.int32), np.zeros(t, np.int32))
+
+
+jax.tree_util.register_dataclass(StepArrays, data_fields=[f.name for f in dataclasses.fields(StepArrays)],
+                                 meta_fields=[])

@@ -1,0 +1,187 @@
+"""The paged engine: each request's tokens equal `generate` for its prompt alone, whatever its neighbours,
+its chunks, the prefix cache or a preemption; logprobs equal the full forward's log-softmax; every program
+compiled by warmup(); the ragged step's arrays and the runner checked against the full forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxgpt
+from jaxgpt import engine as engine_mod
+from jaxgpt.backends import PORTABLE
+from jaxgpt.engine import Engine, runner
+from jaxgpt.engine.paged import PagedEngine
+from jaxgpt.engine.plan import Plan, Work
+from jaxgpt.paged import PagedCache
+from jaxgpt.sampling import TOP_K_FAST
+
+CFG = jaxgpt.GPTConfig(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=32)
+GQA = jaxgpt.GPTConfig(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+SETTINGS = [dict(temperature=0.0), dict(temperature=0.8, top_k=10, seed=3), dict(temperature=1.0, seed=5),
+            dict(temperature=0.7, top_p=0.9, seed=7), dict(temperature=1.2, top_k=TOP_K_FAST + 16, top_p=0.8, seed=1),
+            dict(temperature=0.9, top_k=5, top_p=0.5, seed=2)]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jaxgpt.init_params(CFG, jax.random.key(0))
+
+
+def _prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in lengths]
+
+
+def _alone(params, cfg, prompt, n, s):
+    out = jaxgpt.generate(params, cfg, np.array([prompt]), n, jax.random.key(s.get("seed", 0)),
+                          temperature=s["temperature"], top_k=s.get("top_k"), top_p=s.get("top_p"))
+    return np.asarray(out.tokens[0, len(prompt):]).tolist()
+
+
+def _log_softmax(params, cfg, tokens):
+    return np.asarray(jax.nn.log_softmax(jaxgpt.GPT(cfg).apply({"params": params}, jnp.array([tokens]))[0], -1))
+
+
+def _check_alone(params, cfg, prompts, settings, outs, n):
+    for p, s, o in zip(prompts, settings, outs):
+        assert o.token_ids == _alone(params, cfg, p, n, s), s
+        lp = _log_softmax(params, cfg, p + o.token_ids)
+        rows = lp[len(p) - 1:len(p) - 1 + n]
+        np.testing.assert_allclose([t.logprob for t in o.tokens], rows[np.arange(n), o.token_ids], atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", [None, PORTABLE], ids=["default", "portable"])
+def test_requests_equal_generate_alone_whatever_their_neighbours(params, backend):
+    # 6 requests, 4 running at once, a 24-token budget: prompts chunked over steps, beside decoding rows
+    eng = PagedEngine(params, CFG, max_requests=4, max_len=64, page_size=4, token_budget=24, max_chunk=16,
+                      backend=backend)
+    prompts = _prompts(0, (5, 20, 9, 33, 3, 12))
+    outs = eng.run([dict(prompt=p, max_tokens=10, logprobs=3, **s) for p, s in zip(prompts, SETTINGS)])
+    _check_alone(params, CFG, prompts, SETTINGS, outs, 10)
+    for o in outs:
+        assert o.finish_reason == "length"
+        lp = _log_softmax(params, CFG, list(o.prompt) + o.token_ids)[len(o.prompt) - 1:]
+        for t, row in zip(o.tokens, lp):  # the 3 alternatives: the 3 largest of the full forward's row
+            assert [a for a, _ in t.top] == np.argsort(-row, kind="stable")[:3].tolist()
+    assert eng.stats.padding_tokens >= 0 and eng.stats.generated_tokens == 60
+    assert eng.scheduler.stats.pages_in_use == 0  # every page back in the pool
+
+
+def test_grouped_query_attention_and_page_sizes():
+    params = jaxgpt.init_params(GQA, jax.random.key(1))
+    prompts = _prompts(1, (7, 18, 30))
+    for page in (1, 16):
+        eng = PagedEngine(params, GQA, max_requests=3, max_len=64, page_size=page, token_budget=16)
+        outs = eng.run([dict(prompt=p, max_tokens=8, **s) for p, s in zip(prompts, SETTINGS)])
+        _check_alone(params, GQA, prompts, SETTINGS, outs, 8)
+
+
+def test_preempted_requests_are_recomputed_unchanged(params):
+    # 4 requests of up to 30 + 20 positions each in a pool of 24 pages of 4 (92 positions): the newest is
+    # preempted (its pages taken back) and recomputed later, prompt and generated tokens alike
+    prompts = _prompts(2, (30, 25, 28, 22))
+    eng = PagedEngine(params, CFG, max_requests=4, max_len=64, page_size=4, num_pages=24, token_budget=32,
+                      prefix_caching=False)
+    outs = eng.run([dict(prompt=p, max_tokens=20, **s) for p, s in zip(prompts, SETTINGS)])
+    assert eng.stats.preemptions > 0
+    _check_alone(params, CFG, prompts, SETTINGS, outs, 20)
+    assert eng.stats.peak_pages <= 23
+
+
+def test_prefix_cache_reuses_pages_and_changes_nothing(params):
+    system = _prompts(3, (21,))[0]  # 5 full pages of 4 and one token
+    tails = _prompts(4, (3, 6, 1))
+    prompts = [system + t for t in tails]
+    eng = PagedEngine(params, CFG, max_requests=4, max_len=64, page_size=4, token_budget=64)
+    first = eng.run([dict(prompt=prompts[0], max_tokens=5, **SETTINGS[1])])
+    assert eng.stats.prefix_hits == 0
+    rest = eng.run([dict(prompt=p, max_tokens=5, **s) for p, s in zip(prompts[1:], SETTINGS[2:])])
+    assert eng.stats.prefix_hits == 2 * 20  # the system prompt's 5 full pages, twice
+    assert eng.stats.prefix_queries == sum(len(p) for p in prompts)
+    _check_alone(params, CFG, prompts, SETTINGS[1:], first + rest, 5)
+    off = PagedEngine(params, CFG, max_requests=4, max_len=64, page_size=4, token_budget=64, prefix_caching=False)
+    again = off.run([dict(prompt=p, max_tokens=5, **s) for p, s in zip(prompts, SETTINGS[1:])])
+    assert off.stats.prefix_hits == 0
+    assert [o.token_ids for o in again] == [o.token_ids for o in first + rest]
+
+
+def test_prompt_logprobs_and_scoring_equal_the_full_forward(params):
+    prompts = _prompts(5, (12, 30, 7))
+    eng = PagedEngine(params, CFG, max_requests=2, max_len=64, page_size=8, token_budget=16)
+    outs = eng.run([dict(prompt=p, max_tokens=2, prompt_logprobs=True, logprobs=2) for p in prompts])
+    for p, o in zip(prompts, outs):
+        lp = _log_softmax(params, CFG, p)
+        assert o.prompt_logprobs[0] is None
+        np.testing.assert_allclose(o.prompt_logprobs[1:], lp[np.arange(len(p) - 1), p[1:]], atol=1e-5)
+        assert o.prompt_greedy[1:] == (np.argmax(lp[:-1], -1) == np.array(p[1:])).tolist()
+    ctx = _prompts(6, (20,))[0]
+    conts = [[1, 2, 3], [4], [5, 6]]
+    scored = eng.score([ctx] * 3, conts)
+    for (total, _), cont in zip(scored, conts):
+        lp = _log_softmax(params, CFG, ctx + cont)
+        want = sum(lp[len(ctx) - 1 + i, t] for i, t in enumerate(cont))
+        assert abs(total - want) < 1e-4
+
+
+def test_int8_pages_equal_the_dense_int8_engine(params):
+    prompts = _prompts(7, (9, 26, 14))
+    reqs = [dict(prompt=p, max_tokens=8, logprobs=0, **s) for p, s in zip(prompts, SETTINGS)]
+    paged = PagedEngine(params, CFG, max_requests=3, max_len=64, page_size=8, token_budget=32, kv_dtype="int8")
+    dense = Engine(params, CFG, slots=3, max_len=64, prefill_chunk=32, kv_dtype="int8")
+    for a, b in zip(paged.run(reqs), dense.run(reqs)):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose([t.logprob for t in a.tokens], [t.logprob for t in b.tokens], atol=1e-4)
+    assert paged.cache.k[0].dtype == jnp.int8
+
+
+def test_warmup_compiles_every_program_a_mix_needs(params):
+    eng = PagedEngine(params, CFG, max_requests=4, max_len=64, page_size=4, token_budget=16)
+    assert eng.warmup_programs() == 2 * len(runner.step_shapes(16, 4))
+    eng.warmup()
+    before = dict(engine_mod.TRACES)
+    prompts = _prompts(8, (1, 2, 15, 40, 3, 9, 16, 17))
+    eng.run([dict(prompt=p, max_tokens=6, prompt_logprobs=i % 2 == 0, **SETTINGS[i % 6])
+             for i, p in enumerate(prompts)])
+    assert dict(engine_mod.TRACES) == before
+
+
+def test_stream_cancel_stop_and_errors(params):
+    eng = PagedEngine(params, CFG, max_requests=2, max_len=32, page_size=4, token_budget=8)
+    p = _prompts(9, (6,))[0]
+    want = _alone(params, CFG, p, 7, SETTINGS[0])
+    assert [t.id for t in eng.stream(p, max_tokens=7, temperature=0.0)] == want
+    out = eng.run([dict(prompt=p, max_tokens=7, temperature=0.0, stop_token_ids=(want[2],))])[0]
+    assert out.token_ids == want[:want.index(want[2]) + 1] and out.finish_reason == "stop"
+    rid = eng.submit(p, max_tokens=20)
+    eng.step()
+    assert eng.cancel(rid) and not eng.cancel(rid) and not eng.has_work()
+    assert eng.scheduler.stats.pages_in_use == 0
+    with pytest.raises(ValueError, match="max_len"):
+        eng.submit(p, max_tokens=40)
+    with pytest.raises(ValueError, match="page_size"):
+        PagedEngine(params, CFG, page_size=0)
+    with pytest.raises(ValueError, match="num_pages"):
+        PagedEngine(params, CFG, num_pages=1)
+
+
+def test_runner_step_against_the_full_forward(params):
+    # two steps by hand: a prompt chunk beside a whole prompt, then that prompt's decode beside the rest
+    rng = np.random.default_rng(10)
+    a_seq, b_seq = rng.integers(0, 97, size=20).tolist(), rng.integers(0, 97, size=7).tolist() + [50]
+    pool = PagedCache.create_pool(CFG, 20, 4)
+    pa, pb = (3, 7, 1, 9, 11), (5, 2)  # pages in any order
+    plans = [Plan(work=(Work(0, 0, tuple(a_seq[:12]), pa[:3], False), Work(1, 0, tuple(b_seq[:7]), pb, True))),
+             Plan(work=(Work(1, 7, (50,), pb, True), Work(0, 12, tuple(a_seq[12:]), pa, True)))]
+    fa, fb = _log_softmax(params, CFG, a_seq), _log_softmax(params, CFG, b_seq)
+    outs = []
+    for plan in plans:
+        shape = runner.shape_for(plan, runner.step_shapes(32, 4))
+        arrays = runner.step_arrays(plan, shape, 4, 16, {0: a_seq, 1: b_seq})
+        pool, out = runner.ragged_step(params, pool, arrays, runner.idle_rows(shape[1]), config=CFG,
+                                       backend=jaxgpt.backends.resolve(CFG), n_logprobs=3, all_logits=True)
+        outs.append(jax.device_get(out))
+    np.testing.assert_allclose(outs[0]["prompt_lp"][:11], fa[np.arange(11), a_seq[1:12]], atol=1e-5)
+    assert outs[0]["token"][1] == np.argmax(fb[6]) and outs[1]["token"][0] == np.argmax(fb[7])
+    assert outs[1]["token"][1] == np.argmax(fa[19])
+    np.testing.assert_allclose(outs[1]["prompt_lp"][1:8], fa[np.arange(12, 19), a_seq[13:20]], atol=1e-5)
