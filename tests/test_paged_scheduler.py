@@ -250,6 +250,22 @@ def test_admission_is_first_come_first_served():
     assert [w.request_id for w in sched.schedule().work] == [1, 2]
 
 
+def test_a_preempted_request_waits_at_the_head_of_the_queue():
+    """The newest running request is preempted for the oldest's page, and it comes back before anyone
+    who was waiting already (who may not overtake it, though it fits and the victim does not)."""
+    sched = Scheduler(num_pages=5, page_size=2, max_len=8, token_budget=32, max_requests=2)
+    sched.add(0, [1, 2], 5, cacheable=0)
+    sched.add(1, [3, 4], 6, cacheable=0)
+    sched.add(2, [5, 6], 1, cacheable=0)
+    plans = []
+    for _ in range(5):
+        plans.append(sched.schedule())
+        sched.update(plans[-1], {w.request_id: 9 for w in plans[-1].work if w.sample})
+    assert [[w.request_id for w in p.work] for p in plans] == [[0, 1], [0, 1], [0, 1], [0], [0]]
+    assert [p.preempted for p in plans] == [(), (), (), (1,), ()]
+    assert [r.request_id for r in sched._waiting] == [1, 2] and sched.stats.preemptions == 1
+
+
 def test_rows_and_chunks():
     sched = Scheduler(num_pages=32, page_size=4, max_len=64, token_budget=10, max_requests=2, max_chunk=3)
     for rid in range(3):
