@@ -465,3 +465,15 @@ def test_bad_arguments_are_value_errors():
     sched.update(plan, {0: 1})
     with pytest.raises(ValueError, match="not its next step"):
         sched.update(plan, {0: 1})
+
+
+def test_the_host_modules_import_no_jax():
+    """pages.py, plan.py and scheduler.py stay host code: no JAX or NumPy import anywhere in them."""
+    import ast
+    import pathlib
+    root = pathlib.Path(pages_mod.__file__).parent
+    for name in ("pages.py", "plan.py", "scheduler.py"):
+        tree = ast.parse((root / name).read_text())
+        mods = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        mods += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in mods if m.split(".")[0] in ("jax", "jaxlib", "numpy", "flax")], name

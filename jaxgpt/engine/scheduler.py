@@ -154,7 +154,9 @@ class Scheduler:
 
     def finish(self, request_id: int) -> bool:
         """The request is done or cancelled, waiting or running: its pages are released (its cached full
-        pages stay in the prefix cache, evictable). False for an unknown id."""
+        pages stay in the prefix cache, evictable). False for an unknown id. The engine finishes a request
+        as soon as `update` gave it its last token (max_tokens, a stop token), before the next `schedule`:
+        a request kept past that is not scheduled, but it holds its pages and can still be preempted."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
