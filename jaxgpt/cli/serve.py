@@ -74,6 +74,24 @@ def _paged_engine(args, params, config):
                        prefix_caching=not args.no_prefix_caching)
 
 
+def _paged_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's kind and the paged engine's own flags."""
+    p.add_argument("--engine", default="slots", choices=["slots", "paged"],
+                   help="slots: dense slots, each a cache row of --max_len (jaxgpt.Engine); paged: a pool of pages "
+                        "shared through block tables, one ragged step a call under --token_budget, prefixes "
+                        "reused by block hash (jaxgpt.engine.PagedEngine; --prefill_chunk, --prefill_budget, "
+                        "--decode_steps and --speculative are the slots engine's)")
+    p.add_argument("--page_size", type=int, default=16, help="with --engine paged: positions per page (default 16)")
+    p.add_argument("--num_pages", type=int, default=None,
+                   help="with --engine paged: pages in the pool (default: --slots x --max_len positions, plus the "
+                        "padding page)")
+    p.add_argument("--token_budget", type=int, default=256,
+                   help="with --engine paged: most tokens per step, decode tokens and prompt chunks together "
+                        "(default 256)")
+    p.add_argument("--no_prefix_caching", action="store_true",
+                   help="with --engine paged: do not keep full pages for reuse by later requests")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxgpt-serve", description=__doc__)
     p.add_argument("--out_dir", default="out", help="training run folder holding checkpoints/ (default: out)")
@@ -88,21 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the modules a run recorded are imported without it)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed when ready)")
-    p.add_argument("--engine", default="slots", choices=["slots", "paged"],
-                   help="slots: dense slots, each a cache row of --max_len (jaxgpt.Engine); paged: a pool of pages "
-                        "shared through block tables, one ragged step a call under --token_budget, prefixes "
-                        "reused by block hash (jaxgpt.engine.PagedEngine; --prefill_chunk, --prefill_budget, "
-                        "--decode_steps and --speculative are the slots engine's)")
     p.add_argument("--slots", type=int, default=8, help="requests decoded at once (the engine's slots)")
-    p.add_argument("--page_size", type=int, default=16, help="with --engine paged: positions per page (default 16)")
-    p.add_argument("--num_pages", type=int, default=None,
-                   help="with --engine paged: pages in the pool (default: --slots x --max_len positions, plus the "
-                        "padding page)")
-    p.add_argument("--token_budget", type=int, default=256,
-                   help="with --engine paged: most tokens per step, decode tokens and prompt chunks together "
-                        "(default 256)")
-    p.add_argument("--no_prefix_caching", action="store_true",
-                   help="with --engine paged: do not keep full pages for reuse by later requests")
+    _paged_flags(p)
     p.add_argument("--max_len", type=int, default=None,
                    help="positions per slot: prompt + completion (default: the model's block_size)")
     p.add_argument("--prefill_chunk", type=int, default=256,
