@@ -820,3 +820,34 @@ def test_profile_traces_a_window_of_engine_steps(params, tmp_path):
     steps = sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "engine")
     assert steps == [1, 2]
     assert b"engine" in xplane and b"jit_" in xplane  # the annotations and the engine's compiled calls
+
+
+# -- the paged engine behind the same server -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def paged_client(params):
+    from jaxgpt.engine.paged import PagedEngine
+    engine = PagedEngine(params, CFG, max_requests=4, page_size=8, token_budget=32)
+    with TestClient(create_app(engine, TOK, model_name="tiny", warmup=False), raise_server_exceptions=False) as c:
+        _wait_healthy(c)
+        yield c
+
+
+@pytest.mark.parametrize("test", [test_greedy_completion_equals_generate_for_every_prompt_form,
+                                  test_stream_concatenates_to_the_whole_answer,
+                                  test_seeded_sampling_is_reproducible_among_concurrent_requests,
+                                  test_echo_logprobs_equal_the_full_forward, test_a_dropped_stream_cancels_its_request],
+                         ids=lambda f: f.__name__[5:])
+def test_the_paged_engine_serves_as_the_slots_engine_does(paged_client, params, test):
+    import inspect
+    test(*[dict(client=paged_client, params=params)[a] for a in inspect.signature(test).parameters])
+
+
+def test_the_paged_engines_counters_in_metrics(paged_client):
+    prompt = "To be or not to be, that is the question"  # 40 characters: 5 full pages of 8 for the second
+    for _ in range(2):
+        assert paged_client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3}).status_code == 200
+    text = paged_client.get("/metrics").text
+    engine = {m[0]: float(m[1]) for m in re.findall(r"^jaxgpt_engine_(\w+)_total (\S+)$", text, re.M)}
+    assert engine["steps"] >= 3 and engine["step_seconds"] > 0 and engine["decode_tokens"] >= 2, engine
+    assert engine["prefix_hits"] >= 32 and engine["prefix_queries"] >= 2 * 40, engine
