@@ -97,6 +97,10 @@ def ragged_step(params, pool: PagedCache, a: StepArrays, rows: RowSettings, *, c
     logprob and the n most likely; with `all_logits` also every token's logprob of `a.targets`, its
     alternatives and whether it was the argmax. Returns (the pool, outputs)."""
     _count("ragged_step")
+    return _step(params, pool, a, rows, config, backend, n_logprobs, all_logits)
+
+
+def _step(params, pool: PagedCache, a: StepArrays, rows: RowSettings, config, backend, n_logprobs, all_logits=False):
     model = GPT(config, backend)
     variables = params.variables() if isinstance(params, DecodeWeights) else {"params": params}
     cache = pool.step(a.rows, a.positions, a.slots, a.limits, a.tables)
@@ -113,6 +117,35 @@ def ragged_step(params, pool: PagedCache, a: StepArrays, rows: RowSettings, *, c
     tok = sample_rows(last_RxV, rows)
     lp, ids, lps = token_logprobs(last_RxV, tok, n_logprobs, rows.top_wanted)
     return cache.pool(), dict(token=tok, logprob=lp, top_ids=ids, top_lps=lps, **extra)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs", "steps"), donate_argnums=(1,))
+def ragged_decode_steps(params, pool: PagedCache, a: StepArrays, rows: RowSettings, n_steps, *, config: GPTConfig,
+                        backend: Backend, n_logprobs: int, steps: int):
+    """The first `n_steps` (traced, 1 to `steps`) of `steps` decode steps in one program, for a step of
+    decoding requests only (token t is row t's): each step's draws fed to the next, its positions one
+    further, written through the block tables (which must already hold the pages those positions need),
+    the i-th draw keyed with rows.index + i as single steps key it. Outputs [steps, R, ...], the first
+    n_steps filled; padding tokens (limit 0) stay on page 0 and see nothing."""
+    _count("ragged_decode_steps")
+    ps, r = pool.page_size, a.tables.shape[0]
+    valid = a.limits > 0
+    outs = dict(token=jnp.zeros((steps, r), jnp.int32), logprob=jnp.zeros((steps, r), jnp.float32),
+                top_ids=jnp.zeros((steps, r, n_logprobs), jnp.int32),
+                top_lps=jnp.zeros((steps, r, n_logprobs), jnp.float32))
+
+    def body(i, carry):
+        pool, tokens, outs = carry
+        pos = a.positions + i
+        page = jnp.take_along_axis(a.tables[a.rows], jnp.minimum(pos // ps, a.tables.shape[1] - 1)[:, None], 1)[:, 0]
+        sub = dataclasses.replace(a, tokens=tokens, positions=pos, slots=jnp.where(valid, page * ps + pos % ps, 0),
+                                  limits=jnp.where(valid, pos + 1, 0))
+        pool, out = _step(params, pool, sub, rows._replace(index=rows.index + i), config, backend, n_logprobs)
+        outs = {k: jax.lax.dynamic_update_index_in_dim(outs[k], out[k].astype(outs[k].dtype), i, 0) for k in outs}
+        return pool, out["token"][a.rows], outs
+
+    pool, _, outs = jax.lax.fori_loop(0, jnp.clip(n_steps, 1, steps), body, (pool, a.tokens, outs))
+    return pool, outs
 
 
 def idle_rows(n: int) -> RowSettings:

@@ -282,6 +282,20 @@ class Scheduler:
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    def extend(self, request_id: int, tokens: int) -> bool:
+        """Give a running request pages for its first `tokens` positions now, without preempting anyone
+        (cached free pages may be evicted); False, having taken nothing, where the pool cannot. (Several
+        decode steps in one call write positions that no plan has scheduled yet.)"""
+        req = self._requests[request_id]
+        need = self._pages_for(min(tokens, self.max_len)) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.pool.allocate(need)
+        if pages is None:
+            return False
+        req.pages += pages
+        return True
+
     # ---- after the step ----
 
     def update(self, plan: Plan, sampled: dict) -> None:
