@@ -1,0 +1,270 @@
+// Attention of a ragged step's queries over a paged KV cache (jaxgpt/paged.py), for the CPU backend.
+//
+// q [T, N H]; each layer's keys and values a pool [P, K, page, H] (float32, or int8 with a float32 scale per
+// page, kv head and offset: [P, K, page]); token t's row token_rows[t] and limit limits[t]; each row's pages
+// in order, block_tables [R, M]. Query t of head n sees its row's positions s < limits[t], position s in page
+// block_tables[row][s / page] at offset s % page, of kv head n / (N / K); scores scaled by 1/sqrt(H), a
+// softmax -> out [T, N H]. A query that sees nothing (limit 0: padding) gets zeros. Only the visible
+// positions are read.
+//
+// The tokens are grouped by row (a stable counting sort), and each row's tokens cut into blocks of up to
+// kBlock: one unit of work is (a block, a kv head). A unit walks its row's positions up to the block's
+// largest limit a tile of kTile positions at a time; each tile's keys and values stay in L1 while every query
+// of the block (its tokens times the kv head's N / K query heads) takes its scores, a running (online)
+// softmax, and its weighted values from them: a prompt chunk's keys come from memory once per block, not
+// once per token. A decode token is a block of one. Units are taken in turns by the calling thread and a
+// task on XLA's intra-op pool (in_turns, common.h).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "jaxgpt_paged_attention(_int8): q [T, N H], k and v pools [P, K, page, H] (float32, or int8 with scales "
+    "[P, K, page]), token_rows [T] int32, limits [T] int32, block_tables [R, M] int32 -> out [T, N H]; H a "
+    "multiple of 16 up to 128, N a multiple of K";
+
+constexpr int64_t kBlock = 16;  // tokens of one row that share a walk over its keys
+constexpr int64_t kTile = 64;   // positions whose keys and values are read at once
+
+static inline float hsum(v16 x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(x));
+#else
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += x[i];
+  return s;
+#endif
+}
+
+template <typename E>
+struct Pool {
+  const E* k;
+  const E* v;
+  const float* k_scale;  // nullptr for float32 pools
+  const float* v_scale;
+  int64_t P, K, page;
+};
+
+struct Step {
+  const float* q;
+  const int32_t* limits;
+  const int32_t* tables;
+  int64_t N, M;
+  float* out;
+};
+
+// One query's running softmax over the tiles seen so far.
+template <int H>
+struct Running {
+  float m = -INFINITY, l = 0.f;
+  v16 o[H / 16] = {};
+};
+
+// Query (token, head) qn over one tile of positions [0, count) (count >= 1): scores, the running softmax
+// brought up to date, and the tile's values added.
+template <int H, typename E>
+void attend_tile(const float* qn, Running<H>& r, int64_t count, const int64_t* at, const Pool<E>& p,
+                 float* sc) {
+  constexpr int NV = H / 16;
+  const float scale = 1.f / std::sqrt(static_cast<float>(H));
+  v16 qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = load16(qn + 16 * i) * scale;
+  float mt = -INFINITY;
+  for (int64_t s = 0; s < count; ++s) {
+    const E* ks = p.k + at[s] * H;
+    v16 acc = qv[0] * weights16(ks);
+    for (int i = 1; i < NV; ++i) acc += qv[i] * weights16(ks + 16 * i);
+    sc[s] = p.k_scale ? hsum(acc) * p.k_scale[at[s]] : hsum(acc);
+    mt = std::max(mt, sc[s]);
+  }
+  const float m = std::max(r.m, mt);
+  const float fade = std::isinf(r.m) ? 0.f : std::exp(r.m - m);
+  v16 total{};
+  for (int64_t s = 0; s < count; s += 16) {
+    v16 e = exp_nonpositive(load16(sc + s) - m);
+    for (int i = 0; i < 16; ++i)
+      if (s + i >= count) e[i] = 0.f;
+    store16(sc + s, e);
+    total += e;
+  }
+  r.l = r.l * fade + hsum(total);
+  r.m = m;
+  for (int i = 0; i < NV; ++i) r.o[i] *= fade;
+  for (int64_t s = 0; s < count; ++s) {
+    const v16 w = splat(p.v_scale ? sc[s] * p.v_scale[at[s]] : sc[s]);
+    const E* vs = p.v + at[s] * H;
+    for (int i = 0; i < NV; ++i) r.o[i] += w * weights16(vs + 16 * i);
+  }
+}
+
+// The unit (tokens toks[0..n), all of row `row`; kv head j).
+template <int H, typename E>
+void unit(const int32_t* toks, int64_t n, int64_t row, int64_t j, const Pool<E>& p, const Step& st,
+          std::vector<Running<H>>& run, float* sc) {
+  const int64_t g = st.N / p.K;
+  const int64_t cap = st.M * p.page;
+  int64_t most = 0;
+  for (int64_t i = 0; i < n; ++i) most = std::max<int64_t>(most, std::min<int64_t>(st.limits[toks[i]], cap));
+  run.assign(static_cast<size_t>(n * g), Running<H>{});
+  const int32_t* table = st.tables + row * st.M;
+  int64_t at[kTile];  // each position's index in the pools' [P K page] vectors
+  for (int64_t t0 = 0; t0 < most; t0 += kTile) {
+    const int64_t span = std::min(kTile, most - t0);
+    for (int64_t s = 0; s < span; ++s) {
+      const int64_t pos = t0 + s;
+      const int64_t page = std::clamp<int64_t>(table[pos / p.page], 0, p.P - 1);
+      at[s] = (page * p.K + j) * p.page + pos % p.page;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t count = std::min<int64_t>(std::min<int64_t>(st.limits[toks[i]], cap) - t0, span);
+      if (count <= 0) continue;
+      for (int64_t h = 0; h < g; ++h) {
+        const float* qn = st.q + (toks[i] * st.N + j * g + h) * H;
+        attend_tile<H>(qn, run[i * g + h], count, at, p, sc);
+      }
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < g; ++h) {
+      const Running<H>& r = run[i * g + h];
+      float* on = st.out + (toks[i] * st.N + j * g + h) * H;
+      const float inv = r.l > 0.f ? 1.f / r.l : 0.f;
+      for (int v = 0; v < H / 16; ++v) store16(on + 16 * v, r.o[v] * inv);
+    }
+}
+
+template <typename F>
+bool with_head_dim(int64_t h, F f) {
+  switch (h) {
+    case 16: f(std::integral_constant<int, 16>{}); return true;
+    case 32: f(std::integral_constant<int, 32>{}); return true;
+    case 48: f(std::integral_constant<int, 48>{}); return true;
+    case 64: f(std::integral_constant<int, 64>{}); return true;
+    case 80: f(std::integral_constant<int, 80>{}); return true;
+    case 96: f(std::integral_constant<int, 96>{}); return true;
+    case 112: f(std::integral_constant<int, 112>{}); return true;
+    case 128: f(std::integral_constant<int, 128>{}); return true;
+    default: return false;
+  }
+}
+
+// The step's tokens that see something, grouped by row in their order (a stable counting sort), and the
+// blocks they are cut into: block b is order[starts[b] .. starts[b + 1]) of row rows[b].
+struct Blocks {
+  std::vector<int32_t> order, starts, rows;
+};
+
+Blocks make_blocks(const int32_t* token_rows, const int32_t* limits, int64_t T, int64_t R) {
+  Blocks b;
+  std::vector<int32_t> first(static_cast<size_t>(R + 1), 0);
+  auto row_of = [&](int64_t t) { return std::clamp<int64_t>(token_rows[t], 0, R - 1); };
+  for (int64_t t = 0; t < T; ++t)
+    if (limits[t] > 0) ++first[row_of(t) + 1];
+  for (int64_t r = 0; r < R; ++r) first[r + 1] += first[r];
+  b.order.resize(first[R]);
+  std::vector<int32_t> fill(first.begin(), first.end() - 1);
+  for (int64_t t = 0; t < T; ++t)
+    if (limits[t] > 0) b.order[fill[row_of(t)]++] = static_cast<int32_t>(t);
+  for (int64_t r = 0; r < R; ++r)
+    for (int32_t s = first[r]; s < first[r + 1]; s += kBlock) {
+      b.starts.push_back(s);
+      b.rows.push_back(static_cast<int32_t>(r));
+    }
+  b.starts.push_back(first[R]);
+  return b;
+}
+
+}  // namespace
+
+// The checks, the zeros of the tokens that see nothing and the split into units, for both entry points.
+template <typename E>
+static ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const ffi::Span<const int64_t>& kd,
+                      const ffi::Span<const int64_t>& vd, Pool<E> p, ffi::Buffer<ffi::S32>& token_rows,
+                      ffi::Buffer<ffi::S32>& limits, ffi::Buffer<ffi::S32>& tables, ffi::ResultBuffer<ffi::F32>& out) {
+  const auto qd = q.dimensions(), bd = tables.dimensions();
+  if (qd.size() != 2 || kd.size() != 4 || bd.size() != 2 || token_rows.dimensions().size() != 1 ||
+      limits.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument(kUsage);
+  const int64_t T = qd[0], P = kd[0], K = kd[1], page = kd[2], H = kd[3], R = bd[0], M = bd[1];
+  if (H < 1 || K < 1 || qd[1] % H != 0) return ffi::Error::InvalidArgument(kUsage);
+  const int64_t N = qd[1] / H;
+  if (N % K != 0 || P < 1 || page < 1 || R < 1 || M < 1 || vd.size() != 4 || vd[0] != P || vd[1] != K ||
+      vd[2] != page || vd[3] != H || token_rows.dimensions()[0] != T || limits.dimensions()[0] != T ||
+      out->element_count() != static_cast<size_t>(T * N * H))
+    return ffi::Error::InvalidArgument(kUsage);
+  p.P = P, p.K = K, p.page = page;
+  const int32_t* lp = limits.typed_data();
+  const Step st{q.typed_data(), lp, tables.typed_data(), N, M, out->typed_data()};
+  for (int64_t t = 0; t < T; ++t)
+    if (lp[t] <= 0) std::fill(st.out + t * N * H, st.out + (t + 1) * N * H, 0.f);
+  const Blocks blocks = make_blocks(token_rows.typed_data(), lp, T, R);
+  const int64_t units = static_cast<int64_t>(blocks.rows.size()) * K;
+  const Blocks* bp = &blocks;
+  const bool ok = with_head_dim(H, [&](auto hd) {
+    constexpr int HD = decltype(hd)::value;
+    if (units == 0) return;
+    in_turns(pool, units, [=](auto next) {
+      std::vector<Running<HD>> run;
+      alignas(64) float sc[kTile];
+      for (int64_t u = next(); u < units; u = next()) {
+        const int64_t b = u / K;
+        const int32_t lo = bp->starts[b], hi = bp->starts[b + 1];
+        unit<HD>(bp->order.data() + lo, hi - lo, bp->rows[b], u % K, p, st, run, sc);
+      }
+    });
+  });
+  return ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(kUsage);
+}
+
+static ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> token_rows,
+                                 ffi::Buffer<ffi::S32> limits, ffi::Buffer<ffi::S32> tables,
+                                 ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, q, k.dimensions(), v.dimensions(), Pool<float>{k.typed_data(), v.typed_data(), nullptr, nullptr},
+             token_rows, limits, tables, out);
+}
+
+static ffi::Error PagedAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
+                                     ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scale,
+                                     ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> token_rows,
+                                     ffi::Buffer<ffi::S32> limits, ffi::Buffer<ffi::S32> tables,
+                                     ffi::ResultBuffer<ffi::F32> out) {
+  const auto kd = k.dimensions(), sd = k_scale.dimensions(), vsd = v_scale.dimensions();
+  if (kd.size() != 4 || sd.size() != 3 || vsd.size() != 3)
+    return ffi::Error::InvalidArgument(kUsage);
+  for (int i = 0; i < 3; ++i)
+    if (sd[i] != kd[i] || vsd[i] != kd[i]) return ffi::Error::InvalidArgument(kUsage);
+  return Run(pool, q, kd, v.dimensions(),
+             Pool<int8_t>{k.typed_data(), v.typed_data(), k_scale.typed_data(), v_scale.typed_data()}, token_rows,
+             limits, tables, out);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptPagedAttentionInt8, PagedAttentionInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
