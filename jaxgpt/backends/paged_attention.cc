@@ -14,8 +14,8 @@
 // softmax, and its weighted values from them: a prompt chunk's keys come from memory once per block, not
 // once per token. A decode token is a block of one. Over an int8 pool a block of several queries first widens
 // each tile into float32, its keys transposed (gather_tile), so that each query's scores take 16 positions
-// in a few multiply-adds and no sums across a vector; otherwise the pools are read in place. Units are taken in turns by the calling thread and a
-// task on XLA's intra-op pool (in_turns, common.h).
+// in a few multiply-adds and no sums across a vector; otherwise the pools are read in place. Units are taken
+// in turns by the calling thread and a task on XLA's intra-op pool (in_turns, common.h).
 
 #include <algorithm>
 #include <cmath>
