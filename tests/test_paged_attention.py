@@ -162,3 +162,40 @@ def test_native_kernel_reads_only_visible_positions():
     got = kernel(s)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype,scan", [("float32", False), ("int8", True)])
+def test_model_steps_over_a_paged_cache_alike_with_and_without_the_kernel(kv_dtype, scan, monkeypatch):
+    """Two prompts of different lengths and padding in one ragged step, then a decode step, through GPT:
+    the CPU backend with its paged kernel gives the logits it gives with the plain-JAX form."""
+    _needs_native()
+    from jaxgpt import GPT, GPTConfig, init_params
+    cfg = GPTConfig(vocab_size=40, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, scan_layers=scan)
+    params = init_params(cfg, jax.random.key(0))
+    kernel_fn = native.paged_attention
+    page, tables = 4, jnp.array([[1, 5, 2, 7, 3], [6, 4, 0, 0, 0]], jnp.int32)
+    lengths = (17, 6)
+    rows = np.array([0] * lengths[0] + [1] * lengths[1] + [0, 0], np.int32)
+    positions = np.concatenate([np.arange(n) for n in lengths] + [np.zeros(2, int)]).astype(np.int32)
+    limits = np.where(np.arange(len(rows)) < sum(lengths), positions + 1, 0).astype(np.int32)
+    decode = (np.array([0, 1], np.int32), np.array(lengths, np.int32))
+    tokens = (jnp.arange(len(rows), dtype=jnp.int32)[None] % 40, jnp.array([[3, 9]], jnp.int32))
+    logits, calls = {}, []
+    monkeypatch.setattr(native, "paged_attention", lambda *a: calls.append(1) or kernel_fn(*a))
+    for native_attention in (True, False):
+        model = GPT(cfg, cpu.make_backend(native_decode=False, native_attention=native_attention))
+        run = jax.jit(lambda c, x: model.apply({"params": params}, x, c))
+        cache = paged.PagedCache.create_pool(cfg, 8, page, dtype=kv_dtype)
+        out = []
+        for x, (r, p) in zip(tokens, ((rows, positions), decode)):
+            lim = limits if len(r) == len(rows) else p + 1
+            slots = np.asarray(tables)[r, p // page] * page + p % page
+            slots = np.where(lim > 0, slots, 0)  # padding writes to page 0
+            step = cache.step(jnp.asarray(r), jnp.asarray(p), jnp.asarray(slots), jnp.asarray(lim), tables)
+            y, cache = run(step, x)
+            out.append(np.asarray(y))
+            cache = cache.pool()
+        logits[native_attention] = out
+    assert calls  # (the kernel ran, traced once per layer and step, with native_attention only)
+    for got, want, real in zip(logits[True], logits[False], (sum(lengths), 2)):  # (padding's logits: anything)
+        np.testing.assert_allclose(got[0, :real], want[0, :real], atol=2e-5, rtol=1e-5)
