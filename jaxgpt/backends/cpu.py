@@ -335,6 +335,19 @@ def native_cache_attention(q_BxTxNxH, cache, layer, q_positions_BxT, kv_lengths_
     return out.astype(q_BxTxNxH.dtype)
 
 
+def native_paged_attention(q_TxNxH, k, v, token_rows, positions, limits, block_tables, k_scale=None, v_scale=None):
+    """Attention of a ragged step's queries over a paged cache's layer as stored (jaxgpt/paged.py; the
+    signature of `Backend.paged_attention`) by the native kernel, which reads only each token's visible
+    positions, through its row's block table; None where the kernel does not take it (16-bit pools, a head
+    size it does not compile, no kernels built: then `paged.paged_attention` runs)."""
+    int8 = k.dtype == jnp.int8
+    if v.dtype != k.dtype or int8 != (k_scale is not None) or not native.paged_attention_supported(
+            q_TxNxH.shape, k.shape, k.dtype):
+        return None
+    out = native.paged_attention(q_TxNxH, k, v, token_rows, limits, block_tables, k_scale, v_scale)
+    return out.astype(q_TxNxH.dtype)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The KV cache
 
@@ -410,4 +423,5 @@ def make_backend(native_decode: bool, native_attention: bool, fast_bf16: bool = 
         fast_bf16=fast_bf16,
         run_once_options=(("xla_backend_optimization_level", 0),),  # halves the init's compile time
         setup=tune_allocator,
-        cache_attention=native_cache_attention if native_attention else None)
+        cache_attention=native_cache_attention if native_attention else None,
+        paged_attention=native_paged_attention if native_attention else None)

@@ -1,7 +1,8 @@
 """Native CPU kernels, XLA FFI calls compiled from C++ on first use: the decode step's matmul at 1..16 rows
 (rows.cc, over weights packed in panels of 16 outputs by `pack`, float32 or int8 with scales, or int8 by
 int8 rows for w8a8), causal self-attention for training, forward and backward (attention.cc), and a decode
-step's attention over the KV cache, reading only each row's filled positions (cached_attention.cc).
+step's attention over the KV cache, reading only each row's filled positions (cached_attention.cc), and a
+ragged step's attention over a paged cache, reading only each token's visible positions (paged_attention.cc).
 
 The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`, `-march=native`) against the
 installed jaxlib's FFI headers into `kernels/` of `$JAXGPT_CACHE` (default `~/.cache/jaxgpt`), once per
@@ -47,9 +48,12 @@ ATTENTION_BWD_TARGET = "jaxgpt_causal_attention_bwd"
 ATTENTION_BWD_FUSED_TARGET = "jaxgpt_causal_attention_bwd_fused"
 CACHED_ATTENTION_TARGET = "jaxgpt_cached_attention"
 CACHED_ATTENTION_INT8_TARGET = "jaxgpt_cached_attention_int8"
+PAGED_ATTENTION_TARGET = "jaxgpt_paged_attention"
+PAGED_ATTENTION_INT8_TARGET = "jaxgpt_paged_attention_int8"
 MAX_CACHED_QUERIES = 16  # queries per row that cached_attention takes (decode steps; longer chunks use XLA)
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = tuple(os.path.join(_HERE, f) for f in ("rows.cc", "attention.cc", "cached_attention.cc"))
+SOURCES = tuple(os.path.join(_HERE, f) for f in ("rows.cc", "attention.cc", "cached_attention.cc",
+                                                         "paged_attention.cc"))
 HEADERS = (os.path.join(_HERE, "common.h"),)
 
 _lock = threading.Lock()
@@ -171,6 +175,10 @@ def available() -> bool:
                                             platform="cpu")
                 jax.ffi.register_ffi_target(CACHED_ATTENTION_INT8_TARGET,
                                             jax.ffi.pycapsule(lib.JaxgptCachedAttentionInt8), platform="cpu")
+                jax.ffi.register_ffi_target(PAGED_ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxgptPagedAttention),
+                                            platform="cpu")
+                jax.ffi.register_ffi_target(PAGED_ATTENTION_INT8_TARGET,
+                                            jax.ffi.pycapsule(lib.JaxgptPagedAttentionInt8), platform="cpu")
                 _state.update(ok=True, lib=lib)
             except Exception as e:  # no compiler, no headers, a failed build: decode through XLA instead
                 _state.update(ok=False, why=str(e))
@@ -343,6 +351,37 @@ def _cached(target: str, q_BxTxNxH, kv: tuple, scales: tuple, q_positions_BxT, k
                jnp.broadcast_to(q_positions_BxT, (b, t)).astype(jnp.int32), kv_lengths_B.astype(jnp.int32),
                heads=np.int64(n), kv_heads=np.int64(kv_heads))
     return out.reshape(b, t, n, h)
+
+
+def paged_attention_supported(q_shape, k_pool_shape, dtype) -> bool:
+    """Whether `paged_attention` takes q [T, N, H] over pools [P, K, page, H] of `dtype`: float32, or int8
+    with scales; head sizes 16..128 in steps of 16, N a multiple of K, the kernels built."""
+    if len(q_shape) != 3 or len(k_pool_shape) != 4:
+        return False
+    h, kh = q_shape[-1], k_pool_shape[1]
+    return (h % 16 == 0 and 16 <= h <= 128 and k_pool_shape[-1] == h and kh >= 1 and q_shape[1] % kh == 0
+            and jnp.dtype(dtype) in (jnp.float32, jnp.int8) and available())
+
+
+def paged_attention(q_TxNxH, k_pool, v_pool, token_rows, limits, block_tables, k_scale=None,
+                    v_scale=None) -> jax.Array:
+    """Attention of a ragged step's queries q [T, N, H] over a paged cache's layer (paged_attention.cc):
+    pools [P, K, page, H], float32, or int8 with float32 scales [P, K, page]; query t sees row
+    token_rows[t]'s positions below limits[t], read through block_tables [R, M]; scores scaled by
+    1/sqrt(H); zeros for a query that sees nothing. -> [T, N, H] float32, as `jaxgpt.paged.paged_attention`
+    (its oracle) to float rounding. Check `paged_attention_supported` first."""
+    _require()
+    t, n, h = q_TxNxH.shape
+    quantized = k_scale is not None
+    target = PAGED_ATTENTION_INT8_TARGET if quantized else PAGED_ATTENTION_TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((t, n * h), jnp.float32), vmap_method="sequential")
+    if quantized:
+        pools = (k_pool, v_pool, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
+    else:
+        pools = (k_pool.astype(jnp.float32), v_pool.astype(jnp.float32))
+    out = call(q_TxNxH.reshape(t, n * h).astype(jnp.float32), *pools, jnp.asarray(token_rows, jnp.int32),
+               jnp.asarray(limits, jnp.int32), jnp.asarray(block_tables, jnp.int32))
+    return out.reshape(t, n, h)
 
 
 def _require() -> None:

@@ -1,0 +1,401 @@
+// Attention of a ragged step's queries over a paged KV cache (jaxgpt/paged.py), for the CPU backend.
+//
+// q [T, N H]; each layer's keys and values a pool [P, K, page, H] (float32, or int8 with a float32 scale per
+// page, kv head and offset: [P, K, page]); token t's row token_rows[t] and limit limits[t]; each row's pages
+// in order, block_tables [R, M]. Query t of head n sees its row's positions s < limits[t], position s in page
+// block_tables[row][s / page] at offset s % page, of kv head n / (N / K); scores scaled by 1/sqrt(H), a
+// softmax -> out [T, N H]. A query that sees nothing (limit 0: padding) gets zeros. Only the visible
+// positions are read.
+//
+// The tokens are grouped by row (a stable counting sort), and each row's tokens cut into blocks of up to
+// kBlock: one unit of work is (a block, a kv head). A unit walks its row's positions up to the block's
+// largest limit a tile of kTile positions at a time; each tile's keys and values stay in L1 while every query
+// of the block (its tokens times the kv head's N / K query heads) takes its scores, a running (online)
+// softmax, and its weighted values from them: a prompt chunk's keys come from memory once per block, not
+// once per token. A decode token is a block of one. Over an int8 pool a block of several queries first widens
+// each tile into float32, its keys transposed (gather_tile), so that each query's scores take 16 positions
+// in a few multiply-adds and no sums across a vector; otherwise the pools are read in place. Units are taken
+// in turns by the calling thread and a task on XLA's intra-op pool (in_turns, common.h).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "jaxgpt_paged_attention(_int8): q [T, N H], k and v pools [P, K, page, H] (float32, or int8 with scales "
+    "[P, K, page]), token_rows [T] int32, limits [T] int32, block_tables [R, M] int32 -> out [T, N H]; H a "
+    "multiple of 16 up to 128, N a multiple of K";
+
+constexpr int64_t kBlock = 16;  // tokens of one row that share a walk over its keys
+constexpr int64_t kTile = 64;   // positions whose keys and values are read at once
+// queries of a block from which an int8 pool's tile is first widened into float32 (gather_tile): float32
+// tiles are read in place (copying them measured no faster)
+constexpr int64_t kGatherQueries = 4;
+
+static inline float hsum(v16 x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(x));
+#else
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += x[i];
+  return s;
+#endif
+}
+
+// 16 floats loaded (a float32 pool's, or widened from an int8 pool's). common.h's load16 is a memcpy,
+// which GCC 12 lowers here to two 32-byte copies through the stack and a 64-byte reload (a store forwarding
+// stall on every key and value): named AVX-512 loads instead.
+static inline v16 load(const float* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16>(_mm512_loadu_ps(p));
+#else
+  return load16(p);
+#endif
+}
+static inline v16 load(const int8_t* p) { return weights16(p); }
+
+static inline void store(float* p, v16 x) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(p, reinterpret_cast<__m512>(x));
+#else
+  store16(p, x);
+#endif
+}
+
+template <typename E>
+struct Pool {
+  const E* k;
+  const E* v;
+  const float* k_scale;  // nullptr for float32 pools
+  const float* v_scale;
+  int64_t P, K, page;
+};
+
+struct Step {
+  const float* q;
+  const int32_t* limits;
+  const int32_t* tables;
+  int64_t N, M;
+  float* out;
+};
+
+// One query's running softmax over the tiles seen so far.
+template <int H>
+struct alignas(64) Running {
+  v16 o[H / 16] = {};
+  float m = -INFINITY, l = 0.f;
+};
+
+// The running softmax of one query brought up to date with a tile's scores sc[0, count) (count >= 1; sc
+// padded to a multiple of 16, turned into the tile's weights e^(score - max)); returns the factor that the
+// values summed so far are to be multiplied by.
+template <int H>
+inline float update(Running<H>& r, float* sc, int64_t count, float mt) {
+  const float m = std::max(r.m, mt);
+  const float fade = std::isinf(r.m) ? 0.f : std::exp(r.m - m);
+  v16 total{};
+  for (int64_t s = 0; s < count; s += 16) {
+    v16 e = exp_nonpositive(load(sc + s) - m);
+    for (int i = 0; i < 16; ++i)
+      if (s + i >= count) e[i] = 0.f;
+    store(sc + s, e);
+    total += e;
+  }
+  r.l = r.l * fade + hsum(total);
+  r.m = m;
+  return fade;
+}
+
+// Query (token, head) qn over one tile of positions [0, count) read in place from the pools (at[s]: position
+// s's vector): a score is a dot product summed across its vector. For blocks of few queries (decode).
+template <int H, typename E>
+void attend_tile(const float* qn, Running<H>& r, int64_t count, const int64_t* at, const Pool<E>& p,
+                 float* sc) {
+  constexpr int NV = H / 16;
+  const float scale = 1.f / std::sqrt(static_cast<float>(H));
+  v16 qv[NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < NV; ++i) qv[i] = load(qn + 16 * i) * scale;
+  float mt = -INFINITY;
+  for (int64_t s = 0; s < count; ++s) {
+    const E* ks = p.k + at[s] * H;
+    v16 acc = qv[0] * load(ks);
+#pragma GCC unroll 8
+    for (int i = 1; i < NV; ++i) acc += qv[i] * load(ks + 16 * i);
+    sc[s] = p.k_scale ? hsum(acc) * p.k_scale[at[s]] : hsum(acc);
+    mt = std::max(mt, sc[s]);
+  }
+  const float fade = update<H>(r, sc, count, mt);
+  v16 o[NV];  // (in registers over the tile)
+#pragma GCC unroll 8
+  for (int i = 0; i < NV; ++i) o[i] = r.o[i] * fade;
+  for (int64_t s = 0; s < count; ++s) {
+    const v16 w = splat(p.v_scale ? sc[s] * p.v_scale[at[s]] : sc[s]);
+    const E* vs = p.v + at[s] * H;
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) o[i] += w * load(vs + 16 * i);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NV; ++i) r.o[i] = o[i];
+}
+
+// r[0..16) as a 16 x 16 matrix, transposed in registers: four rounds, each swapping the off-diagonal
+// blocks of size d within every 2d x 2d block (d = 8, 4, 2, 1).
+template <int D>
+inline void swap_blocks(v16* r) {
+  typedef int32_t i16 __attribute__((vector_size(64)));
+  constexpr i16 lo = {(0 & D) ? 16 + 0 - D : 0,    (1 & D) ? 16 + 1 - D : 1,    (2 & D) ? 16 + 2 - D : 2,
+                      (3 & D) ? 16 + 3 - D : 3,    (4 & D) ? 16 + 4 - D : 4,    (5 & D) ? 16 + 5 - D : 5,
+                      (6 & D) ? 16 + 6 - D : 6,    (7 & D) ? 16 + 7 - D : 7,    (8 & D) ? 16 + 8 - D : 8,
+                      (9 & D) ? 16 + 9 - D : 9,    (10 & D) ? 16 + 10 - D : 10, (11 & D) ? 16 + 11 - D : 11,
+                      (12 & D) ? 16 + 12 - D : 12, (13 & D) ? 16 + 13 - D : 13, (14 & D) ? 16 + 14 - D : 14,
+                      (15 & D) ? 16 + 15 - D : 15};
+  constexpr i16 hi = {(0 & D) ? 16 : D,      (1 & D) ? 17 : 1 + D,   (2 & D) ? 18 : 2 + D,   (3 & D) ? 19 : 3 + D,
+                      (4 & D) ? 20 : 4 + D,  (5 & D) ? 21 : 5 + D,   (6 & D) ? 22 : 6 + D,   (7 & D) ? 23 : 7 + D,
+                      (8 & D) ? 24 : 8 + D,  (9 & D) ? 25 : 9 + D,   (10 & D) ? 26 : 10 + D, (11 & D) ? 27 : 11 + D,
+                      (12 & D) ? 28 : 12 + D, (13 & D) ? 29 : 13 + D, (14 & D) ? 30 : 14 + D, (15 & D) ? 31 : 15 + D};
+  for (int i = 0; i < 16; ++i)
+    if (!(i & D)) {
+      const v16 a = r[i], b = r[i + D];
+      r[i] = __builtin_shuffle(a, b, lo);
+      r[i + D] = __builtin_shuffle(a, b, hi);
+    }
+}
+
+inline void transpose16(v16* r) {
+  swap_blocks<8>(r);
+  swap_blocks<4>(r);
+  swap_blocks<2>(r);
+  swap_blocks<1>(r);
+}
+
+// The tile's keys transposed, kt [H][kTile] (scaled; zero past the tile), and values vt [kTile][H]
+// (scaled), as float32: copied once for a block of many queries, whose scores then take 16 positions at a
+// time with no sums across a vector.
+template <int H, typename E>
+void gather_tile(int64_t span, const int64_t* at, const Pool<E>& p, float* kt, float* vt) {
+  for (int64_t s = 0; s < span; ++s) {
+    const E* vs = p.v + at[s] * H;
+    const float vscale = p.v_scale ? p.v_scale[at[s]] : 1.f;
+#pragma GCC unroll 8
+    for (int i = 0; i < H / 16; ++i) store(vt + s * H + 16 * i, load(vs + 16 * i) * vscale);
+  }
+  for (int64_t c = 0; c < kTile / 16; ++c)
+    for (int i = 0; i < H / 16; ++i) {
+      v16 r[16];
+      for (int64_t s = 0; s < 16; ++s) {
+        const int64_t pos = 16 * c + s;
+        r[s] = pos < span ? load(p.k + at[pos] * H + 16 * i) * (p.k_scale ? p.k_scale[at[pos]] : 1.f) : v16{};
+      }
+      transpose16(r);
+      for (int d = 0; d < 16; ++d) store(kt + (16 * i + d) * kTile + 16 * c, r[d]);
+    }
+}
+
+// As attend_tile, over a tile copied by gather_tile.
+template <int H>
+void attend_gathered(const float* qn, Running<H>& r, int64_t count, const float* kt, const float* vt,
+                     float* sc) {
+  constexpr int NV = H / 16, G = kTile / 16;
+  const float scale = 1.f / std::sqrt(static_cast<float>(H));
+  v16 acc[G] = {};
+  for (int h = 0; h < H; ++h) {  // (all G groups: a fixed count keeps acc in registers; kt is zero past the tile)
+    const v16 qh = splat(qn[h] * scale);
+#pragma GCC unroll 8
+    for (int c = 0; c < G; ++c) acc[c] += qh * load(kt + h * kTile + 16 * c);
+  }
+  float mt = -INFINITY;
+  for (int c = 0; c < G; ++c) {
+    store(sc + 16 * c, acc[c]);
+    for (int i = 0; i < 16 && 16 * c + i < count; ++i) mt = std::max(mt, sc[16 * c + i]);
+  }
+  const float fade = update<H>(r, sc, count, mt);
+  v16 o[NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < NV; ++i) o[i] = r.o[i] * fade;
+  for (int64_t s = 0; s < count; ++s) {
+    const v16 w = splat(sc[s]);
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) o[i] += w * load(vt + s * H + 16 * i);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NV; ++i) r.o[i] = o[i];
+}
+
+// The unit (tokens toks[0..n), all of row `row`; kv head j).
+template <int H, typename E>
+void unit(const int32_t* toks, int64_t n, int64_t row, int64_t j, const Pool<E>& p, const Step& st,
+          std::vector<Running<H>>& run, float* sc, float* kt, float* vt) {
+  const int64_t g = st.N / p.K;
+  const int64_t cap = st.M * p.page;
+  int64_t most = 0;
+  for (int64_t i = 0; i < n; ++i) most = std::max<int64_t>(most, std::min<int64_t>(st.limits[toks[i]], cap));
+  run.assign(static_cast<size_t>(n * g), Running<H>{});
+  const int32_t* table = st.tables + row * st.M;
+  int64_t at[kTile];  // each position's index in the pools' [P K page] vectors
+  for (int64_t t0 = 0; t0 < most; t0 += kTile) {
+    const int64_t span = std::min(kTile, most - t0);
+    for (int64_t s = 0; s < span; ++s) {
+      const int64_t pos = t0 + s;
+      const int64_t page = std::clamp<int64_t>(table[pos / p.page], 0, p.P - 1);
+      at[s] = (page * p.K + j) * p.page + pos % p.page;
+    }
+    const bool gathered = std::is_same<E, int8_t>::value && n * g >= kGatherQueries;
+    if (gathered) gather_tile<H>(span, at, p, kt, vt);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t count = std::min<int64_t>(std::min<int64_t>(st.limits[toks[i]], cap) - t0, span);
+      if (count <= 0) continue;
+      for (int64_t h = 0; h < g; ++h) {
+        const float* qn = st.q + (toks[i] * st.N + j * g + h) * H;
+        if (gathered)
+          attend_gathered<H>(qn, run[i * g + h], count, kt, vt, sc);
+        else
+          attend_tile<H>(qn, run[i * g + h], count, at, p, sc);
+      }
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < g; ++h) {
+      const Running<H>& r = run[i * g + h];
+      float* on = st.out + (toks[i] * st.N + j * g + h) * H;
+      const float inv = r.l > 0.f ? 1.f / r.l : 0.f;
+      for (int v = 0; v < H / 16; ++v) store(on + 16 * v, r.o[v] * inv);
+    }
+}
+
+template <typename F>
+bool with_head_dim(int64_t h, F f) {
+  switch (h) {
+    case 16: f(std::integral_constant<int, 16>{}); return true;
+    case 32: f(std::integral_constant<int, 32>{}); return true;
+    case 48: f(std::integral_constant<int, 48>{}); return true;
+    case 64: f(std::integral_constant<int, 64>{}); return true;
+    case 80: f(std::integral_constant<int, 80>{}); return true;
+    case 96: f(std::integral_constant<int, 96>{}); return true;
+    case 112: f(std::integral_constant<int, 112>{}); return true;
+    case 128: f(std::integral_constant<int, 128>{}); return true;
+    default: return false;
+  }
+}
+
+// The step's tokens that see something, grouped by row in their order (a stable counting sort), and the
+// blocks they are cut into: block b is order[starts[b] .. starts[b + 1]) of row rows[b].
+struct Blocks {
+  std::vector<int32_t> order, starts, rows;
+};
+
+Blocks make_blocks(const int32_t* token_rows, const int32_t* limits, int64_t T, int64_t R) {
+  Blocks b;
+  std::vector<int32_t> first(static_cast<size_t>(R + 1), 0);
+  auto row_of = [&](int64_t t) { return std::clamp<int64_t>(token_rows[t], 0, R - 1); };
+  for (int64_t t = 0; t < T; ++t)
+    if (limits[t] > 0) ++first[row_of(t) + 1];
+  for (int64_t r = 0; r < R; ++r) first[r + 1] += first[r];
+  b.order.resize(first[R]);
+  std::vector<int32_t> fill(first.begin(), first.end() - 1);
+  for (int64_t t = 0; t < T; ++t)
+    if (limits[t] > 0) b.order[fill[row_of(t)]++] = static_cast<int32_t>(t);
+  for (int64_t r = 0; r < R; ++r)
+    for (int32_t s = first[r]; s < first[r + 1]; s += kBlock) {
+      b.starts.push_back(s);
+      b.rows.push_back(static_cast<int32_t>(r));
+    }
+  b.starts.push_back(first[R]);
+  return b;
+}
+
+}  // namespace
+
+// The checks, the zeros of the tokens that see nothing and the split into units, for both entry points.
+template <typename E>
+static ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const ffi::Span<const int64_t>& kd,
+                      const ffi::Span<const int64_t>& vd, Pool<E> p, ffi::Buffer<ffi::S32>& token_rows,
+                      ffi::Buffer<ffi::S32>& limits, ffi::Buffer<ffi::S32>& tables, ffi::ResultBuffer<ffi::F32>& out) {
+  const auto qd = q.dimensions(), bd = tables.dimensions();
+  if (qd.size() != 2 || kd.size() != 4 || bd.size() != 2 || token_rows.dimensions().size() != 1 ||
+      limits.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument(kUsage);
+  const int64_t T = qd[0], P = kd[0], K = kd[1], page = kd[2], H = kd[3], R = bd[0], M = bd[1];
+  if (H < 1 || K < 1 || qd[1] % H != 0) return ffi::Error::InvalidArgument(kUsage);
+  const int64_t N = qd[1] / H;
+  if (N % K != 0 || P < 1 || page < 1 || R < 1 || M < 1 || vd.size() != 4 || vd[0] != P || vd[1] != K ||
+      vd[2] != page || vd[3] != H || token_rows.dimensions()[0] != T || limits.dimensions()[0] != T ||
+      out->element_count() != static_cast<size_t>(T * N * H))
+    return ffi::Error::InvalidArgument(kUsage);
+  p.P = P, p.K = K, p.page = page;
+  const int32_t* lp = limits.typed_data();
+  const Step st{q.typed_data(), lp, tables.typed_data(), N, M, out->typed_data()};
+  for (int64_t t = 0; t < T; ++t)
+    if (lp[t] <= 0) std::fill(st.out + t * N * H, st.out + (t + 1) * N * H, 0.f);
+  const Blocks blocks = make_blocks(token_rows.typed_data(), lp, T, R);
+  const int64_t units = static_cast<int64_t>(blocks.rows.size()) * K;
+  const Blocks* bp = &blocks;
+  const bool ok = with_head_dim(H, [&](auto hd) {
+    constexpr int HD = decltype(hd)::value;
+    if (units == 0) return;
+    in_turns(pool, units, [=](auto next) {
+      std::vector<Running<HD>> run;
+      alignas(64) float sc[kTile];
+      std::vector<float> kt(static_cast<size_t>(HD * kTile)), vt(static_cast<size_t>(HD * kTile));
+      for (int64_t u = next(); u < units; u = next()) {
+        const int64_t b = u / K;
+        const int32_t lo = bp->starts[b], hi = bp->starts[b + 1];
+        unit<HD>(bp->order.data() + lo, hi - lo, bp->rows[b], u % K, p, st, run, sc, kt.data(), vt.data());
+      }
+    });
+  });
+  return ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(kUsage);
+}
+
+static ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> token_rows,
+                                 ffi::Buffer<ffi::S32> limits, ffi::Buffer<ffi::S32> tables,
+                                 ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, q, k.dimensions(), v.dimensions(), Pool<float>{k.typed_data(), v.typed_data(), nullptr, nullptr},
+             token_rows, limits, tables, out);
+}
+
+static ffi::Error PagedAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
+                                     ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scale,
+                                     ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> token_rows,
+                                     ffi::Buffer<ffi::S32> limits, ffi::Buffer<ffi::S32> tables,
+                                     ffi::ResultBuffer<ffi::F32> out) {
+  const auto kd = k.dimensions(), sd = k_scale.dimensions(), vsd = v_scale.dimensions();
+  if (kd.size() != 4 || sd.size() != 3 || vsd.size() != 3)
+    return ffi::Error::InvalidArgument(kUsage);
+  for (int i = 0; i < 3; ++i)
+    if (sd[i] != kd[i] || vsd[i] != kd[i]) return ffi::Error::InvalidArgument(kUsage);
+  return Run(pool, q, kd, v.dimensions(),
+             Pool<int8_t>{k.typed_data(), v.typed_data(), k_scale.typed_data(), v_scale.typed_data()}, token_rows,
+             limits, tables, out);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgptPagedAttentionInt8, PagedAttentionInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
