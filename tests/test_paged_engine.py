@@ -185,3 +185,20 @@ def test_runner_step_against_the_full_forward(params):
     assert outs[0]["token"][1] == np.argmax(fb[6]) and outs[1]["token"][0] == np.argmax(fb[7])
     assert outs[1]["token"][1] == np.argmax(fa[19])
     np.testing.assert_allclose(outs[1]["prompt_lp"][1:8], fa[np.arange(12, 19), a_seq[13:20]], atol=1e-5)
+
+
+def test_several_decode_steps_a_call_give_the_same_tokens(params):
+    # up to 8 decode steps a call for one or two rows, 4 for up to four: a request that arrives meanwhile
+    # waits for the call; a stop token inside a call ends its request there
+    prompts = _prompts(11, (5, 14, 9))
+    eng = PagedEngine(params, CFG, max_requests=4, max_len=64, page_size=4, token_budget=16,
+                      decode_steps={1: 8, 2: 8, 4: 4})
+    assert eng.warmup_programs(prompt_logprobs=False) == len(eng.shapes) + 3  # (the shapes of 1, 2 and 4 rows)
+    eng.warmup(prompt_logprobs=False)  # (programs that other engines of this config compiled are reused)
+    before = dict(engine_mod.TRACES)
+    outs = eng.run([dict(prompt=p, max_tokens=19, logprobs=2, **s) for p, s in zip(prompts, SETTINGS)])
+    _check_alone(params, CFG, prompts, SETTINGS, outs, 19)
+    assert eng.stats.calls < eng.stats.steps and dict(engine_mod.TRACES) == before
+    want = _alone(params, CFG, prompts[0], 19, SETTINGS[0])
+    out = eng.run([dict(prompt=prompts[0], max_tokens=19, temperature=0.0, stop_token_ids=(want[5],))])[0]
+    assert out.token_ids == want[:want.index(want[5]) + 1] and eng.scheduler.stats.pages_in_use == 0

@@ -28,10 +28,10 @@ from jaxgpt.backends.base import cast_floats
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.engine import runner
-from jaxgpt.engine.plan import Plan
+from jaxgpt.engine.plan import Plan, Work
 from jaxgpt.engine.scheduler import Scheduler
 from jaxgpt.engine.slots import (TRACES, Completion, Event, Request, Token, check_request, decode_weights,
-                                 seed_key)
+                                 seed_key, steps_by_rows)
 from jaxgpt.paged import PagedCache, pool_bytes
 from jaxgpt.quantize import check_kv_dtype, check_quantize
 from jaxgpt.sampling import RowSettings, _dequantized_jit
@@ -44,6 +44,7 @@ class EngineStats:
     prefix_cache_hits); preemptions; the most pages held at once."""
 
     steps: int = 0
+    calls: int = 0                 # compiled calls (a call may run several decode steps)
     step_seconds: float = 0.0
     host_seconds: float = 0.0      # the engine's thread outside compiled calls (planning, arrays, events)
     prompt_tokens: int = 0         # prompt (and recomputed) tokens run
@@ -92,7 +93,8 @@ class PagedEngine:
     def __init__(self, params, config: GPTConfig, *, max_requests: int = 32, max_len: Optional[int] = None,
                  page_size: int = 16, num_pages: Optional[int] = None, token_budget: int = 256,
                  max_chunk: Optional[int] = None, max_logprobs: int = 20, backend: Optional[Backend] = None,
-                 quantize: Optional[str] = None, kv_dtype: Optional[str] = None, prefix_caching: bool = True):
+                 quantize: Optional[str] = None, kv_dtype: Optional[str] = None, prefix_caching: bool = True,
+                 decode_steps=1):
         self.quantize, self.kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
         max_len = config.block_size if max_len is None else max_len
         _check_sizes(config, max_requests, max_len, page_size, num_pages, token_budget, max_logprobs)
@@ -107,6 +109,9 @@ class PagedEngine:
             params = _dequantized_jit(params, config=self.config)
         self.params = cast_floats(params, self.config.compute_dtype)
         self.shapes = runner.step_shapes(self.token_budget, self.max_requests)
+        # decode steps a call by the step's rows (steps_by_rows), when every running request is decoding and
+        # none waits
+        self._steps = steps_by_rows(decode_steps, runner._pow2(self.max_requests))
         self.weights = decode_weights(self.params, self.config, self.backend, self.quantize,
                                       [t for t, _ in self.shapes])
         self.cache = PagedCache.create_pool(self.config, self.num_pages, self.page_size, dtype=self.kv_dtype)
@@ -145,10 +150,14 @@ class PagedEngine:
         calls = self._warmup_calls(prompt_logprobs)
         with tqdm(total=len(calls), desc="compiling", unit="program", dynamic_ncols=True,
                   disable=not (progress and sys.stderr.isatty())) as bar:
-            for shape, all_logits in calls:
-                a = runner.warm_arrays(shape, self.table_width)
-                self.cache, _ = runner.ragged_step(self.weights[shape[0]], self.cache, a, runner.idle_rows(shape[1]),
-                                                   all_logits=all_logits, **self._static)
+            for shape, kind in calls:
+                a, rows = runner.warm_arrays(shape, self.table_width), runner.idle_rows(shape[1])
+                if kind == "steps":
+                    self.cache, _ = runner.ragged_decode_steps(self.weights[shape[0]], self.cache, a, rows, np.int32(1),
+                                                               steps=self._steps[shape[1]], **self._static)
+                else:
+                    self.cache, _ = runner.ragged_step(self.weights[shape[0]], self.cache, a, rows,
+                                                       all_logits=kind == "logits", **self._static)
                 bar.update()
         jax.block_until_ready(self.cache.k)
         return sum(TRACES.values()) - before
@@ -157,7 +166,9 @@ class PagedEngine:
         return len(self._warmup_calls(prompt_logprobs))
 
     def _warmup_calls(self, prompt_logprobs: bool) -> list:
-        return [(shape, lp) for shape in self.shapes for lp in ((False, True) if prompt_logprobs else (False,))]
+        kinds = ("step", "logits") if prompt_logprobs else ("step",)
+        calls = [(shape, kind) for shape in self.shapes for kind in kinds]
+        return calls + [(shape, "steps") for shape in self.shapes if shape[0] == shape[1] and self._steps.get(shape[1], 1) > 1]
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -221,6 +232,9 @@ class PagedEngine:
             return events
         shape = runner.shape_for(plan, self.shapes)
         lives = [self._live[w.request_id] for w in plan.work]
+        m = self._several_steps_now(plan, lives, shape)
+        if m > 1:
+            return self._several_steps(plan, lives, shape, m, t0)
         want_all = any(lv.req.prompt_logprobs and w.start + 1 < len(lv.req.prompt) for lv, w in zip(lives, plan.work))
         a = runner.step_arrays(plan, shape, self.page_size, self.table_width,
                                {lv.rid: lv.sequence for lv in lives} if want_all else None)
@@ -246,9 +260,52 @@ class PagedEngine:
         self._count(plan, shape, decode, t0, t1, t2)
         return events
 
+    def _several_steps_now(self, plan: Plan, lives: Sequence[_Live], shape: tuple) -> int:
+        """How many decode steps this step may run in one call (1: a plain step): up to its rows'
+        `decode_steps` while every running request decodes and none waits, as many as the nearest to its
+        max_tokens has left, with pages for them all given now (else 1)."""
+        k = self._steps.get(shape[1], 1) if shape[0] == shape[1] else 1
+        if (k == 1 or self.scheduler.num_waiting or plan.num_requests != self.scheduler.num_running
+                or any(w.start < len(lv.req.prompt) for lv, w in zip(lives, plan.work))):
+            return 1
+        m = min(k, min(lv.req.max_tokens - len(lv.out.tokens) for lv in lives))
+        if m > 1 and not all(self.scheduler.extend(w.request_id, w.start + m) for w in plan.work):
+            return 1
+        return m
+
+    def _several_steps(self, plan: Plan, lives: list, shape: tuple, m: int, t0: float) -> list:
+        """m decode steps in one call (`runner.ragged_decode_steps`), then each step's draws handed to the
+        scheduler and emitted in order, a request's up to its end: the tokens m plain steps give."""
+        a = runner.step_arrays(plan, shape, self.page_size, self.table_width)
+        a.tables[:len(lives)] = [self._table(w.request_id) for w in plan.work]
+        t1 = time.perf_counter()
+        self.cache, out = runner.ragged_decode_steps(self.weights[shape[0]], self.cache, a, self._rows(lives, shape[1]),
+                                                     np.int32(m), steps=self._steps[shape[1]], **self._static)
+        out = jax.device_get(out)
+        t2 = time.perf_counter()
+        events: list[Event] = []
+        alive = list(zip(lives, plan.work, range(len(lives))))
+        for i in range(m):
+            alive = [(lv, w, j) for lv, w, j in alive if lv.rid in self._live]
+            step = Plan(work=tuple(Work(w.request_id, w.start + i, (lv.sequence[w.start + i],), w.pages, True)
+                                   for lv, w, _ in alive))
+            self.scheduler.update(step, {lv.rid: int(out["token"][i, j]) for lv, _, j in alive})
+            for lv, _, j in alive:
+                self._emit(lv, out["token"][i, j], out["logprob"][i, j], out["top_ids"][i, j], out["top_lps"][i, j],
+                           events)
+            self._count(step, shape, len(alive), t0, t1, t2 if i == 0 else t1)
+            t0 = t1 = t2 = time.perf_counter()
+        self.stats.calls -= m - 1
+        return events
+
+    def _table(self, request_id: int) -> np.ndarray:
+        pages = self.scheduler.pages(request_id)
+        return np.pad(np.asarray(pages, np.int32), (0, self.table_width - len(pages)))
+
     def _count(self, plan: Plan, shape: tuple, decode: int, t0: float, t1: float, t2: float) -> None:
         st, now = self.stats, time.perf_counter()
         st.steps += 1
+        st.calls += 1
         st.step_seconds += t2 - t1
         st.host_seconds += (t1 - t0) + (now - t2)
         st.decode_tokens += decode

@@ -282,6 +282,10 @@ class Scheduler:
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    def pages(self, request_id: int) -> tuple:
+        """A running request's block table (its pages in order), as the scheduler holds it."""
+        return tuple(self._requests[request_id].pages)
+
     def extend(self, request_id: int, tokens: int) -> bool:
         """Give a running request pages for its first `tokens` positions now, without preempting anyone
         (cached free pages may be evicted); False, having taken nothing, where the pool cannot. (Several
