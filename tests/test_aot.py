@@ -250,6 +250,28 @@ def test_the_engine_compiles_for_the_target_and_says_how_many_slots_fit(target):
 
 
 @needs_aot
+@pytest.mark.parametrize("target", ["tpu:v5e:1x1", "gpu:h100:1"])
+def test_every_paged_engine_program_compiles_and_says_how_many_tokens_fit(target):
+    from jaxgpt.cli.serve import DEFAULT_DECODE_STEPS
+    from jaxgpt.engine import runner, slots
+
+    aot.prepare_environment()
+    r = aot.compile_for_target(_tiny(), aot.parse_target(target), programs=("paged",), progress=False,
+                               engine_args={"slots": 4, "max_len": 32, "page_size": 8, "token_budget": 16})
+    e = r["programs"]["paged"]
+    # the list warmup() runs: every step shape with and without prompt logprobs, and the multi-step decodes
+    want = runner.programs(runner.step_shapes(16, 4), slots.steps_by_rows(DEFAULT_DECODE_STEPS, 4))
+    assert e["programs"] == len(e["steps"]) == len(want) and r["fits"] and e["fits"]
+    assert [(s["tokens"], s["requests"], s["kind"]) for s in e["steps"]] == [(t, q, k) for (t, q), k in want]
+    # a page's keys and values: 2 x layers x kv heads x positions x head dim x 4 bytes; measured at least that
+    assert e["page_bytes"] == 2 * 2 * 4 * 8 * 16 * 4 and e["bytes_per_page"] >= e["page_bytes"]
+    fixed = max(s["peak_bytes"] for s in e["steps"]) - 2 * e["bytes_per_page"]
+    assert e["pages_that_fit"] == (e["limit_bytes"] - fixed) // e["bytes_per_page"] > 100
+    assert e["tokens_that_fit"] == 8 * e["pages_that_fit"]
+    assert f"tokens of cache that fit beside the weights: {e['tokens_that_fit']}" in aot.format_result(r)
+
+
+@needs_aot
 def test_the_packed_prefill_compiles_for_the_target_and_counts_in_what_fits():
     aot.prepare_environment()
     tpu = aot.parse_target("tpu:v5e:1x1")

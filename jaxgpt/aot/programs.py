@@ -370,7 +370,67 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
     return out
 
 
-PROGRAMS = ("train", "generate", "engine")
+def compile_paged(config, devs: Devices, vocab_size: int, slots: int = 32, max_len: Optional[int] = None,
+                  page_size: int = 16, token_budget: int = 256, progress: bool = True, quantize: Optional[str] = None,
+                  kv_dtype: Optional[str] = None) -> ProgramReport:
+    """Compile every program of the paged engine (`runner.programs`, the list its warmup() runs: each step
+    shape, with and without prompt logprobs, and the several-decode-steps ones of jaxgpt-serve's default)
+    for the target, weights and page pool replicated on each device (one engine per device); the figures of
+    the largest step, each program's, and how many tokens of cache fit beside the weights. A page's bytes
+    are measured, not assumed: the largest step compiled again over a pool of more pages gives the peak's
+    growth per page (its keys and values, and anything a compiler adds with them)."""
+    from jaxgpt.cli.serve import DEFAULT_DECODE_STEPS
+    from jaxgpt.engine import paged, runner, slots as slots_mod
+    from jaxgpt.paged import pool_bytes
+    from jaxgpt.quantize import check_kv_dtype, check_quantize
+
+    quantize, kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
+    gcfg, backend = model_config(config, vocab_size, devs.target.platform)
+    max_len = gcfg.block_size if max_len is None else max_len
+    try:
+        paged._check_sizes(gcfg, slots, max_len, page_size, None, token_budget, 20)
+    except ValueError as e:
+        raise AotError(f"the paged engine: {e}") from None
+    _, _, replicated = _engine_placement(config, gcfg, devs, "", None)
+    width, shapes = -(-max_len // page_size), runner.step_shapes(token_budget, slots)
+    steps = slots_mod.steps_by_rows(DEFAULT_DECODE_STEPS, runner._pow2(slots))
+    calls = runner.programs(shapes, steps)
+    small, big = 2, 2 + 8 * width  # pool sizes: the growth between them is what a page costs
+    kw = dict(page_size=page_size, table_width=width, steps_by_rows=steps, backend=backend, sharding=replicated,
+              quantize=quantize, kv_dtype=kv_dtype)
+    lowered = runner.lower_programs(gcfg, calls, num_pages=small, **kw)
+    table, largest = [], None
+    for shape, kind in calls:
+        compiled, seconds = _compile(f"paged engine {kind} of {shape[0]} tokens, {shape[1]} requests",
+                                     lambda k=(shape, kind): lowered[k], devs, progress)
+        table.append({"tokens": shape[0], "requests": shape[1], "kind": kind, "compile_s": round(seconds, 2),
+                      **memory_dict(compiled)})
+        if largest is None or table[-1].get("peak_bytes", 0) > largest[2].get("peak_bytes", 0):
+            largest = (compiled, seconds, table[-1], shape, kind)
+    compiled, seconds, mem, shape, kind = largest
+    grown_lowered = runner.lower_programs(gcfg, [(shape, kind)], num_pages=big, **kw)[(shape, kind)]
+    grown, _ = _compile(f"paged engine {kind} over {big} pages", lambda: grown_lowered, devs, progress)
+    per_page = pool_bytes(gcfg, 1, page_size, kv_dtype)
+    bytes_per_page = max(per_page, (memory_dict(grown).get("peak_bytes", 0) - mem.get("peak_bytes", 0)) // (big - small))
+    fixed = max(t.get("peak_bytes", 0) for t in table) - small * bytes_per_page
+    pages_fit = max(0, (devs.limit_bytes - fixed) // bytes_per_page)
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax_leaves(tree))  # noqa: E731
+    extra = {"max_requests": slots, "max_len": max_len, "page_size": page_size, "token_budget": token_budget,
+             "dtype": gcfg.dtype, "kernels": backend.name, "quantize": quantize, "kv_dtype": kv_dtype or gcfg.dtype,
+             "largest": f"{kind} of {shape[0]} tokens", "weight_bytes": nbytes(lowered["weights"]),
+             "page_bytes": per_page, "bytes_per_page": bytes_per_page, "pages_that_fit": pages_fit,
+             "tokens_that_fit": pages_fit * page_size, "programs": len(table)}
+    out = analyze("paged engine step", compiled, seconds, devs, None, extra)
+    out.more["steps"] = table
+    return out
+
+
+def jax_leaves(tree):
+    import jax
+    return jax.tree.leaves(tree)
+
+
+PROGRAMS = ("train", "generate", "engine", "paged")
 
 
 def check_programs(programs) -> tuple[str, ...]:
@@ -410,7 +470,13 @@ def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
                 out = compile_train_step(config, devs, vocab, progress)
             elif name == "engine":
                 out = compile_engine(config, devs, vocab, progress=progress,
-                                     **{k: v for k, v in (engine_args or {}).items() if v is not None})
+                                     **{k: v for k, v in (engine_args or {}).items()
+                                        if v is not None and k not in ("page_size", "token_budget")})
+            elif name == "paged":
+                out = compile_paged(config, devs, vocab, progress=progress,
+                                    **{k: v for k, v in (engine_args or {}).items()
+                                       if v is not None and k in ("slots", "max_len", "page_size", "token_budget",
+                                                                   "quantize", "kv_dtype")})
             else:
                 out = compile_generate(config, devs, vocab, progress=progress, **(generate_args or {}))
         except DoesNotFit as e:

@@ -221,6 +221,14 @@ def format_result(result: dict) -> str:
                     f"{_gib(p['prefill'].get('peak_bytes'))}"
                     + (f"; packed prefill of {p['prefill_packed']['tokens']} tokens peak "
                        f"{_gib(p['prefill_packed'].get('peak_bytes'))}" if p.get("prefill_packed") else ""))
+        elif p["program"] == "paged engine step":
+            head = (f"paged engine: up to {p['max_requests']} requests of up to {p['max_len']} positions, pages of "
+                    f"{p['page_size']}, {p['token_budget']} tokens a step, {p['programs']} programs (the largest, "
+                    f"{p['largest']}, below), dtype {p['dtype']}, weights {p.get('quantize') or p['dtype']} "
+                    f"({_gib(p.get('weight_bytes'))}), cache {p['kv_dtype']}, kernels {p['kernels']}; a page takes "
+                    f"{p['bytes_per_page'] / 2 ** 10:.0f} KiB in the compiled step ({p['page_bytes'] / 2 ** 10:.0f} KiB "
+                    f"of keys and values); tokens of cache that fit beside the weights: {p['tokens_that_fit']} "
+                    f"({p['pages_that_fit']} pages)")
         else:
             head = (f"generate: batch {p['batch_size']}, prompt {p['prompt_len']}, {p['max_new_tokens']} new tokens, "
                     f"dtype {p['dtype']}, kernels {p['kernels']}" + (f", mesh {p['mesh']}" if p.get("mesh") else "")

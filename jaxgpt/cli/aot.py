@@ -27,8 +27,12 @@ flags.DEFINE_integer("slices", 1, "TPU slices (multislice over DCN), or GPU host
 flags.DEFINE_string("json", None, "also write the figures to this JSON file")
 flags.DEFINE_integer("vocab_size", None, "the vocabulary size (needed for data.tokenizer=char, whose vocabulary "
                      "comes from the corpus; overrides the tokenizer's size otherwise)")
-flags.DEFINE_list("programs", ["train", "generate"], "which programs to compile: train, generate, engine")
-flags.DEFINE_integer("engine_slots", None, "engine: slots (default 8); the report says how many fit")
+flags.DEFINE_list("programs", ["train", "generate"], "which programs to compile: train, generate, engine (the "
+                  "dense-slot engine's), paged (every program of the paged engine, jaxgpt.engine.PagedEngine)")
+flags.DEFINE_integer("engine_slots", None, "engine: slots (default 8); the report says how many fit; paged: "
+                     "requests at once (default 32)")
+flags.DEFINE_integer("engine_page_size", None, "paged: positions a page (default 16)")
+flags.DEFINE_integer("engine_token_budget", None, "paged: tokens a step (default 256)")
 flags.DEFINE_integer("engine_max_len", None, "engine: positions per slot (default the context)")
 flags.DEFINE_integer("engine_chunk", None, "engine: prefill chunk (default 256)")
 flags.DEFINE_integer("engine_packed", None, "engine: also compile the packed prefill (Engine(packed_prefill=True)) "
@@ -165,9 +169,10 @@ def _run(argv) -> None:
     except aot.AotError as e:
         _fail(e)
     for name in ("quantize", "kv_dtype", "engine_slots", "engine_max_len", "engine_chunk", "engine_packed",
-                 "engine_mesh"):
-        if FLAGS[name].value is not None and "engine" not in programs:
-            _fail(f"--{name} applies to the engine's programs: add engine to --programs (e.g. --programs=engine)")
+                 "engine_mesh", "engine_page_size", "engine_token_budget"):
+        if FLAGS[name].value is not None and "engine" not in programs and "paged" not in programs:
+            _fail(f"--{name} applies to the engine's programs: add engine or paged to --programs (e.g. "
+                  "--programs=engine)")
     try:
         from jaxgpt.quantize import check_kv_dtype, check_quantize
         check_quantize(FLAGS.quantize)
@@ -189,7 +194,8 @@ def _run(argv) -> None:
         try:
             engine = {"slots": FLAGS.engine_slots, "max_len": FLAGS.engine_max_len, "chunk": FLAGS.engine_chunk,
                       "quantize": FLAGS.quantize, "kv_dtype": FLAGS.kv_dtype, "packed": FLAGS.engine_packed,
-                      "mesh": FLAGS.engine_mesh}
+                      "mesh": FLAGS.engine_mesh, "page_size": FLAGS.engine_page_size,
+                      "token_budget": FLAGS.engine_token_budget}
             result = aot.compile_for_target(config, target, FLAGS.vocab_size, tuple(FLAGS.programs),
                                             progress=Progress, generate_args=gen, engine_args=engine)
         except aot.DoesNotFit as e:

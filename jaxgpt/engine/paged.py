@@ -166,9 +166,7 @@ class PagedEngine:
         return len(self._warmup_calls(prompt_logprobs))
 
     def _warmup_calls(self, prompt_logprobs: bool) -> list:
-        kinds = ("step", "logits") if prompt_logprobs else ("step",)
-        calls = [(shape, kind) for shape in self.shapes for kind in kinds]
-        return calls + [(shape, "steps") for shape in self.shapes if shape[0] == shape[1] and self._steps.get(shape[1], 1) > 1]
+        return runner.programs(self.shapes, self._steps, prompt_logprobs)
 
     # -- requests -----------------------------------------------------------------------------------
 

@@ -37,6 +37,16 @@ def step_shapes(token_budget: int, max_requests: int) -> tuple:
     return tuple((t, min(t, top_r)) for t in (1 << i for i in range(top_t.bit_length())))
 
 
+def programs(shapes: Sequence[tuple], steps_by_rows: dict, prompt_logprobs: bool = True) -> list:
+    """Every program a paged engine runs, as (shape, kind): the one list `PagedEngine.warmup` compiles and
+    `jaxgpt-aot --programs=paged` compiles for a target. Kinds: "step" (`ragged_step`), "logits" (it with
+    every token's logprobs: prompt logprobs), "steps" (`ragged_decode_steps`, for the decode shapes whose
+    row count runs several steps a call: `steps_by_rows`)."""
+    kinds = ("step", "logits") if prompt_logprobs else ("step",)
+    out = [(shape, kind) for shape in shapes for kind in kinds]
+    return out + [(shape, "steps") for shape in shapes if shape[0] == shape[1] and steps_by_rows.get(shape[1], 1) > 1]
+
+
 def shape_for(plan: Plan, shapes: Sequence[tuple]) -> tuple:
     """The smallest step shape that holds the plan's tokens and requests."""
     for t, r in shapes:
@@ -163,3 +173,35 @@ def warm_arrays(shape: tuple, table_width: int) -> StepArrays:
 
 jax.tree_util.register_dataclass(StepArrays, data_fields=[f.name for f in dataclasses.fields(StepArrays)],
                                  meta_fields=[])
+
+
+def lower_programs(config: GPTConfig, calls: Sequence[tuple], *, num_pages: int, page_size: int, table_width: int,
+                   steps_by_rows: dict, backend: Optional[Backend] = None, sharding=None, max_logprobs: int = 20,
+                   quantize: Optional[str] = None, kv_dtype: Optional[str] = None, params=None) -> dict:
+    """The programs `calls` ((shape, kind) from `programs`) lowered for abstract inputs placed on `sharding`
+    (nothing allocated): {(shape, kind): lowered}, and "pool" (the abstract page pool) and "weights" (the
+    largest shape's abstract weights). `.compile()` them to check them for another platform's devices."""
+    from jaxgpt.backends import resolve
+    from jaxgpt.engine.slots import _abstract_weights
+
+    backend = backend or resolve(config)
+    config = config.replace(remat="none")
+
+    def place(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+    pool = place(jax.eval_shape(lambda: PagedCache.create_pool(config, num_pages, page_size, dtype=kv_dtype)))
+    static = dict(config=config, backend=backend, n_logprobs=max_logprobs)
+    out, weights = {}, None
+    for (t, r), kind in calls:
+        p, prepared, _ = _abstract_weights(config, backend, t, quantize, params)
+        weights = place(DecodeWeights(p, prepared))
+        a = place(jax.eval_shape(lambda t=t, r=r: jax.tree.map(jnp.asarray, warm_arrays((t, r), table_width))))
+        rows = place(jax.eval_shape(lambda r=r: jax.tree.map(jnp.asarray, idle_rows(r))))
+        if kind == "steps":
+            n = place(jax.ShapeDtypeStruct((), jnp.int32))
+            out[((t, r), kind)] = ragged_decode_steps.lower(weights, pool, a, rows, n, steps=steps_by_rows[r], **static)
+        else:
+            out[((t, r), kind)] = ragged_step.lower(weights, pool, a, rows, all_logits=kind == "logits", **static)
+    out["pool"], out["weights"] = pool, weights
+    return out
