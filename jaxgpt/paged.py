@@ -192,7 +192,9 @@ def attend(q_BxTxNxH, cache: PagedCache, layer, backend=None) -> jax.Array:
     it has one for this cache (`Backend.paged_attention`, which may decline with None), else
     `paged_attention`."""
     k, v, ks, vs = cache.layer_pool(layer)
-    own: Optional[Any] = getattr(backend, "paged_attention", None)
+    # (a backend's own kernel is one device's: over a mesh XLA partitions the portable form)
+    on_mesh = getattr(backend, "head_mesh", None) is not None or getattr(backend, "batch_mesh", None) is not None
+    own: Optional[Any] = None if on_mesh else getattr(backend, "paged_attention", None)
     if own is not None:
         out = own(q_BxTxNxH[0], k, v, cache.token_rows, cache.token_positions[0], cache.limits, cache.block_tables,
                   ks, vs)

@@ -186,6 +186,34 @@ def test_the_engine_under_tensor_2_gives_one_devices_tokens_and_logprobs():
         assert [[i for i, _ in t.top] for t in b.tokens] == [[i for i, _ in t.top] for t in a.tokens]
 
 
+def test_the_paged_engine_under_tensor_2_gives_one_devices_tokens_with_its_pool_split_by_kv_head():
+    from jaxgpt.engine import runner
+    from jaxgpt.engine.paged import PagedEngine
+
+    params = init_params(CFG, jax.random.key(4))
+    mesh = build_mesh("tensor=2", jax.devices()[:2])
+    placed = shard_params(params, CFG, mesh)
+    reqs = [dict(prompt=[3, 1, 4, 1, 5], max_tokens=6, temperature=0.9, top_k=20, seed=5, logprobs=2),
+            dict(prompt=[2, 7, 1, 8, 2, 8, 1], max_tokens=8, temperature=0.0, logprobs=0)]
+    engines = [PagedEngine(p, CFG, max_requests=2, max_len=16, page_size=4, token_budget=8, decode_steps={1: 4})
+               for p in (params, placed)]
+    pool = engines[1].cache.k[0]
+    assert engines[1].backend.head_mesh == (mesh, ()) and pool.sharding.shard_shape(pool.shape)[1] == 1
+    one, split = (e.run(reqs) for e in engines)
+    assert [o.token_ids for o in split] == [o.token_ids for o in one]
+    for a, b in zip(one, split):
+        np.testing.assert_allclose([t.logprob for t in b.tokens], [t.logprob for t in a.tokens], atol=1e-5)
+    assert engines[1].cache.k[0].sharding.shard_shape(pool.shape)[1] == 1  # (still split after the steps)
+    # the compiled step's attention reads each device's own kv heads of the pool: no collective under attn/
+    # but c_proj's all-reduce
+    e = engines[1]
+    hlo = runner.ragged_step.lower(e.weights[8], e.cache, runner.warm_arrays((8, 2), e.table_width),
+                                   runner.idle_rows(2), all_logits=False, **e._static).compile().as_text()
+    found = _collectives(hlo)
+    assert any(kind == "all-reduce" and "/attn/c_proj" in where for kind, _, where in found)
+    assert [c for c in found if "/attn/" in c[2] and c[0] != "all-reduce"] == []
+
+
 def test_generate_under_tensor_2_keeps_the_cache_split_in_the_compiled_program():
     """The decode program's attention reads each device's own kv heads: no collective moves the cache's
     [B, K, S, H] keys and values (with heads whole on every device, they were gathered every step)."""

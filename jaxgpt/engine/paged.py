@@ -34,7 +34,7 @@ from jaxgpt.engine.slots import (TRACES, Completion, Event, Request, Token, chec
                                  seed_key, steps_by_rows)
 from jaxgpt.paged import PagedCache, pool_bytes
 from jaxgpt.quantize import check_kv_dtype, check_quantize
-from jaxgpt.sampling import RowSettings, _dequantized_jit
+from jaxgpt.sampling import RowSettings, _dequantized_jit, on_params_mesh
 
 
 @dataclasses.dataclass
@@ -88,18 +88,21 @@ class PagedEngine:
     counts queries and hits in tokens). When pages run out, the newest running request is preempted and
     later recomputed from its prompt and the tokens it had produced: its output is unchanged.
     `kv_dtype="int8"`: pages of int8 keys and values with scales. `quantize`: "int8" or "w8a8" weights
-    (the step runs the backend's decode forms of them)."""
+    (the step runs the backend's decode forms of them). Params placed on a mesh by `jaxgpt.shard_params`
+    (say tensor=2) run there, attention split by heads over `tensor`, and with `split_cache` (default: on
+    wherever `tensor` > 1) the page pool split by kv head: each device holds and reads its own heads."""
 
     def __init__(self, params, config: GPTConfig, *, max_requests: int = 32, max_len: Optional[int] = None,
                  page_size: int = 16, num_pages: Optional[int] = None, token_budget: int = 256,
                  max_chunk: Optional[int] = None, max_logprobs: int = 20, backend: Optional[Backend] = None,
                  quantize: Optional[str] = None, kv_dtype: Optional[str] = None, prefix_caching: bool = True,
-                 decode_steps=1):
+                 decode_steps=1, split_cache: Optional[bool] = None):
         self.quantize, self.kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
         max_len = config.block_size if max_len is None else max_len
         _check_sizes(config, max_requests, max_len, page_size, num_pages, token_budget, max_logprobs)
         self.config = config.replace(remat="none")
-        self.backend = backend or resolve(config)
+        # params placed on a mesh: attention split by heads over its tensor axis, the pool by kv head
+        self.backend, cache_mesh = on_params_mesh(backend or resolve(config), params, split_cache)
         self.backend.setup()
         self.max_requests, self.max_len, self.page_size = int(max_requests), int(max_len), int(page_size)
         self.table_width = math.ceil(self.max_len / self.page_size)
@@ -115,6 +118,8 @@ class PagedEngine:
         self.weights = decode_weights(self.params, self.config, self.backend, self.quantize,
                                       [t for t, _ in self.shapes])
         self.cache = PagedCache.create_pool(self.config, self.num_pages, self.page_size, dtype=self.kv_dtype)
+        if cache_mesh is not None:
+            self.cache = self.cache.on_mesh(cache_mesh)
         self.scheduler = Scheduler(num_pages=self.num_pages, page_size=self.page_size, max_len=self.max_len,
                                    token_budget=self.token_budget, max_requests=self.max_requests,
                                    prefix_caching=prefix_caching, max_chunk=max_chunk)
