@@ -121,7 +121,7 @@ def test_engine_benchmark_smoke():
 
     results = engine.main(["--tiny", "--concurrency", "2", "--new-tokens", "4", "--min-new-tokens", "2",
                            "--min-prompt", "2", "--max-prompt", "9", "--prefill-chunk", "8", "--prefill-budget",
-                           "24", "--packed", "--top-k", "0"])
+                           "24", "--packed", "--top-k", "0", "--paged", "--token-budget", "16", "--page-size", "4"])
     (run,) = results["runs"]
     assert run["requests"] == 8 and run["engine_programs"] >= 2 and results["min_new_tokens"] == 2
     assert results["top_k"] is None  # (draws over the whole vocabulary)
@@ -138,6 +138,19 @@ def test_engine_benchmark_smoke():
     assert calls["mean_batch"] * calls["decode_steps"] >= run["engine_tokens"] - run["requests"] - 1e-6
     assert 0 < calls["mean_batch"] <= calls["mean_width"] <= 2 and calls["prefill_calls"] >= 1
     assert 0 < calls["prefill_share"] < calls["busy_share"] <= 1
+    # the same requests through the paged engine
+    assert run["paged_tokens_per_s"] > 0 and run["paged_programs"] >= 1 and 0 < run["paged_peak_pages"]
+    assert 0 <= run["paged_host_share"] < 1 and 0 <= run["paged_padding_share"] < 1
+
+
+def test_prefix_benchmark_smoke():
+    """bench/prefix.py: a shared system prompt through the paged engine with and without its prefix cache."""
+    from bench import prefix
+
+    results = prefix.main(["--tiny", "--concurrency", "2", "--no-dense", "--page-size", "4", "--token-budget", "16"])
+    cached, uncached = results["paged_cached"], results["paged_uncached"]
+    assert cached["prefix_hits"] > 0 and uncached["prefix_hits"] == 0
+    assert cached["prompt_tokens_run"] < uncached["prompt_tokens_run"]
 
 
 def test_the_serial_bound_prefills_each_arrival_after_the_ones_before_it():
