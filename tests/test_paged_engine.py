@@ -178,8 +178,9 @@ def test_runner_step_against_the_full_forward(params):
     for plan in plans:
         shape = runner.shape_for(plan, runner.step_shapes(32, 4))
         arrays = runner.step_arrays(plan, shape, 4, 16, {0: a_seq, 1: b_seq})
-        pool, out = runner.ragged_step(params, pool, arrays, runner.idle_rows(shape[1]), config=CFG,
-                                       backend=jaxgpt.backends.resolve(CFG), n_logprobs=3, all_logits=True)
+        static = dict(config=CFG, backend=jaxgpt.backends.resolve(CFG), n_logprobs=3)
+        pool, out = runner.ragged_step(params, pool, arrays, runner.idle_rows(shape[1]), **static)
+        out.update(runner.token_scores(params, out.pop("hidden"), arrays.targets, **static))
         outs.append(jax.device_get(out))
     np.testing.assert_allclose(outs[0]["prompt_lp"][:11], fa[np.arange(11), a_seq[1:12]], atol=1e-5)
     assert outs[0]["token"][1] == np.argmax(fb[6]) and outs[1]["token"][0] == np.argmax(fb[7])

@@ -160,9 +160,11 @@ class PagedEngine:
                 if kind == "steps":
                     self.cache, _ = runner.ragged_decode_steps(self.weights[shape[0]], self.cache, a, rows, np.int32(1),
                                                                steps=self._steps[shape[1]], **self._static)
+                elif kind == "scores":
+                    h = jnp.zeros((shape[0], self.config.n_embd), self.config.compute_dtype)
+                    runner.token_scores(self.weights[shape[0]], h, a.targets, **self._static)
                 else:
-                    self.cache, _ = runner.ragged_step(self.weights[shape[0]], self.cache, a, rows,
-                                                       all_logits=kind == "logits", **self._static)
+                    self.cache, _ = runner.ragged_step(self.weights[shape[0]], self.cache, a, rows, **self._static)
                 bar.update()
         jax.block_until_ready(self.cache.k)
         return sum(TRACES.values()) - before
@@ -243,8 +245,10 @@ class PagedEngine:
                                {lv.rid: lv.sequence for lv in lives} if want_all else None)
         rows = self._rows(lives, shape[1])
         t1 = time.perf_counter()
-        self.cache, out = runner.ragged_step(self.weights[shape[0]], self.cache, a, rows, all_logits=want_all,
-                                             **self._static)
+        self.cache, out = runner.ragged_step(self.weights[shape[0]], self.cache, a, rows, **self._static)
+        hidden = out.pop("hidden")  # (stays on the device but for prompt logprobs)
+        if want_all:
+            out.update(runner.token_scores(self.weights[shape[0]], hidden, a.targets, **self._static))
         out = jax.device_get(out)
         t2 = time.perf_counter()
         sampled = {}

@@ -3,8 +3,8 @@
 One program runs a step: a flat list of T tokens (the decoding requests' latest tokens and prompt chunks,
 `paged.PagedCache`), then a draw for each of its R requests from the logits after its last token. T and R
 are padded to a few shapes (`step_shapes`: powers of two), so `warmup()` compiles every program a step can
-need and no mix of requests compiles another. With `all_logits` the step also scores every token against
-the next one (prompt logprobs).
+need and no mix of requests compiles another. Prompt logprobs come from the step's hidden states through a
+program of the head alone (`token_scores`).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def step_shapes(token_budget: int, max_requests: int) -> tuple:
 
 def programs(shapes: Sequence[tuple], steps_by_rows: dict, prompt_logprobs: bool = True) -> list:
     """Every program a paged engine runs, as (shape, kind): the one list `PagedEngine.warmup` compiles and
-    `jaxgpt-aot --programs=paged` compiles for a target. Kinds: "step" (`ragged_step`), "logits" (it with
-    every token's logprobs: prompt logprobs), "steps" (`ragged_decode_steps`, for the decode shapes whose
-    row count runs several steps a call: `steps_by_rows`)."""
-    kinds = ("step", "logits") if prompt_logprobs else ("step",)
+    `jaxgpt-aot --programs=paged` compiles for a target. Kinds: "step" (`ragged_step`), "scores"
+    (`token_scores` of a step's tokens: prompt logprobs), "steps" (`ragged_decode_steps`, for the decode
+    shapes whose row count runs several steps a call: `steps_by_rows`)."""
+    kinds = ("step", "scores") if prompt_logprobs else ("step",)
     out = [(shape, kind) for shape in shapes for kind in kinds]
     return out + [(shape, "steps") for shape in shapes if shape[0] == shape[1] and steps_by_rows.get(shape[1], 1) > 1]
 
@@ -99,34 +99,41 @@ def _count(kind: str) -> None:
     TRACES[kind] += 1
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs", "all_logits"), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs"), donate_argnums=(1,))
 def ragged_step(params, pool: PagedCache, a: StepArrays, rows: RowSettings, *, config: GPTConfig, backend: Backend,
-                n_logprobs: int, all_logits: bool):
+                n_logprobs: int):
     """One step: the tokens of `a` through the model over the page pool (their keys and values written to
     their slots), then each request row's next token drawn from the logits after its last token, with its
-    logprob and the n most likely; with `all_logits` also every token's logprob of `a.targets`, its
-    alternatives and whether it was the argmax. Returns (the pool, outputs)."""
+    logprob and the n most likely. Returns (the pool, outputs); outputs' "hidden" [T, D], the final hidden
+    states, are what `token_scores` turns into prompt logprobs (left on the device otherwise)."""
     _count("ragged_step")
-    return _step(params, pool, a, rows, config, backend, n_logprobs, all_logits)
+    pool, out, h_TxD = _step(params, pool, a, rows, config, backend, n_logprobs)
+    return pool, dict(out, hidden=h_TxD)
 
 
-def _step(params, pool: PagedCache, a: StepArrays, rows: RowSettings, config, backend, n_logprobs, all_logits=False):
+@functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs"))
+def token_scores(params, h_TxD, targets_T, *, config: GPTConfig, backend: Backend, n_logprobs: int):
+    """Each token's logprob of the token after it (`targets`: prompt logprobs), its n most likely
+    alternatives and whether it was the argmax, from a step's hidden states: the model's head alone, a
+    program that compiles in a fraction of a step's time (so warmup compiles one per shape, not a second
+    copy of every step)."""
+    _count("token_scores")
+    variables = params.variables() if isinstance(params, DecodeWeights) else {"params": params}
+    logits_TxV = GPT(config, backend).apply(variables, h_TxD[None], method=GPT.head)[0]
+    lp_T, top_ids, top_lps = token_logprobs(logits_TxV, targets_T, n_logprobs)
+    return dict(prompt_lp=lp_T, prompt_top_ids=top_ids, prompt_top_lps=top_lps,
+                prompt_greedy=argmax_last(logits_TxV) == targets_T)
+
+
+def _step(params, pool: PagedCache, a: StepArrays, rows: RowSettings, config, backend, n_logprobs):
     model = GPT(config, backend)
     variables = params.variables() if isinstance(params, DecodeWeights) else {"params": params}
     cache = pool.step(a.rows, a.positions, a.slots, a.limits, a.tables)
     h_1xTxD, cache = model.apply(variables, a.tokens[None], cache, hidden=True)
-    extra = {}
-    if all_logits:
-        logits_TxV = model.apply(variables, h_1xTxD, method=GPT.head)[0]
-        lp_T, top_ids, top_lps = token_logprobs(logits_TxV, a.targets, n_logprobs)
-        extra = dict(prompt_lp=lp_T, prompt_top_ids=top_ids, prompt_top_lps=top_lps,
-                     prompt_greedy=argmax_last(logits_TxV) == a.targets)
-        last_RxV = logits_TxV[a.last]
-    else:
-        last_RxV = model.apply(variables, h_1xTxD[:, a.last], method=GPT.head)[0]
+    last_RxV = model.apply(variables, h_1xTxD[:, a.last], method=GPT.head)[0]
     tok = sample_rows(last_RxV, rows)
     lp, ids, lps = token_logprobs(last_RxV, tok, n_logprobs, rows.top_wanted)
-    return cache.pool(), dict(token=tok, logprob=lp, top_ids=ids, top_lps=lps, **extra)
+    return cache.pool(), dict(token=tok, logprob=lp, top_ids=ids, top_lps=lps), h_1xTxD[0]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs", "steps"), donate_argnums=(1,))
@@ -150,7 +157,7 @@ def ragged_decode_steps(params, pool: PagedCache, a: StepArrays, rows: RowSettin
         page = jnp.take_along_axis(a.tables[a.rows], jnp.minimum(pos // ps, a.tables.shape[1] - 1)[:, None], 1)[:, 0]
         sub = dataclasses.replace(a, tokens=tokens, positions=pos, slots=jnp.where(valid, page * ps + pos % ps, 0),
                                   limits=jnp.where(valid, pos + 1, 0))
-        pool, out = _step(params, pool, sub, rows._replace(index=rows.index + i), config, backend, n_logprobs)
+        pool, out, _ = _step(params, pool, sub, rows._replace(index=rows.index + i), config, backend, n_logprobs)
         outs = {k: jax.lax.dynamic_update_index_in_dim(outs[k], out[k].astype(outs[k].dtype), i, 0) for k in outs}
         return pool, out["token"][a.rows], outs
 
@@ -201,7 +208,10 @@ def lower_programs(config: GPTConfig, calls: Sequence[tuple], *, num_pages: int,
         if kind == "steps":
             n = place(jax.ShapeDtypeStruct((), jnp.int32))
             out[((t, r), kind)] = ragged_decode_steps.lower(weights, pool, a, rows, n, steps=steps_by_rows[r], **static)
+        elif kind == "scores":
+            h = place(jax.ShapeDtypeStruct((t, config.n_embd), jnp.dtype(config.compute_dtype)))
+            out[((t, r), kind)] = token_scores.lower(weights, h, a.targets, **static)
         else:
-            out[((t, r), kind)] = ragged_step.lower(weights, pool, a, rows, all_logits=kind == "logits", **static)
+            out[((t, r), kind)] = ragged_step.lower(weights, pool, a, rows, **static)
     out["pool"], out["weights"] = pool, weights
     return out
