@@ -179,7 +179,8 @@ def test_runner_step_against_the_full_forward(params):
         shape = runner.shape_for(plan, runner.step_shapes(32, 4))
         arrays = runner.step_arrays(plan, shape, 4, 16, {0: a_seq, 1: b_seq})
         static = dict(config=CFG, backend=jaxgpt.backends.resolve(CFG), n_logprobs=3)
-        pool, out = runner.ragged_step(params, pool, arrays, runner.idle_rows(shape[1]), **static)
+        pool, out = runner.ragged_step(params, pool, arrays, runner.idle_rows(shape[1]), np.zeros(4, np.int32),
+                                       **static)
         out.update(runner.token_scores(params, out.pop("hidden"), arrays.targets, **static))
         outs.append(jax.device_get(out))
     np.testing.assert_allclose(outs[0]["prompt_lp"][:11], fa[np.arange(11), a_seq[1:12]], atol=1e-5)
@@ -203,3 +204,22 @@ def test_several_decode_steps_a_call_give_the_same_tokens(params):
     want = _alone(params, CFG, prompts[0], 19, SETTINGS[0])
     out = eng.run([dict(prompt=prompts[0], max_tokens=19, temperature=0.0, stop_token_ids=(want[5],))])[0]
     assert out.token_ids == want[:want.index(want[5]) + 1] and eng.scheduler.stats.pages_in_use == 0
+
+
+def test_asynchronous_scheduling_changes_no_token(params):
+    # a step planned before the last one's draws are read (fed on the device) gives the synchronous tokens,
+    # stop tokens included (a request that stopped may have had one more step planned: it is dropped)
+    prompts = _prompts(12, (4, 17, 8, 26, 2))
+    greedy = _alone(params, CFG, prompts[0], 12, SETTINGS[0])
+    reqs = [dict(prompt=p, max_tokens=12, logprobs=1, **s) for p, s in zip(prompts, SETTINGS)]
+    reqs[0]["stop_token_ids"] = (greedy[3],)
+    outs = {}
+    for mode in (True, False):
+        eng = PagedEngine(params, CFG, max_requests=3, max_len=64, page_size=4, num_pages=20, token_budget=12,
+                          async_scheduling=mode)
+        outs[mode] = eng.run(reqs)
+        assert eng.scheduler.stats.pages_in_use == 0 and eng._pending is None
+        assert (eng.stats.fed_tokens > 0) == mode
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    assert outs[True][0].token_ids == greedy[:greedy.index(greedy[3]) + 1]
+    _check_alone(params, CFG, prompts[1:], SETTINGS[1:], outs[True][1:], 12)

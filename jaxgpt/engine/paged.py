@@ -29,7 +29,7 @@ from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.engine import runner
 from jaxgpt.engine.plan import Plan, Work
-from jaxgpt.engine.scheduler import Scheduler
+from jaxgpt.engine.scheduler import PENDING, Scheduler
 from jaxgpt.engine.slots import (TRACES, Completion, Event, Request, Token, check_request, decode_weights,
                                  seed_key, steps_by_rows)
 from jaxgpt.paged import PagedCache, pool_bytes
@@ -51,6 +51,7 @@ class EngineStats:
     decode_tokens: int = 0         # decoding requests' tokens run
     padding_tokens: int = 0
     generated_tokens: int = 0
+    fed_tokens: int = 0            # tokens taken on the device from the step before (asynchronous scheduling)
     prefix_queries: int = 0
     prefix_hits: int = 0
     preemptions: int = 0
@@ -71,10 +72,27 @@ class _Live:
     key_data: np.ndarray
     out: Completion
     callback: Optional[Callable]
+    pending: int = 0  # draws dispatched but not read back yet (asynchronous scheduling)
 
     @property
     def sequence(self) -> list:
-        return list(self.req.prompt) + [t.id for t in self.out.tokens]
+        return list(self.req.prompt) + [t.id for t in self.out.tokens] + [PENDING] * self.pending
+
+
+@dataclasses.dataclass
+class _Step:
+    """A dispatched step: its plan and requests, its outputs (on the device until read), its arrays and
+    shape, whether it scored prompt tokens, the row of each request that draws, and when it began."""
+
+    plan: Plan
+    lives: list
+    out: dict
+    a: runner.StepArrays
+    shape: tuple
+    want_all: bool
+    rows_of: dict
+    t0: float
+    t1: float
 
 
 class PagedEngine:
@@ -96,7 +114,7 @@ class PagedEngine:
                  page_size: int = 16, num_pages: Optional[int] = None, token_budget: int = 256,
                  max_chunk: Optional[int] = None, max_logprobs: int = 20, backend: Optional[Backend] = None,
                  quantize: Optional[str] = None, kv_dtype: Optional[str] = None, prefix_caching: bool = True,
-                 decode_steps=1, split_cache: Optional[bool] = None):
+                 decode_steps=1, split_cache: Optional[bool] = None, async_scheduling: bool = True):
         self.quantize, self.kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
         max_len = config.block_size if max_len is None else max_len
         _check_sizes(config, max_requests, max_len, page_size, num_pages, token_budget, max_logprobs)
@@ -124,6 +142,8 @@ class PagedEngine:
                                    token_budget=self.token_budget, max_requests=self.max_requests,
                                    prefix_caching=prefix_caching, max_chunk=max_chunk)
         self._static = dict(config=self.config, backend=self.backend, n_logprobs=self.max_logprobs)
+        self.async_scheduling = bool(async_scheduling)
+        self._pending: Optional[_Step] = None  # a step dispatched whose draws are not read yet
         self._live: dict = {}
         self._ids = itertools.count()
         self._traces_at_start = sum(TRACES.values())
@@ -157,14 +177,15 @@ class PagedEngine:
                   disable=not (progress and sys.stderr.isatty())) as bar:
             for shape, kind in calls:
                 a, rows = runner.warm_arrays(shape, self.table_width), runner.idle_rows(shape[1])
+                prev = np.zeros(runner._pow2(self.max_requests), np.int32)
                 if kind == "steps":
                     self.cache, _ = runner.ragged_decode_steps(self.weights[shape[0]], self.cache, a, rows, np.int32(1),
-                                                               steps=self._steps[shape[1]], **self._static)
+                                                               prev, steps=self._steps[shape[1]], **self._static)
                 elif kind == "scores":
                     h = jnp.zeros((shape[0], self.config.n_embd), self.config.compute_dtype)
                     runner.token_scores(self.weights[shape[0]], h, a.targets, **self._static)
                 else:
-                    self.cache, _ = runner.ragged_step(self.weights[shape[0]], self.cache, a, rows, **self._static)
+                    self.cache, _ = runner.ragged_step(self.weights[shape[0]], self.cache, a, rows, prev, **self._static)
                 bar.update()
         jax.block_until_ready(self.cache.k)
         return sum(TRACES.values()) - before
@@ -226,11 +247,18 @@ class PagedEngine:
     # -- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
-        """Plan a step, run it, and turn its draws into tokens and events."""
+        """Plan a step and run it; the events of the draws read back by now. With `async_scheduling` a step is
+        planned and dispatched before the previous one's draws are read (its decoding requests' next tokens
+        taken from them on the device), and that previous step's events are returned: the device runs one
+        step while the host turns the last one into events and plans the next."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         events: list[Event] = []
         if not plan:
+            if self._pending is not None:
+                self._process(self._pending, events)
+                self._pending = None
+                return events
             if self.has_work():
                 raise RuntimeError("the scheduler planned nothing while requests wait: the page pool is too "
                                    "small for one request")
@@ -240,32 +268,75 @@ class PagedEngine:
         m = self._several_steps_now(plan, lives, shape)
         if m > 1:
             return self._several_steps(plan, lives, shape, m, t0)
+        step = self._dispatch(plan, lives, shape, t0)
+        before, self._pending = self._pending, step
+        if before is not None:
+            self._process(before, events)  # (the device runs `step` meanwhile)
+        if not self.async_scheduling:
+            self._process(step, events)
+            self._pending = None
+        return events
+
+    def _dispatch(self, plan: Plan, lives: list, shape: tuple, t0: float) -> "_Step":
+        """Run a plan's step (asynchronously: its outputs stay on the device) and tell the scheduler its
+        tokens are computed, each draw PENDING until `_process` reads it."""
         want_all = any(lv.req.prompt_logprobs and w.start + 1 < len(lv.req.prompt) for lv, w in zip(lives, plan.work))
         a = runner.step_arrays(plan, shape, self.page_size, self.table_width,
                                {lv.rid: lv.sequence for lv in lives} if want_all else None)
+        self._feed(plan, a)
         rows = self._rows(lives, shape[1])
         t1 = time.perf_counter()
-        self.cache, out = runner.ragged_step(self.weights[shape[0]], self.cache, a, rows, **self._static)
+        self.cache, out = runner.ragged_step(self.weights[shape[0]], self.cache, a, rows, self._prev(), **self._static)
         hidden = out.pop("hidden")  # (stays on the device but for prompt logprobs)
         if want_all:
             out.update(runner.token_scores(self.weights[shape[0]], hidden, a.targets, **self._static))
-        out = jax.device_get(out)
+        sampling = {lv.rid: PENDING for lv, w in zip(lives, plan.work) if w.sample and lv.req.max_tokens > 0}
+        self.scheduler.update(plan, sampling)
+        for lv in lives:
+            lv.pending += lv.rid in sampling
+        rows_of = {w.request_id: j for j, w in enumerate(plan.work) if w.request_id in sampling}
+        return _Step(plan, lives, out, a, shape, want_all, rows_of, t0, t1)
+
+    def _feed(self, plan: Plan, a: runner.StepArrays) -> None:
+        """Mark the plan's PENDING tokens (the last step's draws, not read yet) to be taken on the device
+        from that step's rows."""
+        if self._pending is None:
+            return
+        at = 0
+        for w in plan.work:
+            for i, tok in enumerate(w.tokens):
+                if tok == PENDING:
+                    a.feed[at + i] = self._pending.rows_of[w.request_id]
+                    self.stats.fed_tokens += 1
+            at += len(w.tokens)
+
+    def _prev(self):
+        """The last dispatched step's draws on the device (zeros before the first)."""
+        if self._pending is None:
+            return np.zeros(runner._pow2(self.max_requests), np.int32)
+        return self._pending.out["next"]
+
+    def _process(self, step: "_Step", events: list) -> None:
+        """Read a dispatched step's outputs (waiting for them), put its draws in the scheduler's sequences
+        and emit them; requests that ended since it was planned are skipped."""
+        out = jax.device_get({k: v for k, v in step.out.items() if k != "next"})
         t2 = time.perf_counter()
-        sampled = {}
-        for j, (live, w) in enumerate(zip(lives, plan.work)):
+        plan, a = step.plan, step.a
+        for j, (live, w) in enumerate(zip(step.lives, plan.work)):
+            if w.request_id not in self._live:
+                continue
             if w.start < len(live.req.prompt):  # (its prompt's steps: "prefill" in a Completion's times)
-                live.out.prefill_s += t2 - t1
-            if want_all and live.req.prompt_logprobs:
+                live.out.prefill_s += t2 - step.t1
+            if step.want_all and live.req.prompt_logprobs:
                 self._record_prompt(live, w, int(a.last[j]) - len(w.tokens) + 1, out)
-            if w.sample and live.req.max_tokens > 0:  # (a scoring request draws nothing)
-                sampled[live.rid] = int(out["token"][j])
-        self.scheduler.update(plan, sampled)
-        for j, (live, w) in enumerate(zip(lives, plan.work)):
-            if w.sample:
+            if w.request_id in step.rows_of:
+                live.pending -= 1
+                self.scheduler.fill(live.rid, w.end, int(out["token"][j]))
                 self._emit(live, out["token"][j], out["logprob"][j], out["top_ids"][j], out["top_lps"][j], events)
-        decode = sum(1 for live, w in zip(lives, plan.work) if w.start >= len(live.req.prompt))
-        self._count(plan, shape, decode, t0, t1, t2)
-        return events
+            elif w.sample:  # (a scoring request: its prompt is done)
+                self._end(live, "length", events)
+        decode = sum(1 for live, w in zip(step.lives, plan.work) if w.start >= len(live.req.prompt))
+        self._count(plan, step.shape, decode, step.t0, step.t1, t2)
 
     def _several_steps_now(self, plan: Plan, lives: Sequence[_Live], shape: tuple) -> int:
         """How many decode steps this step may run in one call (1: a plain step): up to its rows'
@@ -275,7 +346,7 @@ class PagedEngine:
         if (k == 1 or self.scheduler.num_waiting or plan.num_requests != self.scheduler.num_running
                 or any(w.start < len(lv.req.prompt) for lv, w in zip(lives, plan.work))):
             return 1
-        m = min(k, min(lv.req.max_tokens - len(lv.out.tokens) for lv in lives))
+        m = min(k, min(lv.req.max_tokens - len(lv.out.tokens) - lv.pending for lv in lives))
         if m > 1 and not all(self.scheduler.extend(w.request_id, w.start + m) for w in plan.work):
             return 1
         return m
@@ -285,12 +356,17 @@ class PagedEngine:
         scheduler and emitted in order, a request's up to its end: the tokens m plain steps give."""
         a = runner.step_arrays(plan, shape, self.page_size, self.table_width)
         a.tables[:len(lives)] = [self._table(w.request_id) for w in plan.work]
+        self._feed(plan, a)
         t1 = time.perf_counter()
         self.cache, out = runner.ragged_decode_steps(self.weights[shape[0]], self.cache, a, self._rows(lives, shape[1]),
-                                                     np.int32(m), steps=self._steps[shape[1]], **self._static)
+                                                     np.int32(m), self._prev(), steps=self._steps[shape[1]],
+                                                     **self._static)
+        events: list[Event] = []
+        if self._pending is not None:  # the step before: its draws are this call's first tokens
+            self._process(self._pending, events)
+            self._pending = None
         out = jax.device_get(out)
         t2 = time.perf_counter()
-        events: list[Event] = []
         alive = list(zip(lives, plan.work, range(len(lives))))
         for i in range(m):
             alive = [(lv, w, j) for lv, w, j in alive if lv.rid in self._live]
@@ -334,7 +410,7 @@ class PagedEngine:
             top_k=col(lambda x: x.req.top_k or 0, np.int32),
             top_p=col(lambda x: 1.0 if x.req.top_p is None else x.req.top_p, np.float32, 1.0),
             key_data=np.stack([x.key_data if x is not None else np.zeros(2, np.uint32) for x in both]),
-            index=col(lambda x: len(x.out.tokens), np.int32),
+            index=col(lambda x: len(x.out.tokens) + x.pending, np.int32),
             top_wanted=np.array(any(bool(x.req.logprobs) for x in lives)))
 
     def _record_prompt(self, live: _Live, w, first: int, out: dict) -> None:

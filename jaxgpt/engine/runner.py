@@ -68,6 +68,7 @@ class StepArrays:
     tables: np.ndarray      # [R, M] block tables (padding 0)
     last: np.ndarray        # [R] index of each request's last token in the step
     targets: np.ndarray     # [T] the token after each one (prompt logprobs; 0 where none)
+    feed: np.ndarray        # [T] -1, or the row of the previous step whose draw is this token (on the device)
 
 
 def step_arrays(plan: Plan, shape: tuple, page_size: int, table_width: int,
@@ -75,8 +76,7 @@ def step_arrays(plan: Plan, shape: tuple, page_size: int, table_width: int,
     """The plan's tokens laid out flat in its work's order. `next_tokens`: request id -> its sequence (for
     `targets`; None: zeros)."""
     t, r = shape
-    a = StepArrays(*(np.zeros(t, np.int32) for _ in range(5)), np.zeros((r, table_width), np.int32),
-                   np.zeros(r, np.int32), np.zeros(t, np.int32))
+    a = warm_arrays(shape, table_width)
     at = 0
     for j, w in enumerate(plan.work):
         n = len(w.tokens)
@@ -100,15 +100,23 @@ def _count(kind: str) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs"), donate_argnums=(1,))
-def ragged_step(params, pool: PagedCache, a: StepArrays, rows: RowSettings, *, config: GPTConfig, backend: Backend,
-                n_logprobs: int):
+def ragged_step(params, pool: PagedCache, a: StepArrays, rows: RowSettings, prev, *, config: GPTConfig,
+                backend: Backend, n_logprobs: int):
     """One step: the tokens of `a` through the model over the page pool (their keys and values written to
     their slots), then each request row's next token drawn from the logits after its last token, with its
-    logprob and the n most likely. Returns (the pool, outputs); outputs' "hidden" [T, D], the final hidden
-    states, are what `token_scores` turns into prompt logprobs (left on the device otherwise)."""
+    logprob and the n most likely. A token whose `a.feed` is a row r >= 0 is the previous step's draw
+    `prev[r]` (its "next" output, still on the device: asynchronous scheduling plans a step before the
+    last one's draws are read). Returns (the pool, outputs); outputs' "next" are the draws padded to
+    prev's length (the next step's `prev`), "hidden" [T, D] the final hidden states, which `token_scores`
+    turns into prompt logprobs (left on the device otherwise)."""
     _count("ragged_step")
-    pool, out, h_TxD = _step(params, pool, a, rows, config, backend, n_logprobs)
-    return pool, dict(out, hidden=h_TxD)
+    pool, out, h_TxD = _step(params, pool, _fed(a, prev), rows, config, backend, n_logprobs)
+    return pool, dict(out, hidden=h_TxD, next=jnp.zeros_like(prev).at[:out["token"].shape[0]].set(out["token"]))
+
+
+def _fed(a: StepArrays, prev) -> StepArrays:
+    """`a` with each token that the previous step drew (feed >= 0) taken from its draws on the device."""
+    return dataclasses.replace(a, tokens=jnp.where(a.feed >= 0, prev[jnp.maximum(a.feed, 0)], a.tokens))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs"))
@@ -137,14 +145,15 @@ def _step(params, pool: PagedCache, a: StepArrays, rows: RowSettings, config, ba
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "n_logprobs", "steps"), donate_argnums=(1,))
-def ragged_decode_steps(params, pool: PagedCache, a: StepArrays, rows: RowSettings, n_steps, *, config: GPTConfig,
-                        backend: Backend, n_logprobs: int, steps: int):
+def ragged_decode_steps(params, pool: PagedCache, a: StepArrays, rows: RowSettings, n_steps, prev, *,
+                        config: GPTConfig, backend: Backend, n_logprobs: int, steps: int):
     """The first `n_steps` (traced, 1 to `steps`) of `steps` decode steps in one program, for a step of
     decoding requests only (token t is row t's): each step's draws fed to the next, its positions one
     further, written through the block tables (which must already hold the pages those positions need),
     the i-th draw keyed with rows.index + i as single steps key it. Outputs [steps, R, ...], the first
-    n_steps filled; padding tokens (limit 0) stay on page 0 and see nothing."""
+    n_steps filled; padding tokens (limit 0) stay on page 0 and see nothing. `prev` as `ragged_step`'s."""
     _count("ragged_decode_steps")
+    a = _fed(a, prev)
     ps, r = pool.page_size, a.tables.shape[0]
     valid = a.limits > 0
     outs = dict(token=jnp.zeros((steps, r), jnp.int32), logprob=jnp.zeros((steps, r), jnp.float32),
@@ -175,7 +184,7 @@ def warm_arrays(shape: tuple, table_width: int) -> StepArrays:
     """A step of padding only (every token on page 0, seeing nothing): what warmup runs."""
     t, r = shape
     return StepArrays(*(np.zeros(t, np.int32) for _ in range(5)), np.zeros((r, table_width), np.int32),
-                      np.zeros(r, np.int32), np.zeros(t, np.int32))
+                      np.zeros(r, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32))
 
 
 jax.tree_util.register_dataclass(StepArrays, data_fields=[f.name for f in dataclasses.fields(StepArrays)],
@@ -199,6 +208,7 @@ def lower_programs(config: GPTConfig, calls: Sequence[tuple], *, num_pages: int,
 
     pool = place(jax.eval_shape(lambda: PagedCache.create_pool(config, num_pages, page_size, dtype=kv_dtype)))
     static = dict(config=config, backend=backend, n_logprobs=max_logprobs)
+    prev = place(jax.ShapeDtypeStruct((max(r for (_, r), _ in calls),), jnp.int32))
     out, weights = {}, None
     for (t, r), kind in calls:
         p, prepared, _ = _abstract_weights(config, backend, t, quantize, params)
@@ -207,11 +217,12 @@ def lower_programs(config: GPTConfig, calls: Sequence[tuple], *, num_pages: int,
         rows = place(jax.eval_shape(lambda r=r: jax.tree.map(jnp.asarray, idle_rows(r))))
         if kind == "steps":
             n = place(jax.ShapeDtypeStruct((), jnp.int32))
-            out[((t, r), kind)] = ragged_decode_steps.lower(weights, pool, a, rows, n, steps=steps_by_rows[r], **static)
+            out[((t, r), kind)] = ragged_decode_steps.lower(weights, pool, a, rows, n, prev, steps=steps_by_rows[r],
+                                                            **static)
         elif kind == "scores":
             h = place(jax.ShapeDtypeStruct((t, config.n_embd), jnp.dtype(config.compute_dtype)))
             out[((t, r), kind)] = token_scores.lower(weights, h, a.targets, **static)
         else:
-            out[((t, r), kind)] = ragged_step.lower(weights, pool, a, rows, **static)
+            out[((t, r), kind)] = ragged_step.lower(weights, pool, a, rows, prev, **static)
     out["pool"], out["weights"] = pool, weights
     return out

@@ -27,6 +27,10 @@ from typing import Optional, Sequence
 from jaxgpt.engine.pages import PagePool
 from jaxgpt.engine.plan import Plan, Work
 
+# A drawn token not yet read back from the device (asynchronous scheduling): `update` may append it in a
+# token's place, `fill` puts the token there later. No page holding one joins the prefix cache until then.
+PENDING = -1
+
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerStats:
@@ -338,10 +342,26 @@ class Scheduler:
             except TypeError:
                 raise ValueError(f"a drawn token must be an integer, got {token!r}") from None
 
+    def fill(self, request_id: int, index: int, token: int) -> bool:
+        """Put a drawn token in place of the PENDING one at `index` of a request's sequence (then register
+        the pages it completes); False for a request no longer known (finished, cancelled)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        if not 0 <= index < len(req.seq) or req.seq[index] != PENDING:
+            raise ValueError(f"request {request_id!r} holds no pending token at {index}")
+        req.seq[index] = operator.index(token)
+        if req.running and self.prefix_caching:
+            self._register(req)
+        return True
+
     def _register(self, req: _Request) -> None:
-        """Register the request's newly full, computed pages in the prefix cache (prompt or generated)."""
+        """Register the request's newly full, computed pages in the prefix cache (prompt or generated); a
+        page holding a PENDING token waits for `fill`."""
         ps = self.page_size
         while (len(req.keys) + 1) * ps <= req.num_computed:
             i = len(req.keys)
+            if PENDING in req.seq[i * ps:(i + 1) * ps]:
+                return
             parent = req.keys[-1] if req.keys else None
             req.keys.append(self.pool.cache_page(req.pages[i], parent, req.seq[i * ps:(i + 1) * ps], req.salt))
