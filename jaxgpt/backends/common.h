@@ -17,13 +17,39 @@ namespace ffi = xla::ffi;
 // 16 floats; GCC/Clang lower it to one AVX-512 register, two AVX ones, or four SSE ones.
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
+// 16 floats from and to memory. With AVX-512 the loads are named: GCC 12 lowered the 64-byte memcpy into a
+// v16 to two 32-byte copies through the stack and a 64-byte reload, a store-forwarding stall on every load
+// (bench/README.md, "Named AVX-512 loads"). With AVX2 only, GCC 12 keeps a v16 in two registers spilled
+// through the stack whichever way it is loaded (two _mm256_loadu_ps and a union, or a shuffle of the two
+// halves, compiled no better or worse than the memcpy), so the memcpy, the portable form, stays there.
 static inline v16 load16(const float* p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_loadu_ps(p);
+#else
   v16 v;
   std::memcpy(&v, p, sizeof v);
   return v;
+#endif
 }
 
-static inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+static inline void store16(float* p, v16 v) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(p, (__m512)v);
+#else
+  std::memcpy(p, &v, sizeof v);
+#endif
+}
+
+// The first n (1..16) of v's floats to p: a masked store with AVX-512 (a memcpy of a variable length put v
+// on the stack and called the library's memcpy, once per panel and row in rows.cc).
+static inline void store_first(float* p, v16 v, int64_t n) {
+#if defined(__AVX512F__)
+  if (n >= 16) return store16(p, v);
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), (__m512)v);
+#else
+  std::memcpy(p, &v, n * sizeof(float));
+#endif
+}
 
 // 16 consecutive floats, or int8 values widened to floats (int8 weights, an int8 KV cache). For int8, GCC 12
 // widens a generic vector element by element (__builtin_convertvector), so the AVX-512 and AVX2 widening

@@ -48,25 +48,12 @@ static inline float hsum(v16 x) {
 #endif
 }
 
-// 16 floats loaded (a float32 pool's, or widened from an int8 pool's). common.h's load16 is a memcpy,
-// which GCC 12 lowers here to two 32-byte copies through the stack and a 64-byte reload (a store forwarding
-// stall on every key and value): named AVX-512 loads instead.
-static inline v16 load(const float* p) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<v16>(_mm512_loadu_ps(p));
-#else
-  return load16(p);
-#endif
-}
+// 16 floats loaded (a float32 pool's, or widened from an int8 pool's). (These named AVX-512 loads here
+// first, before common.h's load16 and store16 were made the same: bench/README.md, "Named AVX-512 loads".)
+static inline v16 load(const float* p) { return load16(p); }
 static inline v16 load(const int8_t* p) { return weights16(p); }
 
-static inline void store(float* p, v16 x) {
-#if defined(__AVX512F__)
-  _mm512_storeu_ps(p, reinterpret_cast<__m512>(x));
-#else
-  store16(p, x);
-#endif
-}
+static inline void store(float* p, v16 x) { store16(p, x); }
 
 template <typename E>
 struct Pool {

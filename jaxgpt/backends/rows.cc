@@ -56,7 +56,7 @@ static void panels(const float* x, int64_t in, const W* wp, const float* scale, 
         const v16 s = load16(scale + o);  // scale is padded to whole panels
         for (int r = 0; r < R; ++r) acc[k][r] *= s;
       }
-      for (int r = 0; r < R; ++r) std::memcpy(y + r * out + o, &acc[k][r], n * sizeof(float));
+      for (int r = 0; r < R; ++r) store_first(y + r * out + o, acc[k][r], n);
     }
   }
 }
@@ -125,7 +125,7 @@ static void panels64(const float* x, int64_t in, const int8_t* wp, const float* 
         const v16 s = load16(scale + o);  // scale is padded to whole panels
         for (int r = 0; r < R; ++r) {
           const v16 yr = acc[v][r] * s;
-          std::memcpy(y + r * out + o, &yr, n * sizeof(float));
+          store_first(y + r * out + o, yr, n);
         }
       }
     }
@@ -229,7 +229,7 @@ static void panels_w8a8(const uint8_t* xu, const float* xs, int64_t groups, cons
       const v16 s = load16(scale + o);
       for (int r = 0; r < R; ++r) {
         const v16 yr = __builtin_convertvector(acc16_ints(acc[v][r]) - c, v16) * (s * xs[r]);
-        std::memcpy(y + r * out + o, &yr, n * sizeof(float));
+        store_first(y + r * out + o, yr, n);
       }
     }
   }
