@@ -351,6 +351,24 @@ def test_generated_tokens_are_cached_too():
     assert sched.schedule().cached == {1: 8}
 
 
+def test_a_pending_draw_keeps_its_page_out_of_the_cache_until_filled():
+    # asynchronous scheduling: a draw not read back yet is PENDING in the sequence; the next step feeds it
+    # (its position counts as computed), but no page holding it is cached until `fill` puts the token there
+    from jaxgpt.engine.scheduler import PENDING
+
+    sched = Scheduler(num_pages=16, page_size=4, max_len=32, token_budget=64, max_requests=4)
+    sched.add(0, [1, 2, 3], 6, cacheable=2)
+    sched.update(sched.schedule(), {0: PENDING})       # the prompt's step; its draw still on the device
+    plan = sched.schedule()
+    assert [w.tokens for w in plan.work] == [(PENDING,)]  # the next step feeds it
+    sched.update(plan, {0: PENDING})
+    assert sched.pool.num_cached == 0                    # page 0 holds positions 0 .. 3: 1, 2, 3, PENDING
+    assert sched.fill(0, 3, 7) and sched.pool.num_cached == 1 and sched.sequence(0)[:4] == (1, 2, 3, 7)
+    with pytest.raises(ValueError, match="no pending token"):
+        sched.fill(0, 3, 8)
+    assert sched.fill(0, 4, 9) and sched.finish(0) and not sched.fill(0, 4, 9)
+
+
 def test_finished_pages_stay_cached_until_evicted():
     sched = Scheduler(num_pages=4, page_size=4, max_len=16, token_budget=64, max_requests=4)
     _run_prompt(sched, 0, PREFIX[:9])
