@@ -237,8 +237,8 @@ def vllm_env(binding: str, kv_cache_gib: int) -> dict:
 
 
 def vllm_server(vllm_dir: str, folder: str, port: int, binding: str, max_len: int, kv_cache_gib: int,
-                log_path: str) -> Server:
-    cmd = [os.path.join(vllm_dir, "bin", "vllm"), "serve", folder, "--dtype", "float32", "--max-model-len",
+                log_path: str, dtype: str = "float32") -> Server:
+    cmd = [os.path.join(vllm_dir, "bin", "vllm"), "serve", folder, "--dtype", dtype, "--max-model-len",
            str(max_len), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
     return Server(f"vllm ({binding})", cmd, vllm_env(binding, kv_cache_gib), port, log_path, start_timeout=1200)
 
@@ -447,6 +447,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm-bindings", nargs="*", default=["default", "both"], choices=sorted(VLLM_BINDINGS),
                     help="vLLM's servers to measure (none given: jaxgpt-serve only, still with vLLM's client)")
     ap.add_argument("--vllm-kv-cache-gib", type=int, default=4)
+    ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="vLLM's --dtype (default float32, as jaxgpt-serve's weights; bfloat16: its fastest on an "
+                         "AVX512_BF16 CPU)")
     ap.add_argument("--jaxgpt-args", action="append", default=None,
                     help="extra jaxgpt-serve flags, after the default --slots=<largest concurrency> (which a --slots "
                          "of their own replaces); given more than once, one server per value, measured in turn")
@@ -565,9 +568,9 @@ def main(argv=None) -> dict:
                                        "import importlib.metadata as m; print(m.version('vllm'))"],
                                       stdout=subprocess.PIPE, text=True).stdout.strip()
         for binding in args.vllm_bindings:
-            side(f"vllm ({binding})", lambda b=binding: vllm_server(
+            side(f"vllm ({binding}, {args.vllm_dtype})", lambda b=binding: vllm_server(
                 args.vllm, folder, free_port(), b, cfg.block_size, args.vllm_kv_cache_gib,
-                os.path.join(work, f"vllm-{b}.log")), f"vllm-{binding}")
+                os.path.join(work, f"vllm-{b}.log"), dtype=args.vllm_dtype), f"vllm-{binding}-{args.vllm_dtype}")
     else:
         print("vLLM: skipped (no --vllm DIR)", flush=True)
 
