@@ -260,7 +260,8 @@ def test_every_paged_engine_program_compiles_and_says_how_many_tokens_fit(target
                                engine_args={"slots": 4, "max_len": 32, "page_size": 8, "token_budget": 16})
     e = r["programs"]["paged"]
     # the list warmup() runs: every step shape with and without prompt logprobs, and the multi-step decodes
-    want = runner.programs(runner.step_shapes(16, 4), slots.steps_by_rows(DEFAULT_DECODE_STEPS, 4))
+    shapes = runner.step_shapes(16, 4)
+    want = runner.programs(shapes, runner.shape_steps(shapes, slots.steps_by_rows(DEFAULT_DECODE_STEPS, 4)))
     assert e["programs"] == len(e["steps"]) == len(want) and r["fits"] and e["fits"]
     assert [(s["tokens"], s["requests"], s["kind"]) for s in e["steps"]] == [(t, q, k) for (t, q), k in want]
     # a page's keys and values: 2 x layers x kv heads x positions x head dim x 4 bytes; measured at least that

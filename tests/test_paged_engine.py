@@ -71,8 +71,10 @@ def test_requests_equal_generate_alone_whatever_their_neighbours(params, backend
 def test_grouped_query_attention_and_page_sizes():
     params = jaxgpt.init_params(GQA, jax.random.key(1))
     prompts = _prompts(1, (7, 18, 30))
-    for page in (1, 16):
-        eng = PagedEngine(params, GQA, max_requests=3, max_len=64, page_size=page, token_budget=16)
+    for page, least in ((1, 1), (16, 4)):  # (steps of at least 4 tokens: padding rows change nothing)
+        eng = PagedEngine(params, GQA, max_requests=3, max_len=64, page_size=page, token_budget=16,
+                          min_step_tokens=least, decode_steps={1: 4})
+        assert min(t for t, _ in eng.shapes) == least
         outs = eng.run([dict(prompt=p, max_tokens=8, **s) for p, s in zip(prompts, SETTINGS)])
         _check_alone(params, GQA, prompts, SETTINGS, outs, 8)
 

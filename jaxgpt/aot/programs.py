@@ -393,10 +393,10 @@ def compile_paged(config, devs: Devices, vocab_size: int, slots: int = 32, max_l
         raise AotError(f"the paged engine: {e}") from None
     _, _, replicated = _engine_placement(config, gcfg, devs, "", None)
     width, shapes = -(-max_len // page_size), runner.step_shapes(token_budget, slots)
-    steps = slots_mod.steps_by_rows(DEFAULT_DECODE_STEPS, runner._pow2(slots))
+    steps = runner.shape_steps(shapes, slots_mod.steps_by_rows(DEFAULT_DECODE_STEPS, runner._pow2(slots)))
     calls = runner.programs(shapes, steps)
     small, big = 2, 2 + 8 * width  # pool sizes: the growth between them is what a page costs
-    kw = dict(page_size=page_size, table_width=width, steps_by_rows=steps, backend=backend, sharding=replicated,
+    kw = dict(page_size=page_size, table_width=width, steps=steps, backend=backend, sharding=replicated,
               quantize=quantize, kv_dtype=kv_dtype)
     lowered = runner.lower_programs(gcfg, calls, num_pages=small, **kw)
     table, largest = [], None

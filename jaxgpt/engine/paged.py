@@ -108,13 +108,17 @@ class PagedEngine:
     `kv_dtype="int8"`: pages of int8 keys and values with scales. `quantize`: "int8" or "w8a8" weights
     (the step runs the backend's decode forms of them). Params placed on a mesh by `jaxgpt.shard_params`
     (say tensor=2) run there, attention split by heads over `tensor`, and with `split_cache` (default: on
-    wherever `tensor` > 1) the page pool split by kv head: each device holds and reads its own heads."""
+    wherever `tensor` > 1) the page pool split by kv head: each device holds and reads its own heads.
+    `decode_steps`: as `Engine`'s, several decode steps a call while every running request decodes and none
+    waits. `async_scheduling` (default on): each step is planned while the one before runs. Steps are padded
+    to at least `min_step_tokens` tokens (fewer programs to compile; on a CPU a few rows cost about one)."""
 
     def __init__(self, params, config: GPTConfig, *, max_requests: int = 32, max_len: Optional[int] = None,
                  page_size: int = 16, num_pages: Optional[int] = None, token_budget: int = 256,
                  max_chunk: Optional[int] = None, max_logprobs: int = 20, backend: Optional[Backend] = None,
                  quantize: Optional[str] = None, kv_dtype: Optional[str] = None, prefix_caching: bool = True,
-                 decode_steps=1, split_cache: Optional[bool] = None, async_scheduling: bool = True):
+                 decode_steps=1, split_cache: Optional[bool] = None, async_scheduling: bool = True,
+                 min_step_tokens: int = 1):
         self.quantize, self.kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
         max_len = config.block_size if max_len is None else max_len
         _check_sizes(config, max_requests, max_len, page_size, num_pages, token_budget, max_logprobs)
@@ -129,10 +133,11 @@ class PagedEngine:
         if self.quantize is not None:
             params = _dequantized_jit(params, config=self.config)
         self.params = cast_floats(params, self.config.compute_dtype)
-        self.shapes = runner.step_shapes(self.token_budget, self.max_requests)
+        self.shapes = runner.step_shapes(self.token_budget, self.max_requests, min_step_tokens)
         # decode steps a call by the step's rows (steps_by_rows), when every running request is decoding and
         # none waits
         self._steps = steps_by_rows(decode_steps, runner._pow2(self.max_requests))
+        self._shape_steps = runner.shape_steps(self.shapes, self._steps)  # (each program's most)
         self.weights = decode_weights(self.params, self.config, self.backend, self.quantize,
                                       [t for t, _ in self.shapes])
         self.cache = PagedCache.create_pool(self.config, self.num_pages, self.page_size, dtype=self.kv_dtype)
@@ -180,7 +185,7 @@ class PagedEngine:
                 prev = np.zeros(runner._pow2(self.max_requests), np.int32)
                 if kind == "steps":
                     self.cache, _ = runner.ragged_decode_steps(self.weights[shape[0]], self.cache, a, rows, np.int32(1),
-                                                               prev, steps=self._steps[shape[1]], **self._static)
+                                                               prev, steps=self._shape_steps[shape], **self._static)
                 elif kind == "scores":
                     h = jnp.zeros((shape[0], self.config.n_embd), self.config.compute_dtype)
                     runner.token_scores(self.weights[shape[0]], h, a.targets, **self._static)
@@ -194,7 +199,7 @@ class PagedEngine:
         return len(self._warmup_calls(prompt_logprobs))
 
     def _warmup_calls(self, prompt_logprobs: bool) -> list:
-        return runner.programs(self.shapes, self._steps, prompt_logprobs)
+        return runner.programs(self.shapes, self._shape_steps, prompt_logprobs)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -342,7 +347,7 @@ class PagedEngine:
         """How many decode steps this step may run in one call (1: a plain step): up to its rows'
         `decode_steps` while every running request decodes and none waits, as many as the nearest to its
         max_tokens has left, with pages for them all given now (else 1)."""
-        k = self._steps.get(shape[1], 1) if shape[0] == shape[1] else 1
+        k = self._steps.get(runner._pow2(plan.num_requests), 1) if shape in self._shape_steps else 1
         if (k == 1 or self.scheduler.num_waiting or plan.num_requests != self.scheduler.num_running
                 or any(w.start < len(lv.req.prompt) for lv, w in zip(lives, plan.work))):
             return 1
@@ -359,7 +364,7 @@ class PagedEngine:
         self._feed(plan, a)
         t1 = time.perf_counter()
         self.cache, out = runner.ragged_decode_steps(self.weights[shape[0]], self.cache, a, self._rows(lives, shape[1]),
-                                                     np.int32(m), self._prev(), steps=self._steps[shape[1]],
+                                                     np.int32(m), self._prev(), steps=self._shape_steps[shape],
                                                      **self._static)
         events: list[Event] = []
         if self._pending is not None:  # the step before: its draws are this call's first tokens

@@ -30,21 +30,37 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def step_shapes(token_budget: int, max_requests: int) -> tuple:
-    """(tokens, requests) of every step program: tokens a power of two up to the budget's, requests as
-    many (each request feeds at least one token) up to `max_requests`'s power of two."""
+def step_shapes(token_budget: int, max_requests: int, min_tokens: int = 1) -> tuple:
+    """(tokens, requests) of every step program: tokens a power of two from `min_tokens`'s up to the
+    budget's, requests as many (each request feeds at least one token) up to `max_requests`'s power of two.
+    (A larger `min_tokens` pads small steps more and compiles fewer programs.)"""
     top_t, top_r = _pow2(token_budget), _pow2(max_requests)
-    return tuple((t, min(t, top_r)) for t in (1 << i for i in range(top_t.bit_length())))
+    low = min(_pow2(min_tokens), top_t)
+    return tuple((t, min(t, top_r)) for t in (1 << i for i in range(top_t.bit_length())) if t >= low)
 
 
-def programs(shapes: Sequence[tuple], steps_by_rows: dict, prompt_logprobs: bool = True) -> list:
+def shape_steps(shapes: Sequence[tuple], steps_by_rows: dict) -> dict:
+    """The decode steps each decode shape's several-steps program runs at most: the most that any request
+    count it serves takes (`steps_by_rows`, keyed by powers of two: a shape of t tokens serves the counts
+    above the next smaller shape's, up to t). Only shapes whose programs run more than one step."""
+    out, below = {}, 0
+    for t, r in shapes:
+        if t != r:
+            continue
+        k = max(steps_by_rows.get(_pow2(n), 1) for n in range(below + 1, t + 1))
+        if k > 1:
+            out[(t, r)] = k
+        below = t
+    return out
+
+
+def programs(shapes: Sequence[tuple], steps: dict, prompt_logprobs: bool = True) -> list:
     """Every program a paged engine runs, as (shape, kind): the one list `PagedEngine.warmup` compiles and
     `jaxgpt-aot --programs=paged` compiles for a target. Kinds: "step" (`ragged_step`), "scores"
     (`token_scores` of a step's tokens: prompt logprobs), "steps" (`ragged_decode_steps`, for the decode
-    shapes whose row count runs several steps a call: `steps_by_rows`)."""
+    shapes in `steps`, `shape_steps`'s)."""
     kinds = ("step", "scores") if prompt_logprobs else ("step",)
-    out = [(shape, kind) for shape in shapes for kind in kinds]
-    return out + [(shape, "steps") for shape in shapes if shape[0] == shape[1] and steps_by_rows.get(shape[1], 1) > 1]
+    return [(shape, kind) for shape in shapes for kind in kinds] + [(shape, "steps") for shape in steps]
 
 
 def shape_for(plan: Plan, shapes: Sequence[tuple]) -> tuple:
@@ -192,7 +208,7 @@ jax.tree_util.register_dataclass(StepArrays, data_fields=[f.name for f in datacl
 
 
 def lower_programs(config: GPTConfig, calls: Sequence[tuple], *, num_pages: int, page_size: int, table_width: int,
-                   steps_by_rows: dict, backend: Optional[Backend] = None, sharding=None, max_logprobs: int = 20,
+                   steps: dict, backend: Optional[Backend] = None, sharding=None, max_logprobs: int = 20,
                    quantize: Optional[str] = None, kv_dtype: Optional[str] = None, params=None) -> dict:
     """The programs `calls` ((shape, kind) from `programs`) lowered for abstract inputs placed on `sharding`
     (nothing allocated): {(shape, kind): lowered}, and "pool" (the abstract page pool) and "weights" (the
@@ -217,7 +233,7 @@ def lower_programs(config: GPTConfig, calls: Sequence[tuple], *, num_pages: int,
         rows = place(jax.eval_shape(lambda r=r: jax.tree.map(jnp.asarray, idle_rows(r))))
         if kind == "steps":
             n = place(jax.ShapeDtypeStruct((), jnp.int32))
-            out[((t, r), kind)] = ragged_decode_steps.lower(weights, pool, a, rows, n, prev, steps=steps_by_rows[r],
+            out[((t, r), kind)] = ragged_decode_steps.lower(weights, pool, a, rows, n, prev, steps=steps[(t, r)],
                                                             **static)
         elif kind == "scores":
             h = place(jax.ShapeDtypeStruct((t, config.n_embd), jnp.dtype(config.compute_dtype)))
