@@ -225,3 +225,17 @@ def test_asynchronous_scheduling_changes_no_token(params):
     assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
     assert outs[True][0].token_ids == greedy[:greedy.index(greedy[3]) + 1]
     _check_alone(params, CFG, prompts[1:], SETTINGS[1:], outs[True][1:], 12)
+
+
+def test_a_recomputation_past_the_prompt_is_not_run_as_decode_steps(params):
+    # a pool of 4 pages of 4 for two requests of up to 12 positions: the newest is preempted, and its
+    # recomputation (prompt and drawn tokens, in chunks of 2: one starts past its prompt) must run as a
+    # chunk even when nothing waits and several decode steps a call are allowed
+    prompts = [[5, 9], [7, 3, 2]]
+    for caching in (True, False):
+        eng = PagedEngine(params, CFG, max_requests=4, max_len=12, page_size=4, num_pages=5, token_budget=16,
+                          max_chunk=2, decode_steps={1: 4, 2: 4}, prefix_caching=caching)
+        outs = eng.run([dict(prompt=p, max_tokens=12 - len(p), **s) for p, s in zip(prompts, SETTINGS)])
+        assert eng.stats.preemptions > 0 and eng.scheduler.stats.pages_in_use == 0
+        for p, s, o in zip(prompts, SETTINGS, outs):
+            assert o.token_ids == _alone(params, CFG, p, 12 - len(p), s), (caching, s)

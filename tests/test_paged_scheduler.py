@@ -369,6 +369,18 @@ def test_a_pending_draw_keeps_its_page_out_of_the_cache_until_filled():
     assert sched.fill(0, 4, 9) and sched.finish(0) and not sched.fill(0, 4, 9)
 
 
+def test_extend_gives_all_or_none_and_schedule_survives_pages_given_ahead():
+    sched = Scheduler(num_pages=5, page_size=4, max_len=16, token_budget=16, max_requests=4)
+    sched.add(0, [1, 2], 6, cacheable=1)
+    sched.add(1, [3, 4, 5], 6, cacheable=2)
+    sched.update(sched.schedule(), {0: 7, 1: 8})
+    assert sched.pool.num_free == 2
+    assert not sched.extend({0: 12, 1: 12}) and sched.pool.num_free == 2  # 4 pages asked for: none given
+    assert sched.extend({0: 8}) and sched.pool.num_free == 1 and len(sched.pages(0)) == 2
+    plan = sched.schedule()  # request 0 holds a page past what its next token needs: nothing to allocate
+    assert [len(w.tokens) for w in plan.work] == [1, 1] and sched.pool.num_free == 1
+
+
 def test_finished_pages_stay_cached_until_evicted():
     sched = Scheduler(num_pages=4, page_size=4, max_len=16, token_budget=64, max_requests=4)
     _run_prompt(sched, 0, PREFIX[:9])

@@ -328,7 +328,7 @@ static ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const ffi
     if (units == 0) return;
     in_turns(pool, units, [=](auto next) {
       std::vector<Running<HD>> run;
-      alignas(64) float sc[kTile];
+      alignas(64) float sc[kTile] = {};  // (zeroed: a short tile's tail lanes are loaded, then masked)
       std::vector<float> kt(static_cast<size_t>(HD * kTile)), vt(static_cast<size_t>(HD * kTile));
       for (int64_t u = next(); u < units; u = next()) {
         const int64_t b = u / K;

@@ -348,17 +348,21 @@ class PagedEngine:
         `decode_steps` while every running request decodes and none waits, as many as the nearest to its
         max_tokens has left, with pages for them all given now (else 1)."""
         k = self._steps.get(runner._pow2(plan.num_requests), 1) if shape in self._shape_steps else 1
+        # (every work one token drawn after: a preempted request's recomputation may start past its prompt
+        # with a chunk of several)
         if (k == 1 or self.scheduler.num_waiting or plan.num_requests != self.scheduler.num_running
+                or plan.num_tokens != plan.num_requests or not all(w.sample for w in plan.work)
                 or any(w.start < len(lv.req.prompt) for lv, w in zip(lives, plan.work))):
             return 1
         m = min(k, min(lv.req.max_tokens - len(lv.out.tokens) - lv.pending for lv in lives))
-        if m > 1 and not all(self.scheduler.extend(w.request_id, w.start + m) for w in plan.work):
+        if m > 1 and not self.scheduler.extend({w.request_id: w.start + m for w in plan.work}):
             return 1
         return m
 
     def _several_steps(self, plan: Plan, lives: list, shape: tuple, m: int, t0: float) -> list:
         """m decode steps in one call (`runner.ragged_decode_steps`), then each step's draws handed to the
         scheduler and emitted in order, a request's up to its end: the tokens m plain steps give."""
+        assert plan.num_tokens == plan.num_requests, "several decode steps take one token a request"
         a = runner.step_arrays(plan, shape, self.page_size, self.table_width)
         a.tables[:len(lives)] = [self._table(w.request_id) for w in plan.work]
         self._feed(plan, a)

@@ -212,7 +212,7 @@ class Scheduler:
     def _schedule_running(self, req: _Request, step: _Step) -> None:
         """Give a running request its next chunk, preempting the newest running requests for pages."""
         n = min(req.remaining, self.max_chunk, step.budget)
-        need = self._pages_for(req.num_computed + n) - len(req.pages)
+        need = max(0, self._pages_for(req.num_computed + n) - len(req.pages))  # (extend may have given more)
         while need > self.pool.num_free:
             victim = self._running[-1]
             self._preempt(victim, step)
@@ -290,18 +290,18 @@ class Scheduler:
         """A running request's block table (its pages in order), as the scheduler holds it."""
         return tuple(self._requests[request_id].pages)
 
-    def extend(self, request_id: int, tokens: int) -> bool:
-        """Give a running request pages for its first `tokens` positions now, without preempting anyone
-        (cached free pages may be evicted); False, having taken nothing, where the pool cannot. (Several
-        decode steps in one call write positions that no plan has scheduled yet.)"""
-        req = self._requests[request_id]
-        need = self._pages_for(min(tokens, self.max_len)) - len(req.pages)
-        if need <= 0:
-            return True
-        pages = self.pool.allocate(need)
-        if pages is None:
+    def extend(self, wants: dict) -> bool:
+        """Give running requests pages for their first `wants[request_id]` positions now, all or none,
+        without preempting anyone (cached free pages may be evicted); False, having taken nothing, where
+        the pool cannot give them all. (Several decode steps in one call write positions that no plan has
+        scheduled yet.)"""
+        needs = {rid: max(0, self._pages_for(min(n, self.max_len)) - len(self._requests[rid].pages))
+                 for rid, n in wants.items()}
+        if sum(needs.values()) > self.pool.num_free:
             return False
-        req.pages += pages
+        for rid, need in needs.items():
+            if need:
+                self._requests[rid].pages += self.pool.allocate(need)
         return True
 
     # ---- after the step ----
