@@ -32,7 +32,7 @@ from jaxgpt.engine.plan import Plan, Work
 from jaxgpt.engine.scheduler import Scheduler
 from jaxgpt.engine.slots import (TRACES, Completion, Event, Request, Token, check_request, decode_weights,
                                  seed_key, steps_by_rows)
-from jaxgpt.paged import PagedCache, pool_bytes
+from jaxgpt.paged import PagedCache, pool_bytes, pool_layout
 from jaxgpt.quantize import check_kv_dtype, check_quantize
 from jaxgpt.sampling import RowSettings, _dequantized_jit
 
@@ -114,7 +114,8 @@ class PagedEngine:
         self._steps = steps_by_rows(decode_steps, runner._pow2(self.max_requests))
         self.weights = decode_weights(self.params, self.config, self.backend, self.quantize,
                                       [t for t, _ in self.shapes])
-        self.cache = PagedCache.create_pool(self.config, self.num_pages, self.page_size, dtype=self.kv_dtype)
+        self.cache = PagedCache.create_pool(self.config, self.num_pages, self.page_size, dtype=self.kv_dtype,
+                                            layout=pool_layout(self.config, self.backend, self.kv_dtype))
         self.scheduler = Scheduler(num_pages=self.num_pages, page_size=self.page_size, max_len=self.max_len,
                                    token_budget=self.token_budget, max_requests=self.max_requests,
                                    prefix_caching=prefix_caching, max_chunk=max_chunk)
