@@ -141,11 +141,12 @@ needs_aot = pytest.mark.skipif(aot.missing_extra() is not None, reason=f"aot ext
 
 @needs_aot
 def test_every_paged_program_for_a_tpu_target_compiles_with_the_pallas_kernel():
-    from test_aot import _tiny
+    from jaxgpt.training.config import default_config
 
     aot.prepare_environment()
-    config = _tiny()
-    config.model.n_head, config.model.n_embd = 2, 256  # heads of 128: what the kernel takes
+    config = default_config()  # (test_aot's tiny model with heads of 128: what the kernel takes)
+    config.train.parallel, config.data.tokenizer = "mesh", "byte"
+    config.model.block_size, config.model.n_layer, config.model.n_head, config.model.n_embd = 64, 2, 2, 256
     r = aot.compile_for_target(config, aot.parse_target("tpu:v5e:1x1"), programs=("paged",), progress=False,
                                engine_args={"slots": 4, "max_len": 32, "page_size": 8, "token_budget": 16})
     e = r["programs"]["paged"]
