@@ -1,7 +1,10 @@
 """A paged KV cache: a pool of fixed-size pages that many requests share through block tables.
 
-Each layer's keys (and values) are one pool [P, K, page, H]: page p holds `page` consecutive positions of
-one request, for every kv head. A request's block table lists its pages in order, so its position s lies in
+Each layer's keys (and values) are one pool [P, K, page, H] ("split", the default): page p holds `page`
+consecutive positions of one request, for every kv head. The "combined" layout (a float pool only) keeps a
+layer's keys and values in one buffer [P, page, 2K, H], key head k at 2k and its values at 2k + 1: the
+layout JAX's ragged paged attention kernel for TPUs reads in place (`Backend.paged_layout` says which a
+backend wants; `pool_layout` picks it for a pool). A request's block table lists its pages in order, so its position s lies in
 page table[s // page] at offset s % page. Pages are handed out as tokens arrive and taken back when a
 request ends (jaxgpt/engine/pages.py keeps that account on the host); the cache holds bytes in proportion
 to the tokens in use, not to slots x max_len. Page 0 is never a request's: padding tokens write there.
@@ -14,7 +17,8 @@ requests (one token each) and prompt chunks share that one forward, so every wei
 
 `paged_attention` is the portable form in plain JAX (any backend; the oracle the native and Pallas kernels
 are tested against): it walks the block tables a few pages at a time, each token gathering its own row's
-pages, with a running (online) softmax, so it holds [T, K, tile, H] at once whatever the lengths.
+pages, with a running (online) softmax, so it holds [T, K, tile, H] at once whatever the lengths. It reads
+either layout.
 """
 
 from __future__ import annotations
@@ -33,9 +37,23 @@ from jaxgpt.config import GPTConfig
 # positions a step of `paged_attention`'s walk covers (whole pages: at least one)
 TILE_POSITIONS = 128
 
+LAYOUTS = ("split", "combined")
 
-def pool_shape(num_pages: int, kv_heads: int, page_size: int, head_dim: int) -> tuple:
+
+def pool_shape(num_pages: int, kv_heads: int, page_size: int, head_dim: int, layout: str = "split") -> tuple:
+    """One layer's buffer: [P, K, page, H] for each of keys and values ("split"), or [P, page, 2K, H]
+    holding both ("combined")."""
+    if layout == "combined":
+        return (num_pages, page_size, 2 * kv_heads, head_dim)
     return (num_pages, kv_heads, page_size, head_dim)
+
+
+def pool_layout(config: GPTConfig, backend=None, dtype=None) -> str:
+    """The layout of a pool for `backend` (its `paged_layout`; "split" without one): "split" for an int8
+    pool whatever the backend wants (its per-vector scales are kept split; "combined" is float only)."""
+    if _is_int8(_cache_dtype(config, dtype)):
+        return "split"
+    return getattr(backend, "paged_layout", "split") or "split"
 
 
 def pool_bytes(config: GPTConfig, num_pages: int, page_size: int, dtype=None) -> int:
@@ -48,7 +66,8 @@ def pool_bytes(config: GPTConfig, num_pages: int, page_size: int, dtype=None) ->
 @struct.dataclass
 class PagedCache(KVCache):
     """The page pool of every layer (`k`, `v`: a tuple of [P, K, page, H] buffers, or stacked [L, ...]
-    with `scan_layers`; an int8 pool also `k_scale`, `v_scale` [P, K, page]) and, inside a step, where
+    with `scan_layers`; an int8 pool also `k_scale`, `v_scale` [P, K, page]; with `pool_layout`
+    "combined" `k` holds [P, page, 2K, H] keys and values interleaved and `v` is None) and, inside a step, where
     that step's T tokens go: `token_rows` [T] (each token's row), `token_positions` [1, T], `slots` [T]
     (flat write index page * page_size + offset), `limits` [T] (the token sees its row's positions below
     it: position + 1, or 0 for a padding token, which sees nothing) and `block_tables` [R, M] (row r's
@@ -59,30 +78,41 @@ class PagedCache(KVCache):
     slots: Any = None
     limits: Any = None
     block_tables: Any = None
+    pool_layout: str = struct.field(pytree_node=False, default="split")
 
     @classmethod
-    def create_pool(cls, config: GPTConfig, num_pages: int, page_size: int, dtype=None) -> "PagedCache":
-        """An empty pool of `num_pages` pages of `page_size` positions (page 0 included: the null page)."""
+    def create_pool(cls, config: GPTConfig, num_pages: int, page_size: int, dtype=None,
+                    layout: str = "split") -> "PagedCache":
+        """An empty pool of `num_pages` pages of `page_size` positions (page 0 included: the null page), in
+        `layout` ("split" or "combined"; an int8 pool is split only)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"a page pool's layout is one of {LAYOUTS}, got {layout!r}")
         if not is_int(num_pages) or num_pages < 2:
             raise ValueError(f"num_pages must be an integer >= 2 (page 0 is kept for padding), got {num_pages!r}")
         if not is_int(page_size) or page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
         dtype = _cache_dtype(config, dtype)
+        if layout == "combined" and _is_int8(dtype):
+            raise ValueError("an int8 page pool is split only (its scales are per vector, which the combined "
+                             "layout's kernel does not take): use layout='split' (jaxgpt.paged.pool_layout picks it)")
 
         def buffers(shape, dtype):
             if config.scan_layers:
                 return jnp.zeros((config.n_layer,) + shape, dtype)
             return tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))
 
-        shape = pool_shape(int(num_pages), config.n_kv_head, int(page_size), config.head_dim)
+        shape = pool_shape(int(num_pages), config.n_kv_head, int(page_size), config.head_dim, layout)
+        lengths = jnp.zeros((1,), jnp.int32)
+        if layout == "combined":
+            return cls(k=buffers(shape, dtype), v=None, lengths=lengths, pool_layout=layout)
         scales = {}
         if _is_int8(dtype):
             scales = dict(k_scale=buffers(shape[:-1], jnp.float32), v_scale=buffers(shape[:-1], jnp.float32))
-        return cls(k=buffers(shape, dtype), v=buffers(shape, dtype), lengths=jnp.zeros((1,), jnp.int32), **scales)
+        return cls(k=buffers(shape, dtype), v=buffers(shape, dtype), lengths=lengths, **scales)
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[-2]
+        return self.k[0].shape[1 if self.pool_layout == "combined" else -2]
 
     @property
     def num_pages(self) -> int:
@@ -104,19 +134,24 @@ class PagedCache(KVCache):
 
     def write(self, i, k_BxKxTxH: jax.Array, v_BxKxTxH: jax.Array) -> "PagedCache":
         """Layer i's keys and values of the step's tokens ([1, K, T, H]) written at their slots (an int8
-        pool's quantized, with their scales)."""
+        pool's quantized, with their scales; a combined pool's interleaved, one write for both)."""
         ps = self.page_size
         page, offset = self.slots // ps, self.slots % ps
+        # a token's vectors: [P, K, page, ...] split, [P, page, 2K, H] combined
+        index = (page, offset) if self.pool_layout == "combined" else (page, slice(None), offset)
 
         def put(layers, new_TxKx):
             def one(buf, layer=None):
-                at = (page, slice(None), offset) if layer is None else (layer, page, slice(None), offset)
+                at = index if layer is None else (layer,) + index
                 return buf.at[at].set(new_TxKx.astype(buf.dtype), mode="promise_in_bounds")
             if isinstance(layers, tuple):
                 return layers[:i] + (one(layers[i]),) + layers[i + 1:]
             return one(layers, i)
 
         k_TxKxH, v_TxKxH = k_BxKxTxH[0].swapaxes(0, 1), v_BxKxTxH[0].swapaxes(0, 1)
+        if self.pool_layout == "combined":
+            t, kh, h = k_TxKxH.shape
+            return self.replace(k=put(self.k, jnp.stack([k_TxKxH, v_TxKxH], axis=2).reshape(t, 2 * kh, h)))
         if not self.quantized:
             return self.replace(k=put(self.k, k_TxKxH), v=put(self.v, v_TxKxH))
         (kq, ks), (vq, vs) = quantize_kv(k_TxKxH), quantize_kv(v_TxKxH)
@@ -124,7 +159,8 @@ class PagedCache(KVCache):
                             v_scale=put(self.v_scale, vs))
 
     def layer_pool(self, i) -> tuple:
-        """Layer i's (k, v, k_scale, v_scale) pools as stored (scales None for a float pool)."""
+        """Layer i's (k, v, k_scale, v_scale) pools as stored (scales None for a float pool; a combined
+        pool's keys and values both in k, v None)."""
         def pick(layers):
             return None if layers is None else layers[i]
         return pick(self.k), pick(self.v), pick(self.k_scale), pick(self.v_scale)
@@ -143,13 +179,15 @@ def paged_attention(q_TxNxH, k_pool, v_pool, token_rows_T, limits_T, block_table
                     tile_positions: int = TILE_POSITIONS) -> jax.Array:
     """Attention of T ragged queries over a paged cache, in plain JAX: query t (row token_rows[t]) sees
     its row's positions below limits[t], read through block_tables[row]; scores scaled by 1/sqrt(H), the
-    softmax in float32. Pools [P, K, page, H] (int8 with float32 scales [P, K, page], or float); N a
+    softmax in float32. Pools [P, K, page, H] (int8 with float32 scales [P, K, page], or float), or with
+    v_pool None one combined float pool [P, page, 2K, H] (key head k at 2k, its values at 2k + 1); N a
     multiple of K (grouped queries). A query that sees nothing (limit 0: padding) gets zeros. -> [T, N, H]
     in q's dtype. Walks ceil(max(limits) / tile) tiles of whole pages, so short rows cost short walks."""
-    k_pool, v_pool, token_rows_T, limits_T, block_tables_RxM = (
-        jnp.asarray(a) for a in (k_pool, v_pool, token_rows_T, limits_T, block_tables_RxM))
+    combined = v_pool is None
+    k_pool, token_rows_T, limits_T, block_tables_RxM = (
+        jnp.asarray(a) for a in (k_pool, token_rows_T, limits_T, block_tables_RxM))
     t, n, h = q_TxNxH.shape
-    _, kh, ps, _ = k_pool.shape
+    ps, kh = (k_pool.shape[1], k_pool.shape[2] // 2) if combined else k_pool.shape[2:0:-1]
     g = n // kh
     per_tile = max(1, tile_positions // ps)  # pages a step
     m = block_tables_RxM.shape[1]
@@ -157,19 +195,33 @@ def paged_attention(q_TxNxH, k_pool, v_pool, token_rows_T, limits_T, block_table
     tables_T = tables[token_rows_T]  # [T, M'] each token's own table
     q = q_TxNxH.reshape(t, kh, g, h).astype(jnp.float32) * (1.0 / math.sqrt(h))
     span = per_tile * ps
-    tiles = (jnp.max(limits_T) + span - 1) // span
 
-    def read(pool, scale, pages_TxP):
-        x = pool[pages_TxP]  # [T, P, K, ps, H]
-        if scale is not None:
-            x = dequantize_kv(x, scale[pages_TxP])
+    def heads_first(x):  # [T, pages, K, ps, H] -> [T, K, span, H] float32
         return x.astype(jnp.float32).transpose(0, 2, 1, 3, 4).reshape(t, kh, span, h)
+
+    def read(pages_TxP):
+        if combined:  # [T, pages, ps, 2K, H]: one gather for keys and values
+            x = k_pool[pages_TxP].reshape(t, per_tile, ps, kh, 2, h).swapaxes(2, 3)
+            return heads_first(x[..., 0, :]), heads_first(x[..., 1, :])
+        kv = []
+        for pool, scale in ((k_pool, k_scale), (jnp.asarray(v_pool), v_scale)):
+            x = pool[pages_TxP]  # [T, pages, K, ps, H]
+            kv.append(heads_first(x if scale is None else dequantize_kv(x, scale[pages_TxP])))
+        return kv
+
+    return _online_softmax(q, read, tables_T, limits_T, per_tile, span).reshape(t, n, h).astype(q_TxNxH.dtype)
+
+
+def _online_softmax(q_TxKxGxH, read, tables_T, limits_T, per_tile: int, span: int) -> jax.Array:
+    """The walk of `paged_attention`: tile j's keys and values `read(pages [T, per_tile])` ([T, K, span, H]
+    each), a running max and sum per query head. -> [T, K, G, H] float32 (zeros where nothing is seen)."""
+    t, kh, g, h = q_TxKxGxH.shape
+    tiles = (jnp.max(limits_T) + span - 1) // span
 
     def body(j, carry):
         mx, denom, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(tables_T, j * per_tile, per_tile, axis=1)
-        k, v = read(k_pool, k_scale, pages), read(v_pool, v_scale, pages)
-        s = jnp.einsum("tkgh,tksh->tkgs", q, k)
+        k, v = read(jax.lax.dynamic_slice_in_dim(tables_T, j * per_tile, per_tile, axis=1))
+        s = jnp.einsum("tkgh,tksh->tkgs", q_TxKxGxH, k)
         seen = (j * span + jnp.arange(span, dtype=jnp.int32))[None, :] < limits_T[:, None]  # [T, span]
         s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
         new_mx = jnp.maximum(mx, jnp.max(s, axis=-1))
@@ -183,8 +235,7 @@ def paged_attention(q_TxNxH, k_pool, v_pool, token_rows_T, limits_T, block_table
     init = (jnp.full((t, kh, g), -jnp.inf, jnp.float32), jnp.zeros((t, kh, g), jnp.float32),
             jnp.zeros((t, kh, g, h), jnp.float32))
     _, denom, acc = jax.lax.fori_loop(0, tiles, body, init)
-    out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
-    return out.reshape(t, n, h).astype(q_TxNxH.dtype)
+    return jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
 
 
 def attend(q_BxTxNxH, cache: PagedCache, layer, backend=None) -> jax.Array:

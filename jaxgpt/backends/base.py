@@ -81,7 +81,11 @@ class Backend:
       layer is read as [B, K, S, H] floats (`KVCache.layer`) and attended by the attention function.
     - `paged_attention(q_TxNxH, k_pool, v_pool, token_rows, positions, limits, block_tables, k_scale,
       v_scale)`: attention of a ragged step's queries over a paged cache's layer as stored (jaxgpt/paged.py
-      says what each argument holds), or None where it does not take it; unset or None: `paged.paged_attention`.
+      says what each argument holds; a combined pool comes as k_pool with v_pool None), or None where it does
+      not take it; unset or None: `paged.paged_attention`. A backend whose hook is a call XLA cannot
+      partition (`per_shard_attention`) drops it on a mesh (`on_mesh`): the portable form runs there.
+    - `paged_layout`: the page pool's layout this backend's `paged_attention` reads ("split": keys and values
+      [P, K, page, H] each; "combined": one [P, page, 2K, H] buffer, jaxgpt/paged.py); an int8 pool is split.
     """
 
     name: str
@@ -98,6 +102,7 @@ class Backend:
     head_mesh: Optional[tuple] = None
     cache_attention: Optional[Callable] = None
     paged_attention: Optional[Callable] = None
+    paged_layout: str = "split"
 
     def attention(self, name: str) -> AttentionFn:
         """The function that computes the registered attention `name` on this backend. A backend's own
@@ -119,6 +124,8 @@ class Backend:
             changes["batch_mesh"] = where
         if dict(mesh.shape).get(TENSOR, 1) > 1:
             changes["head_mesh"] = where
+        if changes and self.per_shard_attention and self.paged_attention is not None:
+            changes["paged_attention"] = None  # (a Mosaic paged kernel is not run per shard: the portable form is)
         return dataclasses.replace(self, **changes) if changes else self
 
     @property

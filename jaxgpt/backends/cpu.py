@@ -338,10 +338,11 @@ def native_cache_attention(q_BxTxNxH, cache, layer, q_positions_BxT, kv_lengths_
 def native_paged_attention(q_TxNxH, k, v, token_rows, positions, limits, block_tables, k_scale=None, v_scale=None):
     """Attention of a ragged step's queries over a paged cache's layer as stored (jaxgpt/paged.py; the
     signature of `Backend.paged_attention`) by the native kernel, which reads only each token's visible
-    positions, through its row's block table; None where the kernel does not take it (16-bit pools, a head
+    positions, through its row's block table; None where the kernel does not take it (a combined pool,
+    16-bit pools, a head
     size it does not compile, no kernels built: then `paged.paged_attention` runs)."""
     int8 = k.dtype == jnp.int8
-    if v.dtype != k.dtype or int8 != (k_scale is not None) or not native.paged_attention_supported(
+    if v is None or v.dtype != k.dtype or int8 != (k_scale is not None) or not native.paged_attention_supported(
             q_TxNxH.shape, k.shape, k.dtype):
         return None
     out = native.paged_attention(q_TxNxH, k, v, token_rows, limits, block_tables, k_scale, v_scale)

@@ -73,3 +73,53 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: boo
         out = jax.vmap(lambda q_, k_, v_, s_: kernel(q_, k_, v_, segment_ids=SegmentIds(q=s_, kv=s_)))(
             heads_first(q * scale), heads_first(k), heads_first(v), ids)
     return jnp.swapaxes(out[:, :, :t], 1, 2).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ragged paged attention over a combined page pool (jaxgpt/paged.py)
+
+KV_BLOCK_POSITIONS = 512  # positions of cache a kernel block reads (whole pages); the kernel's own default is
+Q_BLOCK = 32              # 128 pages and 32 queries, but picks by asking the device, which a CPU compiling
+                          # for a TPU target cannot answer: so chosen here
+
+
+def ragged_paged_supported(q_shape: tuple, pool_shape: tuple, dtype) -> bool:
+    """Whether the kernel takes a [T, N, H] query over a combined pool [P, page, 2K, H] of `dtype`: a float
+    pool whose 2K heads the kernel can tile (its own rule: a multiple of 8 packed rows, or 1, 2, 4, 8), and
+    H a multiple of 128 (the kernel keeps its softmax sums 128 lanes wide and widens them to H by repeating:
+    GPT-2's heads of 64 are not taken)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+
+    if len(pool_shape) != 4 or not jnp.issubdtype(dtype, jnp.floating) or q_shape[2] != pool_shape[3]:
+        return False
+    if q_shape[2] % LANES:
+        return False
+    if q_shape[1] % (pool_shape[2] // 2):
+        return False
+    try:
+        rpa.get_min_heads_per_blk(q_shape[1], pool_shape[2], dtype, dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def ragged_paged_attention(q_TxNxH, kv_pages, token_rows_T, limits_T, block_tables_RxM) -> jax.Array:
+    """`paged.paged_attention` over a combined pool by JAX's Pallas ragged paged attention kernel, for the
+    engine's layout of a step: each row's tokens contiguous, rows in order from row 0, every token that
+    sees something (limit > 0) before the padding, and a row's tokens at its last positions (limits
+    kv_len - q_len + 1 .. kv_len). Row r's q extent and kv length come from its tokens; rows with no token
+    are past `num_seqs`; padding tokens get zeros. -> [T, N, H] in q's dtype."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
+
+    t, _, h = q_TxNxH.shape
+    r, width = block_tables_RxM.shape
+    real = limits_T > 0
+    q_lens = jax.ops.segment_sum(real.astype(jnp.int32), token_rows_T, num_segments=r)
+    kv_lens = jnp.maximum(jax.ops.segment_max(jnp.where(real, limits_T, 0), token_rows_T, num_segments=r), 0)
+    cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
+    num_seqs = jnp.sum(q_lens > 0, dtype=jnp.int32)[None]
+    pages_per_block = min(width, max(1, KV_BLOCK_POSITIONS // kv_pages.shape[1]))
+    out = kernel(q_TxNxH.astype(kv_pages.dtype), kv_pages, kv_lens.astype(jnp.int32),
+                 block_tables_RxM.astype(jnp.int32), cu_q_lens, num_seqs, sm_scale=1.0 / h ** 0.5,
+                 num_kv_pages_per_block=pages_per_block, num_queries_per_block=min(t, Q_BLOCK))
+    return jnp.where(real[:, None, None], out, 0).astype(q_TxNxH.dtype)

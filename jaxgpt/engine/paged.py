@@ -32,7 +32,7 @@ from jaxgpt.engine.plan import Plan, Work
 from jaxgpt.engine.scheduler import PENDING, Scheduler
 from jaxgpt.engine.slots import (TRACES, Completion, Event, Request, Token, check_request, decode_weights,
                                  seed_key, steps_by_rows)
-from jaxgpt.paged import PagedCache, pool_bytes
+from jaxgpt.paged import PagedCache, pool_bytes, pool_layout
 from jaxgpt.quantize import check_kv_dtype, check_quantize
 from jaxgpt.sampling import RowSettings, _dequantized_jit, on_params_mesh
 
@@ -140,7 +140,8 @@ class PagedEngine:
         self._shape_steps = runner.shape_steps(self.shapes, self._steps)  # (each program's most)
         self.weights = decode_weights(self.params, self.config, self.backend, self.quantize,
                                       [t for t, _ in self.shapes])
-        self.cache = PagedCache.create_pool(self.config, self.num_pages, self.page_size, dtype=self.kv_dtype)
+        self.cache = PagedCache.create_pool(self.config, self.num_pages, self.page_size, dtype=self.kv_dtype,
+                                            layout=pool_layout(self.config, self.backend, self.kv_dtype))
         if cache_mesh is not None:
             self.cache = self.cache.on_mesh(cache_mesh)
         self.scheduler = Scheduler(num_pages=self.num_pages, page_size=self.page_size, max_len=self.max_len,

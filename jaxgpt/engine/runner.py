@@ -9,6 +9,7 @@ program of the head alone (`token_scores`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Optional, Sequence
@@ -22,7 +23,7 @@ from jaxgpt.config import GPTConfig
 from jaxgpt.engine.plan import Plan
 from jaxgpt.engine.slots import TRACES
 from jaxgpt.model import GPT
-from jaxgpt.paged import PagedCache
+from jaxgpt.paged import PagedCache, pool_layout
 from jaxgpt.sampling import RowSettings, argmax_last, sample_rows, token_logprobs
 
 
@@ -214,7 +215,6 @@ def lower_programs(config: GPTConfig, calls: Sequence[tuple], *, num_pages: int,
     (nothing allocated): {(shape, kind): lowered}, and "pool" (the abstract page pool) and "weights" (the
     largest shape's abstract weights). `.compile()` them to check them for another platform's devices."""
     from jaxgpt.backends import resolve
-    from jaxgpt.engine.slots import _abstract_weights
 
     backend = backend or resolve(config)
     config = config.replace(remat="none")
@@ -222,9 +222,23 @@ def lower_programs(config: GPTConfig, calls: Sequence[tuple], *, num_pages: int,
     def place(tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
-    pool = place(jax.eval_shape(lambda: PagedCache.create_pool(config, num_pages, page_size, dtype=kv_dtype)))
+    layout = pool_layout(config, backend, kv_dtype)  # (the backend's)
+    pool = place(jax.eval_shape(lambda: PagedCache.create_pool(config, num_pages, page_size, kv_dtype, layout)))
     static = dict(config=config, backend=backend, n_logprobs=max_logprobs)
     prev = place(jax.ShapeDtypeStruct((max(r for (_, r), _ in calls),), jnp.int32))
+    # (Pallas' TPU lowering asks the device kind of the abstract mesh in context, else of this process's
+    # default device: a CPU compiling for a TPU target names the target's)
+    mesh = getattr(sharding, "mesh", None)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None else contextlib.nullcontext():
+        out, weights = _lower_each(calls, config, backend, quantize, params, place, pool, table_width, steps,
+                                   static, prev)
+    out["pool"], out["weights"] = pool, weights
+    return out
+
+
+def _lower_each(calls, config, backend, quantize, params, place, pool, table_width, steps, static, prev) -> tuple:
+    from jaxgpt.engine.slots import _abstract_weights
+
     out, weights = {}, None
     for (t, r), kind in calls:
         p, prepared, _ = _abstract_weights(config, backend, t, quantize, params)
@@ -240,5 +254,4 @@ def lower_programs(config: GPTConfig, calls: Sequence[tuple], *, num_pages: int,
             out[((t, r), kind)] = token_scores.lower(weights, h, a.targets, **static)
         else:
             out[((t, r), kind)] = ragged_step.lower(weights, pool, a, rows, prev, **static)
-    out["pool"], out["weights"] = pool, weights
-    return out
+    return out, weights
