@@ -73,6 +73,8 @@ def engine_summary(before: dict, after: dict, requests: int, seconds: float) -> 
     prefill calls a request, and the share of the run spent inside compiled calls (the rest: the engine idle
     or in Python between calls)."""
     d = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+    if d.get("steps") and not d.get("decode_steps"):  # the paged engine's counters (EngineStats)
+        return paged_summary(d, requests, seconds)
     steps, calls = int(d.get("decode_steps", 0)), int(d.get("decode_calls", 0))
     busy = d.get("decode_seconds", 0.0) + d.get("prefill_seconds", 0.0)
     return {"decode_steps": steps, "decode_calls": calls, "steps_per_call": steps / max(1, calls),
@@ -86,7 +88,28 @@ def engine_summary(before: dict, after: dict, requests: int, seconds: float) -> 
             "prefill_share": d.get("prefill_seconds", 0.0) / seconds if seconds > 0 else 0.0}
 
 
+def paged_summary(d: dict, requests: int, seconds: float) -> dict:
+    """engine_summary for the paged engine: its ragged steps and calls, tokens a step (decode and prompt),
+    padding, milliseconds a step, the share of the run in compiled calls and on its thread outside them."""
+    steps, calls = int(d.get("steps", 0)), int(d.get("calls", 0))
+    return {"paged": True, "steps": steps, "calls": calls, "steps_per_call": steps / max(1, calls),
+            "decode_tokens_per_step": d.get("decode_tokens", 0) / max(1, steps),
+            "prompt_tokens_per_step": d.get("prompt_tokens", 0) / max(1, steps),
+            "padding_share": d.get("padding_tokens", 0) / max(1, d.get("padding_tokens", 0) + d.get("decode_tokens", 0)
+                                                           + d.get("prompt_tokens", 0)),
+            "ms_per_step": 1e3 * d.get("step_seconds", 0.0) / max(1, steps),
+            "busy_share": d.get("step_seconds", 0.0) / seconds if seconds > 0 else 0.0,
+            "host_share": d.get("host_seconds", 0.0) / seconds if seconds > 0 else 0.0,
+            "prefix_hits": int(d.get("prefix_hits", 0)), "preemptions": int(d.get("preemptions", 0))}
+
+
 def format_engine_summary(s: dict) -> str:
+    if s.get("paged"):
+        return (f"paged engine: {s['steps']} steps in {s['calls']} calls ({s['steps_per_call']:.2f} a call), "
+                f"{s['decode_tokens_per_step']:.1f} decode + {s['prompt_tokens_per_step']:.1f} prompt tokens a step "
+                f"({100 * s['padding_share']:.0f}% padding), {s['ms_per_step']:.1f} ms a step; in compiled calls "
+                f"{100 * s['busy_share']:.0f}% of the run, its thread outside them {100 * s['host_share']:.1f}%; "
+                f"{s['prefix_hits']} prefix-cache tokens, {s['preemptions']} preemptions")
     return (f"engine: {s['decode_steps']} steps in {s['decode_calls']} calls ({s['steps_per_call']:.2f} a call), "
             f"mean batch {s['mean_batch']:.1f} of {s['mean_width']:.1f} rows, {s['decode_ms_per_step']:.1f} ms a step; "
             f"{s['prefill_calls']} prefill calls ({s['prefill_calls_per_request']:.2f} a request); in compiled calls "

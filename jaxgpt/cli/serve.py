@@ -71,7 +71,7 @@ def _paged_engine(args, params, config):
                        max_logprobs=min(args.max_logprobs, config.vocab_size),
                        quantize=None if args.quantize == "none" else args.quantize,
                        kv_dtype=None if args.kv_dtype == "none" else args.kv_dtype,
-                       prefix_caching=not args.no_prefix_caching)
+                       prefix_caching=not args.no_prefix_caching, decode_steps=args.decode_steps)
 
 
 def _paged_flags(p: argparse.ArgumentParser) -> None:
@@ -79,8 +79,8 @@ def _paged_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="slots", choices=["slots", "paged"],
                    help="slots: dense slots, each a cache row of --max_len (jaxgpt.Engine); paged: a pool of pages "
                         "shared through block tables, one ragged step a call under --token_budget, prefixes "
-                        "reused by block hash (jaxgpt.engine.PagedEngine; --prefill_chunk, --prefill_budget, "
-                        "--decode_steps and --speculative are the slots engine's)")
+                        "reused by block hash (jaxgpt.engine.PagedEngine; --prefill_chunk, --prefill_budget and "
+                        "--speculative are the slots engine's)")
     p.add_argument("--page_size", type=int, default=16, help="with --engine paged: positions per page (default 16)")
     p.add_argument("--num_pages", type=int, default=None,
                    help="with --engine paged: pages in the pool (default: --slots x --max_len positions, plus the "

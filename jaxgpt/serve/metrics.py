@@ -25,6 +25,7 @@ _ENGINE_COUNTERS = (
     ("decode_seconds", "Seconds in decode calls"),
     # the paged engine's (--engine paged)
     ("steps", "Ragged steps run (decode tokens and prompt chunks in one call)"),
+    ("calls", "Compiled calls of ragged steps (one may run several decode steps)"),
     ("step_seconds", "Seconds in ragged step calls"),
     ("host_seconds", "Seconds the engine's thread spent outside compiled calls (planning, arrays, events)"),
     ("prompt_tokens", "Prompt tokens run through ragged steps (recomputed ones included)"),
