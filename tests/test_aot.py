@@ -270,6 +270,12 @@ def test_every_paged_engine_program_compiles_and_says_how_many_tokens_fit(target
     assert e["pages_that_fit"] == (e["limit_bytes"] - fixed) // e["bytes_per_page"] > 100
     assert e["tokens_that_fit"] == 8 * e["pages_that_fit"]
     assert f"tokens of cache that fit beside the weights: {e['tokens_that_fit']}" in aot.format_result(r)
+    if target.startswith("tpu"):  # only the largest step: its figures, from one compile (and its grown twin)
+        one = aot.compile_for_target(_tiny(), aot.parse_target(target), programs=("paged",), progress=False,
+                                     engine_args={"slots": 4, "max_len": 32, "page_size": 8, "token_budget": 16,
+                                                  "largest_only": True})["programs"]["paged"]
+        assert one["programs"] == 1 and [(s["tokens"], s["kind"]) for s in one["steps"]] == [(16, "step")]
+        assert "only the largest compiled" in aot.format_result({**r, "programs": {"paged": one}})
 
 
 @needs_aot

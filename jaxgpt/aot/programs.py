@@ -372,13 +372,14 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
 
 def compile_paged(config, devs: Devices, vocab_size: int, slots: int = 32, max_len: Optional[int] = None,
                   page_size: int = 16, token_budget: int = 256, progress: bool = True, quantize: Optional[str] = None,
-                  kv_dtype: Optional[str] = None) -> ProgramReport:
+                  kv_dtype: Optional[str] = None, largest_only: bool = False) -> ProgramReport:
     """Compile every program of the paged engine (`runner.programs`, the list its warmup() runs: each step
     shape, with and without prompt logprobs, and the several-decode-steps ones of jaxgpt-serve's default)
     for the target, weights and page pool replicated on each device (one engine per device); the figures of
     the largest step, each program's, and how many tokens of cache fit beside the weights. A page's bytes
     are measured, not assumed: the largest step compiled again over a pool of more pages gives the peak's
-    growth per page (its keys and values, and anything a compiler adds with them)."""
+    growth per page (its keys and values, and anything a compiler adds with them). `largest_only`: only the
+    step of the most tokens (a model whose every compile takes minutes; its figures then say so)."""
     from jaxgpt.cli.serve import DEFAULT_DECODE_STEPS
     from jaxgpt.engine import paged, runner, slots as slots_mod
     from jaxgpt.paged import pool_bytes
@@ -395,6 +396,8 @@ def compile_paged(config, devs: Devices, vocab_size: int, slots: int = 32, max_l
     width, shapes = -(-max_len // page_size), runner.step_shapes(token_budget, slots)
     steps = runner.shape_steps(shapes, slots_mod.steps_by_rows(DEFAULT_DECODE_STEPS, runner._pow2(slots)))
     calls = runner.programs(shapes, steps)
+    if largest_only:
+        calls = [(shapes[-1], "step")]
     small, big = 2, 2 + 8 * width  # pool sizes: the growth between them is what a page costs
     kw = dict(page_size=page_size, table_width=width, steps=steps, backend=backend, sharding=replicated,
               quantize=quantize, kv_dtype=kv_dtype)
@@ -419,7 +422,7 @@ def compile_paged(config, devs: Devices, vocab_size: int, slots: int = 32, max_l
              "dtype": gcfg.dtype, "kernels": backend.name, "quantize": quantize, "kv_dtype": kv_dtype or gcfg.dtype,
              "largest": f"{kind} of {shape[0]} tokens", "weight_bytes": nbytes(lowered["weights"]),
              "page_bytes": per_page, "bytes_per_page": bytes_per_page, "pages_that_fit": pages_fit,
-             "tokens_that_fit": pages_fit * page_size, "programs": len(table)}
+             "tokens_that_fit": pages_fit * page_size, "programs": len(table), "largest_only": largest_only}
     out = analyze("paged engine step", compiled, seconds, devs, None, extra)
     out.more["steps"] = table
     return out
@@ -471,12 +474,12 @@ def compile_for_target(config, target: Target, vocab_size: Optional[int] = None,
             elif name == "engine":
                 out = compile_engine(config, devs, vocab, progress=progress,
                                      **{k: v for k, v in (engine_args or {}).items()
-                                        if v is not None and k not in ("page_size", "token_budget")})
+                                        if v is not None and k not in ("page_size", "token_budget", "largest_only")})
             elif name == "paged":
                 out = compile_paged(config, devs, vocab, progress=progress,
                                     **{k: v for k, v in (engine_args or {}).items()
                                        if v is not None and k in ("slots", "max_len", "page_size", "token_budget",
-                                                                   "quantize", "kv_dtype")})
+                                                                   "quantize", "kv_dtype", "largest_only")})
             else:
                 out = compile_generate(config, devs, vocab, progress=progress, **(generate_args or {}))
         except DoesNotFit as e:

@@ -223,7 +223,9 @@ def format_result(result: dict) -> str:
                        f"{_gib(p['prefill_packed'].get('peak_bytes'))}" if p.get("prefill_packed") else ""))
         elif p["program"] == "paged engine step":
             head = (f"paged engine: up to {p['max_requests']} requests of up to {p['max_len']} positions, pages of "
-                    f"{p['page_size']}, {p['token_budget']} tokens a step, {p['programs']} programs (the largest, "
+                    f"{p['page_size']}, {p['token_budget']} tokens a step, {p['programs']} programs"
+                    + (" (only the largest compiled, --engine_largest_only)" if p.get("largest_only") else "")
+                    + f" (the largest, "
                     f"{p['largest']}, below), dtype {p['dtype']}, weights {p.get('quantize') or p['dtype']} "
                     f"({_gib(p.get('weight_bytes'))}), cache {p['kv_dtype']}, kernels {p['kernels']}; a page takes "
                     f"{p['bytes_per_page'] / 2 ** 10:.0f} KiB in the compiled step ({p['page_bytes'] / 2 ** 10:.0f} KiB "

@@ -33,6 +33,8 @@ flags.DEFINE_integer("engine_slots", None, "engine: slots (default 8); the repor
                      "requests at once (default 32)")
 flags.DEFINE_integer("engine_page_size", None, "paged: positions a page (default 16)")
 flags.DEFINE_integer("engine_token_budget", None, "paged: tokens a step (default 256)")
+flags.DEFINE_bool("engine_largest_only", None, "paged: compile only the step of the most tokens (not every "
+                  "program: a large model's compiles take minutes each)")
 flags.DEFINE_integer("engine_max_len", None, "engine: positions per slot (default the context)")
 flags.DEFINE_integer("engine_chunk", None, "engine: prefill chunk (default 256)")
 flags.DEFINE_integer("engine_packed", None, "engine: also compile the packed prefill (Engine(packed_prefill=True)) "
@@ -169,7 +171,7 @@ def _run(argv) -> None:
     except aot.AotError as e:
         _fail(e)
     for name in ("quantize", "kv_dtype", "engine_slots", "engine_max_len", "engine_chunk", "engine_packed",
-                 "engine_mesh", "engine_page_size", "engine_token_budget"):
+                 "engine_mesh", "engine_page_size", "engine_token_budget", "engine_largest_only"):
         if FLAGS[name].value is not None and "engine" not in programs and "paged" not in programs:
             _fail(f"--{name} applies to the engine's programs: add engine or paged to --programs (e.g. "
                   "--programs=engine)")
@@ -195,7 +197,7 @@ def _run(argv) -> None:
             engine = {"slots": FLAGS.engine_slots, "max_len": FLAGS.engine_max_len, "chunk": FLAGS.engine_chunk,
                       "quantize": FLAGS.quantize, "kv_dtype": FLAGS.kv_dtype, "packed": FLAGS.engine_packed,
                       "mesh": FLAGS.engine_mesh, "page_size": FLAGS.engine_page_size,
-                      "token_budget": FLAGS.engine_token_budget}
+                      "token_budget": FLAGS.engine_token_budget, "largest_only": FLAGS.engine_largest_only}
             result = aot.compile_for_target(config, target, FLAGS.vocab_size, tuple(FLAGS.programs),
                                             progress=Progress, generate_args=gen, engine_args=engine)
         except aot.DoesNotFit as e:
