@@ -8,13 +8,14 @@ from typing import Iterator, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from jaxgpt.backends import Backend, DecodeWeights, resolve
 from jaxgpt.backends.base import cast_floats
 from jaxgpt.cache import KVCache
 from jaxgpt.checks import is_int, is_real
 from jaxgpt.config import GPTConfig
-from jaxgpt.model import GPT, abstract_params
+from jaxgpt.model import GPT, abstract_params, heads_grouped
 from jaxgpt.quantize import check_kv_dtype, check_quantize, dequantized
 
 NEG_INF = -jnp.inf
@@ -502,6 +503,22 @@ def _cast(weights: DecodeWeights, config: GPTConfig) -> DecodeWeights:
     return weights.replace(params=cast_floats(weights.params, config.compute_dtype))
 
 
+def _variables(weights: DecodeWeights, config: GPTConfig, backend: Backend) -> tuple[dict, dict]:
+    """(the prompt's variables, the decode steps' variables) of `weights` in the compute dtype, made once
+    per call: with attention split by heads, c_attn's kernels regrouped by kv head (`heads_grouped`) join
+    both "prepared" collections, each device holding its own groups, instead of being rebuilt (whole, on
+    every device) inside the decode loop."""
+    weights = _cast(weights, config)
+    grouped = traverse_util.flatten_dict(heads_grouped(weights.params, config, backend))
+
+    def plus(variables: dict) -> dict:
+        if not grouped:
+            return variables
+        prepared = {**traverse_util.flatten_dict(variables.get("prepared", {})), **grouped}
+        return {**variables, "prepared": traverse_util.unflatten_dict(prepared)}
+    return plus(weights.prefill_variables()), plus(weights.variables())
+
+
 # Incremented each time `_generate` is traced; tests use it to check that new prompts don't recompile.
 TRACE_COUNT = 0
 
@@ -512,10 +529,9 @@ def _generate(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, rng, *, con
     global TRACE_COUNT
     TRACE_COUNT += 1
     b, p = prompts_BxP.shape
-    model, weights = GPT(config, backend), _cast(weights, config)
-    state = _prefill(model, weights.prefill_variables(), prompts_BxP, prompt_lengths_B, p + max_new_tokens, kv_dtype,
-                     mesh)
-    state, new_BxN = _decode(model, weights.variables(), state, rng, max_new_tokens, sampler, last=True)
+    model, (prefill_vars, decode_vars) = GPT(config, backend), _variables(weights, config, backend)
+    state = _prefill(model, prefill_vars, prompts_BxP, prompt_lengths_B, p + max_new_tokens, kv_dtype, mesh)
+    state, new_BxN = _decode(model, decode_vars, state, rng, max_new_tokens, sampler, last=True)
     # row b's new tokens go right after its prompt (ragged rows: over the padding)
     tokens = jnp.concatenate([prompts_BxP, jnp.full((b, max_new_tokens), sampler.pad_id, jnp.int32)], axis=1)
     at = prompt_lengths_B[:, None] + jnp.arange(max_new_tokens)[None, :]
@@ -526,13 +542,13 @@ def _generate(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, rng, *, con
 @functools.partial(jax.jit, static_argnames=("config", "backend", "max_len", "kv_dtype", "mesh"))
 def _prefill_jit(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, *, config, backend, max_len, kv_dtype=None,
                  mesh=None):
-    return _prefill(GPT(config, backend), _cast(weights, config).prefill_variables(), prompts_BxP, prompt_lengths_B,
+    return _prefill(GPT(config, backend), _variables(weights, config, backend)[0], prompts_BxP, prompt_lengths_B,
                     max_len, kv_dtype, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "n", "sampler", "last"), donate_argnums=(1,))
 def _decode_jit(weights: DecodeWeights, state, rng, *, config, backend, n, sampler, last):
-    return _decode(GPT(config, backend), _cast(weights, config).variables(), state, rng, n, sampler, last)
+    return _decode(GPT(config, backend), _variables(weights, config, backend)[1], state, rng, n, sampler, last)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "batch_size", "quantize"))
