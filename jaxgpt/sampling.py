@@ -466,13 +466,46 @@ def _prefill(model: GPT, variables: dict, prompts_BxP, prompt_lengths_B, max_len
     params, with w8a8 the int8 kernels too), logits only at each row's last prompt token; the cache in
     `kv_dtype` (default: the compute dtype; "int8": int8 with scales, jaxgpt/cache.py), split by kv head
     over `mesh`'s tensor axis when a mesh is given (KVCache.on_mesh)."""
-    b = prompts_BxP.shape[0]
+    b, p = prompts_BxP.shape
     cache = KVCache.create(model.config, b, max_len, dtype=kv_dtype, layout=model.backend.cache_layout)
     if mesh is not None:
         cache = cache.on_mesh(mesh, inside_jit=True)
-    logits, cache = model.apply(variables, prompts_BxP, cache, token_lengths=prompt_lengths_B,
-                                logits_index=prompt_lengths_B - 1)
-    return DecodeState(cache, logits[:, 0], prompt_lengths_B, jnp.zeros((b,), bool), jnp.zeros((), jnp.int32))
+    if p <= PREFILL_CHUNK:
+        logits, cache = model.apply(variables, prompts_BxP, cache, token_lengths=prompt_lengths_B,
+                                    logits_index=prompt_lengths_B - 1)
+        logits_BxV = logits[:, 0]
+    else:
+        logits_BxV, cache = _prefill_in_chunks(model, variables, prompts_BxP, prompt_lengths_B, cache)
+    return DecodeState(cache, logits_BxV, prompt_lengths_B, jnp.zeros((b,), bool), jnp.zeros((), jnp.int32))
+
+
+PREFILL_CHUNK = 512  # a longer prompt goes through the model this many tokens at a time (`_prefill_in_chunks`)
+
+
+def _prefill_in_chunks(model: GPT, variables: dict, prompts_BxP, prompt_lengths_B, cache: KVCache):
+    """The padded prompt PREFILL_CHUNK tokens at a time into an empty cache (a lax.scan over the whole
+    chunks, then the rest): each token attends to the same keys as with the prompt at once, and the
+    activations are a chunk's (issue 59: a whole 8 x 2048 prompt held float32 [8, 2048, 4096] hidden
+    states, several at once, on every chip of a tensor mesh). (logits [B, V] at each row's last prompt
+    token, the cache with each row's prompt length.)"""
+    b, p = prompts_BxP.shape
+    c = PREFILL_CHUNK
+    n, last_B = p // c, prompt_lengths_B - 1
+
+    def chunk(cache, tokens_BxT, start):
+        index_B = jnp.clip(last_B - start, 0, tokens_BxT.shape[1] - 1)
+        logits, cache = model.apply(variables, tokens_BxT, cache, logits_index=index_B)
+        return cache, logits[:, 0]
+
+    tokens_NxBxC = prompts_BxP[:, :n * c].reshape(b, n, c).swapaxes(0, 1)
+    cache, logits_NxBxV = jax.lax.scan(lambda cache, xs: chunk(cache, *xs), cache,
+                                       (tokens_NxBxC, jnp.arange(n, dtype=jnp.int32) * c))
+    if p > n * c:  # the rest, shorter than a chunk
+        cache, rest_BxV = chunk(cache, prompts_BxP[:, n * c:], n * c)
+        logits_NxBxV = jnp.concatenate([logits_NxBxV, rest_BxV[None]], axis=0)
+    # each row's logits from the chunk holding its last prompt token
+    logits_BxV = jnp.take_along_axis(logits_NxBxV, (last_B // c)[None, :, None], axis=0)[0]
+    return logits_BxV, cache.replace(lengths=prompt_lengths_B)
 
 
 def _emit(state: DecodeState, rng, s: Sampler) -> tuple[DecodeState, jax.Array]:

@@ -244,23 +244,29 @@ def test_the_tpu_backend_runs_splash_per_device_on_its_own_heads():
 
 
 @pytest.mark.parametrize("tensor", [1, 2])
-def test_a_prompt_attends_over_the_cache_in_query_chunks_as_at_once(monkeypatch, tensor):
-    """Prefill's attention over the cache in chunks of 2 queries (the last one padded) gives the logits and
-    tokens of all the prompt's queries at once, on one device and split by heads over tensor=2."""
+@pytest.mark.parametrize("what", ["prefill", "attention"])
+def test_a_prompt_in_chunks_gives_what_the_prompt_at_once_gives(monkeypatch, tensor, what):
+    """The prompt through the model 2 tokens at a time (sampling.PREFILL_CHUNK: two chunks and the rest), or
+    its attention over the cache 2 queries at a time (model.QUERY_CHUNK, the last chunk padded): the logits
+    after the prompt and a decode step, and the tokens, are the prompt's at once, on one device and split by
+    heads over tensor=2."""
     from jaxgpt import model
 
     params = init_params(CFG, jax.random.key(5))
     if tensor > 1:
         params = shard_params(params, CFG, build_mesh(f"tensor={tensor}", jax.devices()[:tensor]))
-    prompts, lengths = np.array([[3, 1, 4, 1, 5], [2, 7, 1, 8, 0]], np.int32), np.array([5, 4], np.int32)
+    prompts, lengths = np.array([[3, 1, 4, 1, 5], [2, 7, 1, 8, 0]], np.int32), np.array([5, 3], np.int32)
     want, _ = _decode_logits(Decoder(params, CFG), prompts, lengths, steps=1)
     want_tokens = Decoder(params, CFG).generate(prompts, 4, jax.random.key(0), prompt_lengths=lengths).tokens
-    monkeypatch.setattr(model, "QUERY_CHUNK", 2)
-    chunked, lax_map = [], jax.lax.map
-    monkeypatch.setattr(model.jax.lax, "map", lambda *a, **k: chunked.append(1) or lax_map(*a, **k))
+    module, name = (sampling, "PREFILL_CHUNK") if what == "prefill" else (model, "QUERY_CHUNK")
+    monkeypatch.setattr(module, name, 2)
+    chunked, in_chunks, lax_map = [], sampling._prefill_in_chunks, jax.lax.map
+    monkeypatch.setattr(sampling, "_prefill_in_chunks", lambda *a: chunked.append("prefill") or in_chunks(*a))
+    monkeypatch.setattr(jax.lax, "map", lambda *a, **k: chunked.append("attention") or lax_map(*a, **k))
     jax.clear_caches()  # (the programs traced again, in chunks)
-    got, _ = _decode_logits(Decoder(params, CFG), prompts, lengths, steps=1)
+    got, state = _decode_logits(Decoder(params, CFG), prompts, lengths, steps=1)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), lengths + 1)
     tokens = Decoder(params, CFG).generate(prompts, 4, jax.random.key(0), prompt_lengths=lengths).tokens
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
-    assert chunked
+    assert what in chunked
