@@ -16,6 +16,7 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import traverse_util
 
 from jaxgpt import lora, paged
@@ -95,8 +96,8 @@ class Dense(nn.Module):
     def _by_heads(self, x, kernel, bias, out_dtype, h: int, bounds: list) -> tuple:
         """The parts from their own columns, split by heads over the tensor axis. With g = the fewest heads
         of a part (the kv heads) a multiple of the tensor size, the columns are regrouped [embed, g, heads
-        per group, H] (group j: its query heads, then its key head, then its value head; `group_by_heads`,
-        or the decoder's `GROUPED` copy) and multiplied at once: each device holds whole groups, and the
+        per group, H] (group j: its query heads, then its key head, then its value head; or the decoder's
+        `GROUPED` copy, `group_by_heads`) and multiplied at once: each device holds whole groups, and the
         backward sums the input's gradient in one all-reduce.
         Else each part separately, a part whose heads the tensor size does not divide computed whole (GQA's
         kv heads, replicated)."""
@@ -111,9 +112,12 @@ class Dense(nn.Module):
                 outs.append(backend.shard_heads(y.reshape(*y.shape[:-1], n, h), y.ndim - 1, n))
             return tuple(outs)
         spans = list(zip(parts, bounds, bounds[1:]))
-        # regrouped once per call by the decoder (`heads_grouped`: not inside its loop), else here
-        w = (self.get_variable("prepared", GROUPED) if self.has_variable("prepared", GROUPED)
-             else group_by_heads(kernel, parts, h, backend))
+        if self.has_variable("prepared", GROUPED):  # regrouped once per call by the decoder (`heads_grouped`)
+            w = self.get_variable("prepared", GROUPED)
+        else:  # regrouped whole (the kernel is whole on each tensor device), then each device keeps its own
+            # groups: nothing moves (GSPMD would otherwise split the slices in contiguous blocks and permute them)
+            w = jnp.concatenate([kernel[:, lo:hi].reshape(e, g, n // g, h) for n, lo, hi in spans], axis=2)
+            w = backend.whole(w)
         w = backend.shard_heads(w, 1, g, rows=False).reshape(e, -1)
         b = None if bias is None else jnp.concatenate([bias[lo:hi].reshape(g, n // g, h) for n, lo, hi in spans], 1)
         y = backend.linear(x, w, cfg.compute_dtype, b=None if b is None else b.reshape(-1), out_dtype=out_dtype)
@@ -136,14 +140,18 @@ GROUPED = "kernel_by_heads"  # c_attn's kernel regrouped by kv head, in the "pre
 def group_by_heads(kernel, parts: tuple, h: int, backend: Backend) -> jax.Array:
     """A fused kernel [..., embed, (sum parts) H] of parts whose head counts the fewest (g) divides,
     regrouped [..., embed, g, heads per group, H] (group j: each part's heads of group j, one part after
-    another) and split over the `head_mesh`'s tensor axis by group. Regrouped whole (the kernel is whole
-    on each tensor device), then each device keeps its own groups: nothing moves (GSPMD would otherwise
-    split the slices in contiguous blocks and permute them)."""
-    g = min(parts)
+    another) and split over the `head_mesh`'s tensor axis by group: one gather of the columns in their new
+    order, its output split, so that each device gathers only its own groups' columns from the kernel
+    (whole on each tensor device). The decoder's (`heads_grouped`); the model regroups in a training step
+    as before (`Dense._by_heads`): the 3 parts' slices, each held whole on every device (1 GiB over Llama
+    3 8B's 32 layers at tensor=8 when a decoder made them once per call), concatenated."""
+    g, cols = min(parts), kernel.shape[-1]
     bounds = [sum(parts[:i]) * h for i in range(len(parts) + 1)]
-    w = jnp.concatenate([kernel[..., lo:hi].reshape(*kernel.shape[:-1], g, n // g, h)
-                         for n, lo, hi in zip(parts, bounds, bounds[1:])], axis=-2)
-    return backend.shard_heads(backend.whole(w), w.ndim - 3, g, rows=False)
+    order = np.arange(cols).reshape(cols // h, h)
+    order = np.concatenate([order[lo // h:hi // h].reshape(g, n // g, h) for n, lo, hi in
+                            zip(parts, bounds, bounds[1:])], axis=1).reshape(-1)
+    w = backend.shard_heads(jnp.take(kernel, order, axis=-1), kernel.ndim - 1, g, rows=False)
+    return backend.shard_heads(w.reshape(*kernel.shape[:-1], g, -1, h), kernel.ndim - 1, g, rows=False)
 
 
 def heads_grouped(params, config: GPTConfig, backend: Backend) -> dict:
