@@ -207,8 +207,9 @@ def test_the_paged_engine_under_tensor_2_gives_one_devices_tokens_with_its_pool_
     # the compiled step's attention reads each device's own kv heads of the pool: no collective under attn/
     # but c_proj's all-reduce
     e = engines[1]
+    prev = np.zeros(runner._pow2(e.max_requests), np.int32)  # (asynchronous scheduling's previous draws)
     hlo = runner.ragged_step.lower(e.weights[8], e.cache, runner.warm_arrays((8, 2), e.table_width),
-                                   runner.idle_rows(2), **e._static).compile().as_text()
+                                   runner.idle_rows(2), prev, **e._static).compile().as_text()
     found = _collectives(hlo)
     assert any(kind == "all-reduce" and "/attn/c_proj" in where for kind, _, where in found)
     assert [c for c in found if "/attn/" in c[2] and c[0] != "all-reduce"] == []
