@@ -16,6 +16,7 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import traverse_util
 
 from jaxgpt import lora, paged
@@ -95,8 +96,9 @@ class Dense(nn.Module):
     def _by_heads(self, x, kernel, bias, out_dtype, h: int, bounds: list) -> tuple:
         """The parts from their own columns, split by heads over the tensor axis. With g = the fewest heads
         of a part (the kv heads) a multiple of the tensor size, the columns are regrouped [embed, g, heads
-        per group, H] (group j: its query heads, then its key head, then its value head) and multiplied at
-        once: each device holds whole groups, and the backward sums the input's gradient in one all-reduce.
+        per group, H] (group j: its query heads, then its key head, then its value head; or the decoder's
+        `GROUPED` copy, `group_by_heads`) and multiplied at once: each device holds whole groups, and the
+        backward sums the input's gradient in one all-reduce.
         Else each part separately, a part whose heads the tensor size does not divide computed whole (GQA's
         kv heads, replicated)."""
         cfg, backend, parts, e = self.config, self.backend, self.parts, kernel.shape[0]
@@ -110,10 +112,13 @@ class Dense(nn.Module):
                 outs.append(backend.shard_heads(y.reshape(*y.shape[:-1], n, h), y.ndim - 1, n))
             return tuple(outs)
         spans = list(zip(parts, bounds, bounds[1:]))
-        # regrouped whole (the kernel is whole on each tensor device), then each device keeps its own groups:
-        # nothing moves (GSPMD would otherwise split the slices in contiguous blocks and permute them)
-        w = jnp.concatenate([kernel[:, lo:hi].reshape(e, g, n // g, h) for n, lo, hi in spans], axis=2)
-        w = backend.shard_heads(backend.whole(w), 1, g, rows=False).reshape(e, -1)
+        if self.has_variable("prepared", GROUPED):  # regrouped once per call by the decoder (`heads_grouped`)
+            w = self.get_variable("prepared", GROUPED)
+        else:  # regrouped whole (the kernel is whole on each tensor device), then each device keeps its own
+            # groups: nothing moves (GSPMD would otherwise split the slices in contiguous blocks and permute them)
+            w = jnp.concatenate([kernel[:, lo:hi].reshape(e, g, n // g, h) for n, lo, hi in spans], axis=2)
+            w = backend.whole(w)
+        w = backend.shard_heads(w, 1, g, rows=False).reshape(e, -1)
         b = None if bias is None else jnp.concatenate([bias[lo:hi].reshape(g, n // g, h) for n, lo, hi in spans], 1)
         y = backend.linear(x, w, cfg.compute_dtype, b=None if b is None else b.reshape(-1), out_dtype=out_dtype)
         y = backend.shard_heads(y.reshape(*y.shape[:-1], g, -1, h), y.ndim - 1, g)  # [..., g, heads per group, H]
@@ -127,6 +132,41 @@ class Dense(nn.Module):
             return self.backend.linear(x, kernel, cfg.compute_dtype, b=bias, out_dtype=out_dtype)
         y = self.backend.linear(x, kernel, cfg.compute_dtype, b=bias, out_dtype=jnp.float32)
         return (y + lora.delta(x, self.variables["lora"])).astype(out_dtype)
+
+
+GROUPED = "kernel_by_heads"  # c_attn's kernel regrouped by kv head, in the "prepared" collection (`heads_grouped`)
+
+
+def group_by_heads(kernel, parts: tuple, h: int, backend: Backend) -> jax.Array:
+    """A fused kernel [..., embed, (sum parts) H] of parts whose head counts the fewest (g) divides,
+    regrouped [..., embed, g, heads per group, H] (group j: each part's heads of group j, one part after
+    another) and split over the `head_mesh`'s tensor axis by group: one gather of the columns in their new
+    order, its output split, so that each device gathers only its own groups' columns from the kernel
+    (whole on each tensor device). The decoder's (`heads_grouped`); the model regroups in a training step
+    as before (`Dense._by_heads`): the 3 parts' slices, each held whole on every device (1 GiB over Llama
+    3 8B's 32 layers at tensor=8 when a decoder made them once per call), concatenated."""
+    g, cols = min(parts), kernel.shape[-1]
+    bounds = [sum(parts[:i]) * h for i in range(len(parts) + 1)]
+    order = np.arange(cols).reshape(cols // h, h)
+    order = np.concatenate([order[lo // h:hi // h].reshape(g, n // g, h) for n, lo, hi in
+                            zip(parts, bounds, bounds[1:])], axis=1).reshape(-1)
+    w = backend.shard_heads(jnp.take(kernel, order, axis=-1), kernel.ndim - 1, g, rows=False)
+    return backend.shard_heads(w.reshape(*kernel.shape[:-1], g, -1, h), kernel.ndim - 1, g, rows=False)
+
+
+def heads_grouped(params, config: GPTConfig, backend: Backend) -> dict:
+    """A "prepared" collection of every c_attn kernel in `params` regrouped by kv head (`group_by_heads`,
+    as `GROUPED`) when `backend` splits attention by heads (`head_mesh`, the tensor size dividing the kv
+    heads), else {}. A decoder makes it once per call, outside its loop over the new tokens: built inside
+    the model instead, XLA hoists the loop-invariant regrouping out of the loop whole, one kernel on every
+    device for each layer (issue 59: 48 MiB a layer of Llama 3 8B at tensor=8), where each device needs
+    only its own groups."""
+    if backend.head_mesh is None or config.n_kv_head % backend.tensor_size:
+        return {}
+    parts = (config.n_head, config.n_kv_head, config.n_kv_head)
+    grouped = {path[:-1] + (GROUPED,): group_by_heads(w, parts, config.head_dim, backend)
+               for path, w in traverse_util.flatten_dict(params).items() if path[-2:] == ("c_attn", "kernel")}
+    return traverse_util.unflatten_dict(grouped)
 
 
 def bias_info(kernel: ParamInfo) -> ParamInfo:
@@ -238,7 +278,30 @@ class CausalSelfAttention(nn.Module):
                 return out, cache
         # a cache kept in another dtype is read in the compute dtype
         k_BxKxSxH, v_BxKxSxH = (a.astype(q_BxTxNxH.dtype) for a in cache.layer(layer))
-        return attend(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, positions_BxT, kv_lengths_B), cache
+        return in_query_chunks(attend, q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, positions_BxT, kv_lengths_B), cache
+
+
+QUERY_CHUNK = 256  # queries attended at once over a cache (a prompt's prefill): `in_query_chunks`
+
+
+def in_query_chunks(attend, q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, positions_BxT, kv_lengths_B, chunk=None):
+    """`attend(q, k, v, positions, kv_lengths)` over a cache, the queries `chunk` at a time in a loop when
+    there are more: each query attends alone, so the output is the same, but the scores (float32 [B, N,
+    T, S] in XLA's attention) are held for `chunk` (default QUERY_CHUNK) queries, not all of them (issue 59:
+    a 2048-token prompt over a 4096-position cache held 1 GiB of them a chip). The last chunk is padded (its
+    position repeated)."""
+    b, t = q_BxTxNxH.shape[:2]
+    chunk = chunk or QUERY_CHUNK
+    if t <= chunk or positions_BxT is None:
+        return attend(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, positions_BxT, kv_lengths_B)
+    n = -(-t // chunk)
+    q = jnp.pad(q_BxTxNxH, ((0, 0), (0, n * chunk - t), (0, 0), (0, 0)))
+    positions = jnp.pad(positions_BxT, ((0, 0), (0, n * chunk - t)), mode="edge")
+    q_CxBxTxNxH = q.reshape(b, n, chunk, *q.shape[2:]).swapaxes(0, 1)
+    positions_CxBxT = positions.reshape(b, n, chunk).swapaxes(0, 1)
+    out = jax.lax.map(lambda qp: attend(qp[0], k_BxKxSxH, v_BxKxSxH, qp[1], kv_lengths_B),
+                      (q_CxBxTxNxH, positions_CxBxT))
+    return out.swapaxes(0, 1).reshape(b, n * chunk, *out.shape[3:])[:, :t]
 
 
 def qkv_info(cfg: GPTConfig) -> ParamInfo:

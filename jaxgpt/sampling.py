@@ -8,13 +8,14 @@ from typing import Iterator, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from jaxgpt.backends import Backend, DecodeWeights, resolve
 from jaxgpt.backends.base import cast_floats
 from jaxgpt.cache import KVCache
 from jaxgpt.checks import is_int, is_real
 from jaxgpt.config import GPTConfig
-from jaxgpt.model import GPT, abstract_params
+from jaxgpt.model import GPT, abstract_params, heads_grouped
 from jaxgpt.quantize import check_kv_dtype, check_quantize, dequantized
 
 NEG_INF = -jnp.inf
@@ -465,13 +466,46 @@ def _prefill(model: GPT, variables: dict, prompts_BxP, prompt_lengths_B, max_len
     params, with w8a8 the int8 kernels too), logits only at each row's last prompt token; the cache in
     `kv_dtype` (default: the compute dtype; "int8": int8 with scales, jaxgpt/cache.py), split by kv head
     over `mesh`'s tensor axis when a mesh is given (KVCache.on_mesh)."""
-    b = prompts_BxP.shape[0]
+    b, p = prompts_BxP.shape
     cache = KVCache.create(model.config, b, max_len, dtype=kv_dtype, layout=model.backend.cache_layout)
     if mesh is not None:
         cache = cache.on_mesh(mesh, inside_jit=True)
-    logits, cache = model.apply(variables, prompts_BxP, cache, token_lengths=prompt_lengths_B,
-                                logits_index=prompt_lengths_B - 1)
-    return DecodeState(cache, logits[:, 0], prompt_lengths_B, jnp.zeros((b,), bool), jnp.zeros((), jnp.int32))
+    if p <= PREFILL_CHUNK:
+        logits, cache = model.apply(variables, prompts_BxP, cache, token_lengths=prompt_lengths_B,
+                                    logits_index=prompt_lengths_B - 1)
+        logits_BxV = logits[:, 0]
+    else:
+        logits_BxV, cache = _prefill_in_chunks(model, variables, prompts_BxP, prompt_lengths_B, cache)
+    return DecodeState(cache, logits_BxV, prompt_lengths_B, jnp.zeros((b,), bool), jnp.zeros((), jnp.int32))
+
+
+PREFILL_CHUNK = 512  # a longer prompt goes through the model this many tokens at a time (`_prefill_in_chunks`)
+
+
+def _prefill_in_chunks(model: GPT, variables: dict, prompts_BxP, prompt_lengths_B, cache: KVCache):
+    """The padded prompt PREFILL_CHUNK tokens at a time into an empty cache (a lax.scan over the whole
+    chunks, then the rest): each token attends to the same keys as with the prompt at once, and the
+    activations are a chunk's (issue 59: a whole 8 x 2048 prompt held float32 [8, 2048, 4096] hidden
+    states, several at once, on every chip of a tensor mesh). (logits [B, V] at each row's last prompt
+    token, the cache with each row's prompt length.)"""
+    b, p = prompts_BxP.shape
+    c = PREFILL_CHUNK
+    n, last_B = p // c, prompt_lengths_B - 1
+
+    def chunk(cache, tokens_BxT, start):
+        index_B = jnp.clip(last_B - start, 0, tokens_BxT.shape[1] - 1)
+        logits, cache = model.apply(variables, tokens_BxT, cache, logits_index=index_B)
+        return cache, logits[:, 0]
+
+    tokens_NxBxC = prompts_BxP[:, :n * c].reshape(b, n, c).swapaxes(0, 1)
+    cache, logits_NxBxV = jax.lax.scan(lambda cache, xs: chunk(cache, *xs), cache,
+                                       (tokens_NxBxC, jnp.arange(n, dtype=jnp.int32) * c))
+    if p > n * c:  # the rest, shorter than a chunk
+        cache, rest_BxV = chunk(cache, prompts_BxP[:, n * c:], n * c)
+        logits_NxBxV = jnp.concatenate([logits_NxBxV, rest_BxV[None]], axis=0)
+    # each row's logits from the chunk holding its last prompt token
+    logits_BxV = jnp.take_along_axis(logits_NxBxV, (last_B // c)[None, :, None], axis=0)[0]
+    return logits_BxV, cache.replace(lengths=prompt_lengths_B)
 
 
 def _emit(state: DecodeState, rng, s: Sampler) -> tuple[DecodeState, jax.Array]:
@@ -502,6 +536,22 @@ def _cast(weights: DecodeWeights, config: GPTConfig) -> DecodeWeights:
     return weights.replace(params=cast_floats(weights.params, config.compute_dtype))
 
 
+def _variables(weights: DecodeWeights, config: GPTConfig, backend: Backend) -> tuple[dict, dict]:
+    """(the prompt's variables, the decode steps' variables) of `weights` in the compute dtype, made once
+    per call: with attention split by heads, c_attn's kernels regrouped by kv head (`heads_grouped`) join
+    both "prepared" collections, each device holding its own groups, instead of being rebuilt (whole, on
+    every device) inside the decode loop."""
+    weights = _cast(weights, config)
+    grouped = traverse_util.flatten_dict(heads_grouped(weights.params, config, backend))
+
+    def plus(variables: dict) -> dict:
+        if not grouped:
+            return variables
+        prepared = {**traverse_util.flatten_dict(variables.get("prepared", {})), **grouped}
+        return {**variables, "prepared": traverse_util.unflatten_dict(prepared)}
+    return plus(weights.prefill_variables()), plus(weights.variables())
+
+
 # Incremented each time `_generate` is traced; tests use it to check that new prompts don't recompile.
 TRACE_COUNT = 0
 
@@ -512,10 +562,9 @@ def _generate(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, rng, *, con
     global TRACE_COUNT
     TRACE_COUNT += 1
     b, p = prompts_BxP.shape
-    model, weights = GPT(config, backend), _cast(weights, config)
-    state = _prefill(model, weights.prefill_variables(), prompts_BxP, prompt_lengths_B, p + max_new_tokens, kv_dtype,
-                     mesh)
-    state, new_BxN = _decode(model, weights.variables(), state, rng, max_new_tokens, sampler, last=True)
+    model, (prefill_vars, decode_vars) = GPT(config, backend), _variables(weights, config, backend)
+    state = _prefill(model, prefill_vars, prompts_BxP, prompt_lengths_B, p + max_new_tokens, kv_dtype, mesh)
+    state, new_BxN = _decode(model, decode_vars, state, rng, max_new_tokens, sampler, last=True)
     # row b's new tokens go right after its prompt (ragged rows: over the padding)
     tokens = jnp.concatenate([prompts_BxP, jnp.full((b, max_new_tokens), sampler.pad_id, jnp.int32)], axis=1)
     at = prompt_lengths_B[:, None] + jnp.arange(max_new_tokens)[None, :]
@@ -526,13 +575,13 @@ def _generate(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, rng, *, con
 @functools.partial(jax.jit, static_argnames=("config", "backend", "max_len", "kv_dtype", "mesh"))
 def _prefill_jit(weights: DecodeWeights, prompts_BxP, prompt_lengths_B, *, config, backend, max_len, kv_dtype=None,
                  mesh=None):
-    return _prefill(GPT(config, backend), _cast(weights, config).prefill_variables(), prompts_BxP, prompt_lengths_B,
+    return _prefill(GPT(config, backend), _variables(weights, config, backend)[0], prompts_BxP, prompt_lengths_B,
                     max_len, kv_dtype, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "n", "sampler", "last"), donate_argnums=(1,))
 def _decode_jit(weights: DecodeWeights, state, rng, *, config, backend, n, sampler, last):
-    return _decode(GPT(config, backend), _cast(weights, config).variables(), state, rng, n, sampler, last)
+    return _decode(GPT(config, backend), _variables(weights, config, backend)[1], state, rng, n, sampler, last)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "batch_size", "quantize"))

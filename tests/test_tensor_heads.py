@@ -207,8 +207,9 @@ def test_the_paged_engine_under_tensor_2_gives_one_devices_tokens_with_its_pool_
     # the compiled step's attention reads each device's own kv heads of the pool: no collective under attn/
     # but c_proj's all-reduce
     e = engines[1]
+    prev = np.zeros(runner._pow2(e.max_requests), np.int32)  # (asynchronous scheduling's previous draws)
     hlo = runner.ragged_step.lower(e.weights[8], e.cache, runner.warm_arrays((8, 2), e.table_width),
-                                   runner.idle_rows(2), **e._static).compile().as_text()
+                                   runner.idle_rows(2), prev, **e._static).compile().as_text()
     found = _collectives(hlo)
     assert any(kind == "all-reduce" and "/attn/c_proj" in where for kind, _, where in found)
     assert [c for c in found if "/attn/" in c[2] and c[0] != "all-reduce"] == []
@@ -241,3 +242,32 @@ def test_the_tpu_backend_runs_splash_per_device_on_its_own_heads():
     assert _moved_attention_activations(hlo, ROWS // 2, cfg.block_size) == []
     losses, _ = _run(cfg, runner, steps=1)
     np.testing.assert_allclose(losses, _run(CFG, MeshRunner(CFG, OPT, mesh="data=2,tensor=2"), steps=1)[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+@pytest.mark.parametrize("what", ["prefill", "attention"])
+def test_a_prompt_in_chunks_gives_what_the_prompt_at_once_gives(monkeypatch, tensor, what):
+    """The prompt through the model 2 tokens at a time (sampling.PREFILL_CHUNK: two chunks and the rest), or
+    its attention over the cache 2 queries at a time (model.QUERY_CHUNK, the last chunk padded): the logits
+    after the prompt and a decode step, and the tokens, are the prompt's at once, on one device and split by
+    heads over tensor=2."""
+    from jaxgpt import model
+
+    params = init_params(CFG, jax.random.key(5))
+    if tensor > 1:
+        params = shard_params(params, CFG, build_mesh(f"tensor={tensor}", jax.devices()[:tensor]))
+    prompts, lengths = np.array([[3, 1, 4, 1, 5], [2, 7, 1, 8, 0]], np.int32), np.array([5, 3], np.int32)
+    want, _ = _decode_logits(Decoder(params, CFG), prompts, lengths, steps=1)
+    want_tokens = Decoder(params, CFG).generate(prompts, 4, jax.random.key(0), prompt_lengths=lengths).tokens
+    module, name = (sampling, "PREFILL_CHUNK") if what == "prefill" else (model, "QUERY_CHUNK")
+    monkeypatch.setattr(module, name, 2)
+    chunked, in_chunks, lax_map = [], sampling._prefill_in_chunks, jax.lax.map
+    monkeypatch.setattr(sampling, "_prefill_in_chunks", lambda *a: chunked.append("prefill") or in_chunks(*a))
+    monkeypatch.setattr(jax.lax, "map", lambda *a, **k: chunked.append("attention") or lax_map(*a, **k))
+    jax.clear_caches()  # (the programs traced again, in chunks)
+    got, state = _decode_logits(Decoder(params, CFG), prompts, lengths, steps=1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), lengths + 1)
+    tokens = Decoder(params, CFG).generate(prompts, 4, jax.random.key(0), prompt_lengths=lengths).tokens
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
+    assert what in chunked
