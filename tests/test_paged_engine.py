@@ -14,33 +14,15 @@ from jaxgpt.engine import Engine, runner
 from jaxgpt.engine.paged import PagedEngine
 from jaxgpt.engine.plan import Plan, Work
 from jaxgpt.paged import PagedCache
-from jaxgpt.sampling import TOP_K_FAST
 
-CFG = jaxgpt.GPTConfig(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=32)
+from tests.test_engine import CFG, SETTINGS, _alone, _log_softmax, _prompts  # (the same model and helpers)
+
 GQA = jaxgpt.GPTConfig(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
-SETTINGS = [dict(temperature=0.0), dict(temperature=0.8, top_k=10, seed=3), dict(temperature=1.0, seed=5),
-            dict(temperature=0.7, top_p=0.9, seed=7), dict(temperature=1.2, top_k=TOP_K_FAST + 16, top_p=0.8, seed=1),
-            dict(temperature=0.9, top_k=5, top_p=0.5, seed=2)]
 
 
 @pytest.fixture(scope="module")
 def params():
     return jaxgpt.init_params(CFG, jax.random.key(0))
-
-
-def _prompts(seed, lengths):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in lengths]
-
-
-def _alone(params, cfg, prompt, n, s):
-    out = jaxgpt.generate(params, cfg, np.array([prompt]), n, jax.random.key(s.get("seed", 0)),
-                          temperature=s["temperature"], top_k=s.get("top_k"), top_p=s.get("top_p"))
-    return np.asarray(out.tokens[0, len(prompt):]).tolist()
-
-
-def _log_softmax(params, cfg, tokens):
-    return np.asarray(jax.nn.log_softmax(jaxgpt.GPT(cfg).apply({"params": params}, jnp.array([tokens]))[0], -1))
 
 
 def _check_alone(params, cfg, prompts, settings, outs, n):

@@ -11,13 +11,12 @@ found in the cache, or on having been preempted and recomputed.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import math
 import sys
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +29,8 @@ from jaxgpt.config import GPTConfig
 from jaxgpt.engine import runner
 from jaxgpt.engine.plan import Plan, Work
 from jaxgpt.engine.scheduler import PENDING, Scheduler
-from jaxgpt.engine.slots import (TRACES, Completion, Event, Request, Token, check_request, decode_weights,
-                                 seed_key, steps_by_rows)
+from jaxgpt.engine.slots import (TRACES, Completion, Conveniences, Event, Request, Token, check_request,
+                                 decode_weights, seed_key, steps_by_rows)
 from jaxgpt.paged import PagedCache, pool_bytes, pool_layout
 from jaxgpt.quantize import check_kv_dtype, check_quantize
 from jaxgpt.sampling import RowSettings, _dequantized_jit, on_params_mesh
@@ -95,7 +94,7 @@ class _Step:
     t1: float
 
 
-class PagedEngine:
+class PagedEngine(Conveniences):
     """Requests served over a pool of `num_pages` pages of `page_size` positions (default: as many
     positions as `max_requests` rows of `max_len`, plus the null page), at most `max_requests` running at
     once and `token_budget` tokens a step (decode tokens first, then prompt chunks of at most `max_chunk`).
@@ -475,46 +474,8 @@ class PagedEngine:
         if live.callback is not None:
             live.callback(event)
 
-    # -- conveniences -------------------------------------------------------------------------------
-
-    def run(self, requests: Sequence[dict] = ()) -> list[Completion]:
-        """Submit `requests` (dicts of `submit`'s arguments) and step until every request is done; the
-        given requests' completions, in order."""
-        ids = [self.submit(**r) for r in requests]
-        outs = {rid: self._live[rid].out for rid in ids}
-        while self.has_work():
-            self.step()
-        return [outs[rid] for rid in ids]
-
-    def stream(self, prompt: Sequence[int], **settings) -> Iterator[Token]:
-        """One request's tokens as they are drawn (stepping the engine, others' requests included)."""
-        queue: collections.deque = collections.deque()
-        self.submit(prompt, callback=queue.append, **settings)
-        while True:
-            while queue:
-                event = queue.popleft()
-                if event.token is not None:
-                    yield event.token
-                if event.finish_reason is not None:
-                    return
-            self.step()
-
-    def score(self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]) -> list[tuple]:
-        """Each (context, continuation) pair's summed logprob of the continuation and whether every
-        continuation token is the most likely one: [(logprob, is_greedy)]."""
-        if len(contexts) != len(continuations):
-            raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
-        reqs = []
-        for ctx, cont in zip(contexts, continuations):
-            ctx, cont = [int(t) for t in ctx], [int(t) for t in cont]
-            if not ctx or not cont:
-                raise ValueError("each context and each continuation must hold at least one token")
-            reqs.append(dict(prompt=ctx + cont, max_tokens=0, prompt_logprobs=True, score_from=len(ctx)))
-        results = []
-        for out, ctx in zip(self.run(reqs), contexts):
-            lps = out.prompt_logprobs[len(ctx):]
-            results.append((float(np.sum(np.asarray(lps, np.float64))), all(out.prompt_greedy[len(ctx):])))
-        return results
+    def _completions(self, ids) -> dict:
+        return {rid: self._live[rid].out for rid in ids}
 
 
 def _check_sizes(config: GPTConfig, max_requests, max_len, page_size, num_pages, token_budget, max_logprobs) -> None:

@@ -477,7 +477,52 @@ def check_request(req: Request, cfg: GPTConfig, max_len: int, max_logprobs: int)
                                stop_token_ids=tuple(int(t) for t in req.stop_token_ids))
 
 
-class Engine:
+class Conveniences:
+    """What both engines offer on top of `submit` and `step` (`run`, `stream`, `score`); an engine gives
+    `_completions(ids)`: the Completion of each request just submitted, by id."""
+
+    def run(self, requests: Sequence[dict] = ()) -> list[Completion]:
+        """Submit `requests` (each a dict of `submit`'s arguments, with "prompt") and step until every
+        request is done (those submitted before too); the given requests' completions, in order."""
+        ids = [self.submit(**r) for r in requests]
+        outs = self._completions(ids)
+        while self.has_work():
+            self.step()
+        return [outs[rid] for rid in ids]
+
+    def stream(self, prompt: Sequence[int], **settings) -> Iterator[Token]:
+        """One request's tokens as they are decoded (stepping the engine, others' requests included)."""
+        queue: collections.deque = collections.deque()
+        self.submit(prompt, callback=queue.append, **settings)
+        while True:
+            while queue:
+                event = queue.popleft()
+                if event.token is not None:
+                    yield event.token
+                if event.finish_reason is not None:
+                    return
+            self.step()
+
+    def score(self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]) -> list[tuple]:
+        """Each (context, continuation) pair's summed logprob of the continuation given the context, and
+        whether every continuation token is the most likely one: [(logprob, is_greedy)]. Pairs that share a
+        context compute it once."""
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
+        reqs = []
+        for ctx, cont in zip(contexts, continuations):
+            ctx, cont = [int(t) for t in ctx], [int(t) for t in cont]
+            if not ctx or not cont:
+                raise ValueError("each context and each continuation must hold at least one token")
+            reqs.append(dict(prompt=ctx + cont, max_tokens=0, prompt_logprobs=True, score_from=len(ctx)))
+        results = []
+        for out, ctx in zip(self.run(reqs), contexts):
+            lps = out.prompt_logprobs[len(ctx):]
+            results.append((float(np.sum(np.asarray(lps, np.float64))), all(out.prompt_greedy[len(ctx):])))
+        return results
+
+
+class Engine(Conveniences):
     """A pool of `slots` rows over one KV cache of `max_len` positions each, serving requests as they come.
 
     `submit` queues a request and returns its id; each `step` admits waiting requests into free slots,
@@ -1023,45 +1068,9 @@ class Engine:
 
     # -- conveniences -------------------------------------------------------------------------------
 
-    def run(self, requests: Sequence[dict] = ()) -> list[Completion]:
-        """Submit `requests` (each a dict of `submit`'s arguments, with "prompt") and step until every
-        request is done (those submitted before too); the given requests' completions, in order."""
-        ids = [self.submit(**r) for r in requests]
-        outs = {live.rid: live.out for live in self._waiting if live.rid in set(ids)}
-        while self.has_work():
-            self.step()
-        return [outs[rid] for rid in ids]
-
-    def stream(self, prompt: Sequence[int], **settings) -> Iterator[Token]:
-        """One request's tokens as they are decoded (stepping the engine, others' requests included)."""
-        queue: collections.deque = collections.deque()
-        self.submit(prompt, callback=queue.append, **settings)
-        while True:
-            while queue:
-                event = queue.popleft()
-                if event.token is not None:
-                    yield event.token
-                if event.finish_reason is not None:
-                    return
-            self.step()
-
-    def score(self, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]]) -> list[tuple]:
-        """Each (context, continuation) pair's summed logprob of the continuation given the context, and
-        whether every continuation token is the most likely one: [(logprob, is_greedy)]. Pairs that share a
-        context compute it once."""
-        if len(contexts) != len(continuations):
-            raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
-        reqs = []
-        for ctx, cont in zip(contexts, continuations):
-            ctx, cont = [int(t) for t in ctx], [int(t) for t in cont]
-            if not ctx or not cont:
-                raise ValueError("each context and each continuation must hold at least one token")
-            reqs.append(dict(prompt=ctx + cont, max_tokens=0, prompt_logprobs=True, score_from=len(ctx)))
-        results = []
-        for out, ctx in zip(self.run(reqs), contexts):
-            lps = out.prompt_logprobs[len(ctx):]
-            results.append((float(np.sum(np.asarray(lps, np.float64))), all(out.prompt_greedy[len(ctx):])))
-        return results
+    def _completions(self, ids) -> dict:
+        wanted = set(ids)
+        return {live.rid: live.out for live in self._waiting if live.rid in wanted}
 
 
 # ---------------------------------------------------------------------------------------------------
