@@ -221,3 +221,16 @@ def test_a_recomputation_past_the_prompt_is_not_run_as_decode_steps(params):
         assert eng.stats.preemptions > 0 and eng.scheduler.stats.pages_in_use == 0
         for p, s, o in zip(prompts, SETTINGS, outs):
             assert o.token_ids == _alone(params, CFG, p, 12 - len(p), s), (caching, s)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "w8a8"])
+def test_quantized_weights_give_the_dense_engines_tokens(quantize):
+    from tests.helpers import varied_params
+
+    params = varied_params(CFG)
+    reqs = [dict(prompt=p, max_tokens=8, logprobs=0, **s) for p, s in zip(_prompts(13, (5, 20, 9)), SETTINGS)]
+    paged = PagedEngine(params, CFG, max_requests=3, max_len=64, page_size=8, token_budget=32, quantize=quantize)
+    dense = Engine(params, CFG, slots=3, max_len=64, prefill_chunk=32, quantize=quantize)
+    for a, b in zip(paged.run(reqs), dense.run(reqs)):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose([t.logprob for t in a.tokens], [t.logprob for t in b.tokens], atol=1e-4)
