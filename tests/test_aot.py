@@ -200,6 +200,8 @@ def test_inputs_a_user_types_end_in_one_line_before_any_compile(tmp_path):
              (["--target=tpu:v5e:2x2", "--engine_packed=64"], {}, "add engine to --programs"),
              (["--target=tpu:v5e:1x1", "--programs=engine", "--engine_packed=4096"], {}, "packed prefill needs"),
              (["--target=tpu:v5e:2x2", "--engine_mesh=tensor=4"], {}, "add engine to --programs"),
+             (["--target=tpu:v5e:2x2", "--engine_page_size=8"], {}, "add paged to --programs"),
+             (["--target=tpu:v5e:2x2", "--engine_slots=8"], {}, "add engine or paged to --programs"),
              (["--target=tpu:v5e:2x2", "--programs=engine", "--engine_mesh=tensor=4", "--engine_packed=64"], {},
               "not run on a mesh"),
              (["--target=tpu:v5e:2x2", f"--json={tmp_path / 'missing' / 'r.json'}"], {}, "cannot write --json="),

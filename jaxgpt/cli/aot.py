@@ -170,11 +170,14 @@ def _run(argv) -> None:
         programs = aot.check_programs(FLAGS.programs)
     except aot.AotError as e:
         _fail(e)
-    for name in ("quantize", "kv_dtype", "engine_slots", "engine_max_len", "engine_chunk", "engine_packed",
-                 "engine_mesh", "engine_page_size", "engine_token_budget", "engine_largest_only"):
-        if FLAGS[name].value is not None and "engine" not in programs and "paged" not in programs:
-            _fail(f"--{name} applies to the engine's programs: add engine or paged to --programs (e.g. "
-                  "--programs=engine)")
+    # which programs take each engine flag: the dense engine's, the paged engine's, or both
+    takers = {**{n: ("engine",) for n in ("engine_chunk", "engine_packed", "engine_mesh")},
+              **{n: ("paged",) for n in ("engine_page_size", "engine_token_budget", "engine_largest_only")},
+              **{n: ("engine", "paged") for n in ("quantize", "kv_dtype", "engine_slots", "engine_max_len")}}
+    for name, wanted in takers.items():
+        if FLAGS[name].value is not None and not set(wanted) & set(programs):
+            _fail(f"--{name} applies to the engine's programs: add {' or '.join(wanted)} to --programs (e.g. "
+                  f"--programs={wanted[0]})")
     try:
         from jaxgpt.quantize import check_kv_dtype, check_quantize
         check_quantize(FLAGS.quantize)
