@@ -30,7 +30,7 @@ from jaxgpt.engine import runner
 from jaxgpt.engine.plan import Plan, Work
 from jaxgpt.engine.scheduler import PENDING, Scheduler
 from jaxgpt.engine.slots import (TRACES, Completion, Conveniences, Event, Request, Token, check_request,
-                                 decode_weights, seed_key, steps_by_rows)
+                                 decode_weights, new_request, request_start, steps_by_rows)
 from jaxgpt.paged import PagedCache, pool_bytes, pool_layout
 from jaxgpt.quantize import check_kv_dtype, check_quantize
 from jaxgpt.sampling import RowSettings, _dequantized_jit, on_params_mesh
@@ -206,27 +206,14 @@ class PagedEngine(Conveniences):
     def submit(self, prompt: Sequence[int], *, callback: Optional[Callable[[Event], None]] = None,
                **settings) -> int:
         """Queue a request (prompt token ids; settings as `Request`'s fields); returns its id."""
-        unknown = set(settings) - {f.name for f in dataclasses.fields(Request)}
-        if unknown:
-            raise TypeError(f"unknown request setting(s) {sorted(unknown)}; known: "
-                            f"{[f.name for f in dataclasses.fields(Request)]}")
-        tokens = np.asarray(prompt)
-        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-            raise ValueError(f"prompt must be a sequence of token ids (integers), got {prompt!r:.80}")
-        req = check_request(Request(tuple(tokens.tolist()), **settings), self.config, self.max_len,
-                            self.max_logprobs)
+        req = check_request(new_request(prompt, settings), self.config, self.max_len, self.max_logprobs)
         rid = next(self._ids)
         cacheable = len(req.prompt) - 1
         if req.prompt_logprobs:
             cacheable = min(cacheable, req.score_from - 1)
         self.scheduler.add(rid, req.prompt, req.max_tokens, cacheable=cacheable)
-        key = seed_key(req.seed) if req.rng is None else req.rng
-        if not jax.dtypes.issubdtype(getattr(key, "dtype", np.float32), jax.dtypes.prng_key):
-            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
-        out = Completion(rid, req.prompt, submitted=time.perf_counter())
-        if req.prompt_logprobs:
-            out.prompt_logprobs, out.prompt_top, out.prompt_greedy = ([None] * len(req.prompt) for _ in range(3))
-        self._live[rid] = _Live(rid, req, np.asarray(jax.random.key_data(key), np.uint32), out, callback)
+        key_data, out = request_start(rid, req)
+        self._live[rid] = _Live(rid, req, key_data, out, callback)
         return rid
 
     def cancel(self, request_id: int) -> bool:

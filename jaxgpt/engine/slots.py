@@ -444,6 +444,29 @@ def decode_weights(params, config: GPTConfig, backend: Backend, quantize, row_co
     return by_rows
 
 
+def new_request(prompt: Sequence[int], settings: dict) -> Request:
+    """A `Request` from `submit`'s arguments (not yet checked against an engine: `check_request`)."""
+    unknown = set(settings) - {f.name for f in dataclasses.fields(Request)}
+    if unknown:
+        raise TypeError(f"unknown request setting(s) {sorted(unknown)}; known: "
+                        f"{[f.name for f in dataclasses.fields(Request)]}")
+    tokens = np.asarray(prompt)
+    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+        raise ValueError(f"prompt must be a sequence of token ids (integers), got {prompt!r:.80}")
+    return Request(tuple(tokens.tolist()), **settings)
+
+
+def request_start(rid: int, req: Request) -> tuple:
+    """(its PRNG key's data, uint32 [2], and its empty Completion) for a request just submitted."""
+    key = seed_key(req.seed) if req.rng is None else req.rng
+    if not jax.dtypes.issubdtype(getattr(key, "dtype", np.float32), jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))  # a raw uint32 [2] key
+    out = Completion(rid, req.prompt, submitted=time.perf_counter())
+    if req.prompt_logprobs:
+        out.prompt_logprobs, out.prompt_top, out.prompt_greedy = ([None] * len(req.prompt) for _ in range(3))
+    return np.asarray(jax.random.key_data(key), np.uint32), out
+
+
 def check_request(req: Request, cfg: GPTConfig, max_len: int, max_logprobs: int) -> Request:
     """`req` validated against an engine's model, length and logprobs (ValueError naming the field),
     with its integers made Python ints and top_k bounded by the vocabulary."""
@@ -688,22 +711,10 @@ class Engine(Conveniences):
     def submit(self, prompt: Sequence[int], *, callback: Optional[Callable[[Event], None]] = None,
                **settings) -> int:
         """Queue a request (prompt token ids; settings as `Request`'s fields); returns its id."""
-        unknown = set(settings) - {f.name for f in dataclasses.fields(Request)}
-        if unknown:
-            raise TypeError(f"unknown request setting(s) {sorted(unknown)}; known: "
-                            f"{[f.name for f in dataclasses.fields(Request)]}")
-        tokens = np.asarray(prompt)
-        if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
-            raise ValueError(f"prompt must be a sequence of token ids (integers), got {prompt!r:.80}")
-        req = self._check(Request(tuple(tokens.tolist()), **settings))
+        req = self._check(new_request(prompt, settings))
         rid = next(self._ids)
-        key = seed_key(req.seed) if req.rng is None else req.rng
-        if not jax.dtypes.issubdtype(getattr(key, "dtype", np.float32), jax.dtypes.prng_key):
-            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))  # a raw uint32 [2] key
-        out = Completion(rid, req.prompt, submitted=time.perf_counter())
-        if req.prompt_logprobs:
-            out.prompt_logprobs, out.prompt_top, out.prompt_greedy = ([None] * len(req.prompt) for _ in range(3))
-        self._waiting.append(_Live(rid, req, np.asarray(jax.random.key_data(key), np.uint32), out, callback))
+        key_data, out = request_start(rid, req)
+        self._waiting.append(_Live(rid, req, key_data, out, callback))
         return rid
 
     def _check(self, req: Request) -> Request:
