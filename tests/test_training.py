@@ -211,6 +211,35 @@ def test_a_peak_measured_while_the_cores_were_busy_is_raised_never_an_mfu_above_
     assert "MFU now against" not in capsys.readouterr().out
 
 
+def test_a_log_line_that_waited_for_data_with_no_batch_made_since_the_last_one_is_written(tmp_path, monkeypatch):
+    """A wait for data can span a log line in which the loader finished no batch: its rate is then unknown,
+    and the line says the wait without it (CI: a TypeError formatting None stopped a LoRA run)."""
+    import types
+    from jaxgpt.training import throughput
+
+    monkeypatch.setattr(throughput, "peak_flops", lambda *a, **kw: (1e12, "train.peak_flops"))
+    from jaxgpt.training.config import model_config_from
+
+    c = tiny_config(tmp_path)
+    gcfg = model_config_from(c, vocab_size=256)
+    clock = throughput.Throughput(c.train, gcfg, 1, 1, c.train.batch_size, note=print)
+    loader = types.SimpleNamespace(produced=0, produce_s=0.0)
+    t0 = clock.last_log[0]
+    clock.data_wait = 0.5  # half of the second to step 2 waited, and no batch made
+    r = clock.rates(2, t0 + 1.0, loader)
+    assert r.loader_tokens_per_s is None and r.waited == pytest.approx(0.5)
+    assert r.data_note() == " | waited for data 50%"
+    loader.produced, loader.produce_s = 4, 0.1  # then four batches made in 0.1 s of the loader's time
+    r = clock.rates(4, t0 + 2.0, loader)
+    assert r.waited == 0 and r.data_note() == ""  # no new wait: nothing said
+    clock.data_wait = 0.8
+    loader.produced, loader.produce_s = 8, 0.2
+    r = clock.rates(6, t0 + 3.0, loader)
+    rate = 4 * c.train.batch_size * gcfg.block_size / 0.1
+    assert r.loader_tokens_per_s == pytest.approx(rate)
+    assert r.data_note() == f" | waited for data 30% (loader {rate:,.0f} tok/s per process)"
+
+
 def test_train_reduces_loss_and_writes_metrics(tmp_path):
     c = tiny_config(tmp_path, max_steps=40, eval_interval=20)
     s = train(c)

@@ -470,8 +470,7 @@ class _Run:
             self.note(f"step {s:6d} | loss {m['loss']:.4f} | lr {m.get('lr', 0):.2e} | grad norm "
                       f"{m['grad_norm']:.3f} | {r.tokens_per_s:,.0f} tok/s | MFU "
                       f"{'unknown' if r.mfu is None else f'{100 * r.mfu:.1f}%'} | {now - self.t0:.1f}s"
-                      + (f" | waited for data {100 * r.waited:.0f}% (loader {r.loader_tokens_per_s:,.0f} tok/s "
-                         "per process)" if r.waited >= 0.02 else ""))
+                      + r.data_note())
 
 
 class PendingCall(NamedTuple):

@@ -18,6 +18,15 @@ class Rates(NamedTuple):
     loader_tokens_per_s: Optional[float]  # the loader's rate on this process
     waited: float  # the share of the time the loop waited for data
 
+    def data_note(self) -> str:
+        """The log line's data part: the share waited for data when 2% or more, with the loader's rate when
+        it made a batch since the last line (a wait can span a line with no batch finished)."""
+        if self.waited < 0.02:
+            return ""
+        loader = ("" if self.loader_tokens_per_s is None
+                  else f" (loader {self.loader_tokens_per_s:,.0f} tok/s per process)")
+        return f" | waited for data {100 * self.waited:.0f}%{loader}"
+
 
 class Throughput:
     """Clocks for tokens/s, MFU and the data rates of one run; `note` says the one-off peak re-measurement."""
