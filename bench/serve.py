@@ -144,28 +144,43 @@ def _get(port: int, path: str, timeout: float = 5.0) -> int:
         conn.close()
 
 
-def engine_counters(port: int) -> dict:
-    """jaxgpt-serve's engine counters from its /metrics (jaxgpt_engine_<key>_total -> {key: value})."""
+def _metrics(port: int) -> str:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
+        return conn.getresponse().read().decode()
     finally:
         conn.close()
+
+
+def engine_counters(port: int) -> dict:
+    """jaxgpt-serve's engine counters from its /metrics (jaxgpt_engine_<key>_total -> {key: value})."""
     out = {}
-    for line in text.splitlines():
+    for line in _metrics(port).splitlines():
         if line.startswith("jaxgpt_engine_") and "_total " in line:
             name, value = line.split()
             out[name[len("jaxgpt_engine_"):-len("_total")]] = float(value)
     return out
 
 
+def programs_pending(port: int) -> int:
+    """The programs jaxgpt-serve still compiles in the background (0 when its /metrics lacks the gauge)."""
+    for line in _metrics(port).splitlines():
+        if line.startswith("jaxgpt_engine_programs_pending "):
+            return int(float(line.split()[1]))
+    return 0
+
+
 class Server:
     """A server subprocess (its own process group), ready once GET /health and /v1/models answer 200."""
 
-    def __init__(self, name: str, cmd: list, env: dict, port: int, log_path: str, start_timeout: float):
+    def __init__(self, name: str, cmd: list, env: dict, port: int, log_path: str, start_timeout: float,
+                 wait_compiled: bool = False):
         self.name, self.cmd, self.env, self.port, self.log_path = name, cmd, env, port, log_path
         self.start_timeout, self.proc, self.start_s = start_timeout, None, None
+        # jaxgpt-serve answers before its paged engine has compiled every program: the load waits for them
+        # (so that no compilation shares the cores with it); compiled_s: from the start until then
+        self.wait_compiled, self.compiled_s = wait_compiled, None
 
     def __enter__(self) -> "Server":
         t0 = time.perf_counter()
@@ -188,6 +203,12 @@ class Server:
                 raise RuntimeError(f"{self.name} not ready after {self.start_timeout:.0f} s:\n" + self.tail())
             time.sleep(1.0)
         self.start_s = time.perf_counter() - t0
+        while self.wait_compiled and programs_pending(self.port) > 0:
+            if time.perf_counter() > deadline:
+                self._close()
+                raise RuntimeError(f"{self.name}: programs still compiling after {self.start_timeout:.0f} s")
+            time.sleep(0.5)
+        self.compiled_s = time.perf_counter() - t0
         return self
 
     def tail(self, n: int = 30) -> str:
@@ -217,7 +238,7 @@ class Server:
 def jaxgpt_server(folder: str, port: int, extra: list, log_path: str, name: str = "jaxgpt-serve") -> Server:
     cmd = [sys.executable, "-m", "jaxgpt.cli.serve", f"--init_from={folder}", "--host=127.0.0.1",
            f"--port={port}", f"--served_model_name={MODEL_NAME}", *extra]
-    return Server(name, cmd, dict(os.environ), port, log_path, start_timeout=900)
+    return Server(name, cmd, dict(os.environ), port, log_path, start_timeout=900, wait_compiled=True)
 
 
 VLLM_BINDINGS = {
@@ -513,7 +534,8 @@ def main(argv=None) -> dict:
             before = engine_counters(server.port) if own else None
             res = run(c, n, args.seed + i)
             row = {"server": server.name, "concurrency": c, "num_prompts": n,
-                   "seed": args.seed + i, **{k: res.get(k) for k in KEYS}, "server_start_s": server.start_s}
+                   "seed": args.seed + i, **{k: res.get(k) for k in KEYS}, "server_start_s": server.start_s,
+                   "server_compiled_s": server.compiled_s}
             if res.get("errors"):
                 row["errors"] = res["errors"]
             if own:  # how the load reached the engine (compare bench/engine.py's line for the same load)
@@ -547,7 +569,9 @@ def main(argv=None) -> dict:
         `labels` go into each of its rows."""
         try:
             with make_server() as server:
-                print(f"{server.name} ready in {server.start_s:.1f} s", flush=True)
+                print(f"{server.name} ready in {server.start_s:.1f} s" + (
+                    f", every program compiled in {server.compiled_s:.1f} s" if server.wait_compiled else ""),
+                    flush=True)
                 rows.extend({**row, **labels} for row in load(server, tag, mirror))
         except RuntimeError as e:
             print(f"{name}: FAILED: {e}", flush=True)

@@ -2,6 +2,9 @@
 its chunks, the prefix cache or a preemption; logprobs equal the full forward's log-softmax; every program
 compiled by warmup(); the ragged step's arrays and the runner checked against the full forward."""
 
+import contextlib
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,15 +122,61 @@ def test_int8_pages_equal_the_dense_int8_engine(params):
     assert paged.cache.k[0].dtype == jnp.int8
 
 
+@contextlib.contextmanager
+def _compiles():
+    """The names of the threads that compiled a program (XLA's backend compile) inside the block."""
+    seen = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(threading.current_thread().name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def test_warmup_compiles_every_program_a_mix_needs(params):
     eng = PagedEngine(params, CFG, max_requests=4, max_len=64, page_size=4, token_budget=16)
     assert eng.warmup_programs() == 2 * len(runner.step_shapes(16, 4))
     eng.warmup()
     before = dict(engine_mod.TRACES)
     prompts = _prompts(8, (1, 2, 15, 40, 3, 9, 16, 17))
-    eng.run([dict(prompt=p, max_tokens=6, prompt_logprobs=i % 2 == 0, **SETTINGS[i % 6])
-             for i, p in enumerate(prompts)])
-    assert dict(engine_mod.TRACES) == before
+    with _compiles() as compiled:  # (compiled without running: the calls find them all the same)
+        eng.run([dict(prompt=p, max_tokens=6, prompt_logprobs=i % 2 == 0, **SETTINGS[i % 6])
+                 for i, p in enumerate(prompts)])
+    assert dict(engine_mod.TRACES) == before and compiled == []
+
+
+def test_a_background_warmup_serves_at_once_padded_to_the_programs_ready(params):
+    # sizes no other test uses (so nothing is compiled yet): the largest shape's programs are compiled before
+    # warmup returns, the rest wait on the test's signal; meanwhile every step runs the largest shape's
+    # program, exact, and nothing compiles on the engine's thread; then the rest is compiled and used
+    eng = PagedEngine(params, CFG, max_requests=3, max_len=40, page_size=4, token_budget=12, decode_steps={1: 4})
+    compile_one, go = eng.programs._compile_one, threading.Event()
+    largest = eng.shapes[-1]
+    eng.programs._compile_one = (lambda *call: compile_one(*call) if call[0] == largest
+                                 else (go.wait(60), compile_one(*call)))
+    eng.warmup(background=True)
+    assert eng.programs.ready == {(largest, "step"), (largest, "scores")}  # (then serving: any plan fits)
+    assert eng.programs.pending == eng.warmup_programs() - 2 > 0
+    prompts = _prompts(13, (3, 11, 6))
+    reqs = [dict(prompt=p, max_tokens=5, **s) for p, s in zip(prompts, SETTINGS)]
+    with _compiles() as compiled:
+        outs = eng.run(reqs)
+    _check_alone(params, CFG, prompts, SETTINGS, outs, 5)
+    assert compiled == []  # (the background thread waits)
+    st = eng.stats
+    assert st.calls == st.steps and st.padding_tokens == st.steps * largest[0] - st.prompt_tokens - st.decode_tokens
+    go.set()
+    assert eng.programs.join(timeout=300) and eng.programs.pending == 0 and eng.programs.failed is None
+    padding = st.padding_tokens
+    with _compiles() as compiled:
+        again = eng.run(reqs + [dict(prompt=prompts[0], max_tokens=9, prompt_logprobs=True)])
+    assert [o.token_ids for o in again[:3]] == [o.token_ids for o in outs] and compiled == []
+    assert st.padding_tokens - padding < 5 * largest[0] and st.calls < st.steps  # small shapes, several steps
 
 
 def test_stream_cancel_stop_and_errors(params):

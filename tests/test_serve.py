@@ -851,3 +851,24 @@ def test_the_paged_engines_counters_in_metrics(paged_client):
     engine = {m[0]: float(m[1]) for m in re.findall(r"^jaxgpt_engine_(\w+)_total (\S+)$", text, re.M)}
     assert engine["steps"] >= 3 and engine["step_seconds"] > 0 and engine["decode_tokens"] >= 2, engine
     assert engine["prefix_hits"] >= 32 and engine["prefix_queries"] >= 2 * 40, engine
+
+
+def test_the_paged_engine_answers_while_it_compiles_its_other_programs(params):
+    # warmup="background" (jaxgpt-serve --compile=background, the default): /health says ready once the
+    # largest step's programs are compiled; the others (held back here until the test's signal) are counted
+    # in /metrics while requests are answered, exactly, by the compiled ones
+    from jaxgpt.engine.paged import PagedEngine
+    engine = PagedEngine(params, CFG, max_requests=3, page_size=8, token_budget=24)  # (sizes of its own)
+    compile_one, largest, go = engine.programs._compile_one, engine.shapes[-1], threading.Event()
+    engine.programs._compile_one = (lambda *call: compile_one(*call) if call[0] == largest
+                                    else (go.wait(60), compile_one(*call)))
+    with TestClient(create_app(engine, TOK, model_name="tiny", warmup="background"),
+                    raise_server_exceptions=False) as c:
+        _wait_healthy(c)
+        pending = engine.warmup_programs() - 2
+        assert pending > 0 and f"jaxgpt_engine_programs_pending {float(pending)}" in c.get("/metrics").text
+        r = c.post("/v1/completions", json={"prompt": "To be", "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == _greedy(params, "To be", 6)
+        go.set()
+        assert engine.programs.join(timeout=300) and engine.programs.failed is None
+        assert "jaxgpt_engine_programs_pending 0.0" in c.get("/metrics").text

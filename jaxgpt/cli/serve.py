@@ -90,6 +90,11 @@ def _paged_flags(p: argparse.ArgumentParser) -> None:
                         "(default 256)")
     p.add_argument("--no_prefix_caching", action="store_true",
                    help="with --engine paged: do not keep full pages for reuse by later requests")
+    p.add_argument("--compile", default="background", choices=["background", "all"],
+                   help="with --engine paged: background (default): answer once the largest step's programs are "
+                        "compiled (they hold any step) and compile the others beside the engine's steps, which "
+                        "are padded to compiled ones meanwhile (/metrics: jaxgpt_engine_programs_pending); all: "
+                        "compile every program before answering")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -285,7 +290,8 @@ def main(argv=None) -> int:
     app = create_app(engine, tok, model_name=args.served_model_name or name, max_waiting=args.max_waiting,
                      max_request_bytes=args.max_request_bytes,
                      api_key=args.api_key or os.environ.get("JAXGPT_API_KEY"), log_requests=args.log_requests,
-                     chat_template=template, progress=True, profiler=_profiler(args))
+                     chat_template=template, progress=True, profiler=_profiler(args),
+                     warmup="background" if args.compile == "background" else True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.grace_period, lifespan="on"))
     worker = app.state.service.worker

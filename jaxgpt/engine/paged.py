@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import sys
 import time
 from typing import Callable, Optional, Sequence
 
@@ -28,6 +27,7 @@ from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 from jaxgpt.engine import runner
 from jaxgpt.engine.plan import Plan, Work
+from jaxgpt.engine.programs import Programs
 from jaxgpt.engine.scheduler import PENDING, Scheduler
 from jaxgpt.engine.slots import (TRACES, Completion, Conveniences, Event, Request, Token, check_request,
                                  decode_weights, new_request, request_start, steps_by_rows)
@@ -153,6 +153,14 @@ class PagedEngine(Conveniences):
         self._ids = itertools.count()
         self._traces_at_start = sum(TRACES.values())
         self.stats = EngineStats()
+        # the pool as the steps see it (committed to its devices), for compiling without running
+        self.cache = jax.device_put(self.cache, jax.tree.map(lambda x: x.sharding, self.cache))
+        self._pool_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                       self.cache)
+        # where the draws a step feeds the next and the hidden states prompt logprobs read are kept: one
+        # placement for every call, as for the compiled programs (else the first call of each compiles again)
+        self._here = _replicated(jax.tree.leaves(self.cache)[0].sharding)
+        self.programs = Programs(runner.programs(self.shapes, self._shape_steps), self._compile_program)
 
     # -- sizes and programs -------------------------------------------------------------------------
 
@@ -169,31 +177,33 @@ class PagedEngine(Conveniences):
     def programs_compiled(self) -> int:
         return sum(TRACES.values()) - self._traces_at_start
 
-    def warmup(self, prompt_logprobs: bool = True, progress: bool = False) -> int:
+    def warmup(self, prompt_logprobs: bool = True, progress: bool = False, background: bool = False) -> int:
         """Compile every step program (each shape of `runner.step_shapes`, with and without prompt
-        logprobs); returns how many were compiled now. The warm-up steps write only page 0."""
-        if self.has_work():
-            raise RuntimeError("warmup() runs the programs on the cache: call it before submitting requests")
-        from tqdm import tqdm
-
+        logprobs, and the several-decode-steps ones); returns how many were compiled now. With `background`:
+        those of the largest shape (which hold any step) before it returns, the rest on a thread while the
+        engine serves, its steps padded meanwhile to shapes whose programs are ready (`programs.pending`:
+        how many are left; `programs.join()` waits for them). Compiling runs nothing: the pool is untouched."""
         before = sum(TRACES.values())
-        calls = self._warmup_calls(prompt_logprobs)
-        with tqdm(total=len(calls), desc="compiling", unit="program", dynamic_ncols=True,
-                  disable=not (progress and sys.stderr.isatty())) as bar:
-            for shape, kind in calls:
-                a, rows = runner.warm_arrays(shape, self.table_width), runner.idle_rows(shape[1])
-                prev = np.zeros(runner._pow2(self.max_requests), np.int32)
-                if kind == "steps":
-                    self.cache, _ = runner.ragged_decode_steps(self.weights[shape[0]], self.cache, a, rows, np.int32(1),
-                                                               prev, steps=self._shape_steps[shape], **self._static)
-                elif kind == "scores":
-                    h = jnp.zeros((shape[0], self.config.n_embd), self.config.compute_dtype)
-                    runner.token_scores(self.weights[shape[0]], h, a.targets, **self._static)
-                else:
-                    self.cache, _ = runner.ragged_step(self.weights[shape[0]], self.cache, a, rows, prev, **self._static)
-                bar.update()
-        jax.block_until_ready(self.cache.k)
+        self.programs.warm(self._warmup_calls(prompt_logprobs), progress=progress, background=background)
         return sum(TRACES.values()) - before
+
+    def _compile_program(self, shape: tuple, kind: str) -> None:
+        """Lower and compile one program for the arguments the engine's steps give it (the call then finds it
+        compiled)."""
+        a, rows = runner.warm_arrays(shape, self.table_width), runner.idle_rows(shape[1])
+        prev = np.zeros(runner._pow2(self.max_requests), np.int32)
+        w = self.weights[shape[0]]
+        prev = jax.ShapeDtypeStruct(prev.shape, prev.dtype, sharding=self._here)
+        if kind == "steps":
+            lowered = runner.ragged_decode_steps.lower(w, self._pool_spec, a, rows, np.int32(1), prev,
+                                                       steps=self._shape_steps[shape], **self._static)
+        elif kind == "scores":
+            h = jax.ShapeDtypeStruct((shape[0], self.config.n_embd), jnp.dtype(self.config.compute_dtype),
+                                     sharding=self._here)
+            lowered = runner.token_scores.lower(w, h, a.targets, **self._static)
+        else:
+            lowered = runner.ragged_step.lower(w, self._pool_spec, a, rows, prev, **self._static)
+        lowered.compile()
 
     def warmup_programs(self, prompt_logprobs: bool = True) -> int:
         return len(self._warmup_calls(prompt_logprobs))
@@ -255,12 +265,14 @@ class PagedEngine(Conveniences):
                 raise RuntimeError("the scheduler planned nothing while requests wait: the page pool is too "
                                    "small for one request")
             return events
-        shape = runner.shape_for(plan, self.shapes)
         lives = [self._live[w.request_id] for w in plan.work]
+        want_all = any(lv.req.prompt_logprobs and w.start + 1 < len(lv.req.prompt) for lv, w in zip(lives, plan.work))
+        shape = runner.shape_for(plan, [s for s in self.shapes if self.programs.usable(s, "step")
+                                        and (not want_all or self.programs.usable(s, "scores"))])
         m = self._several_steps_now(plan, lives, shape)
         if m > 1:
             return self._several_steps(plan, lives, shape, m, t0)
-        step = self._dispatch(plan, lives, shape, t0)
+        step = self._dispatch(plan, lives, shape, want_all, t0)
         before, self._pending = self._pending, step
         if before is not None:
             self._process(before, events)  # (the device runs `step` meanwhile)
@@ -269,10 +281,9 @@ class PagedEngine(Conveniences):
             self._pending = None
         return events
 
-    def _dispatch(self, plan: Plan, lives: list, shape: tuple, t0: float) -> "_Step":
+    def _dispatch(self, plan: Plan, lives: list, shape: tuple, want_all: bool, t0: float) -> "_Step":
         """Run a plan's step (asynchronously: its outputs stay on the device) and tell the scheduler its
-        tokens are computed, each draw PENDING until `_process` reads it."""
-        want_all = any(lv.req.prompt_logprobs and w.start + 1 < len(lv.req.prompt) for lv, w in zip(lives, plan.work))
+        tokens are computed, each draw PENDING until `_process` reads it; `want_all`: with prompt logprobs."""
         a = runner.step_arrays(plan, shape, self.page_size, self.table_width,
                                {lv.rid: lv.sequence for lv in lives} if want_all else None)
         self._feed(plan, a)
@@ -281,6 +292,7 @@ class PagedEngine(Conveniences):
         self.cache, out = runner.ragged_step(self.weights[shape[0]], self.cache, a, rows, self._prev(), **self._static)
         hidden = out.pop("hidden")  # (stays on the device but for prompt logprobs)
         if want_all:
+            hidden = jax.device_put(hidden, self._here)
             out.update(runner.token_scores(self.weights[shape[0]], hidden, a.targets, **self._static))
         sampling = {lv.rid: PENDING for lv, w in zip(lives, plan.work) if w.sample and lv.req.max_tokens > 0}
         self.scheduler.update(plan, sampling)
@@ -305,8 +317,8 @@ class PagedEngine(Conveniences):
     def _prev(self):
         """The last dispatched step's draws on the device (zeros before the first)."""
         if self._pending is None:
-            return np.zeros(runner._pow2(self.max_requests), np.int32)
-        return self._pending.out["next"]
+            return jax.device_put(np.zeros(runner._pow2(self.max_requests), np.int32), self._here)
+        return jax.device_put(self._pending.out["next"], self._here)  # (where it is already, but on a mesh)
 
     def _process(self, step: "_Step", events: list) -> None:
         """Read a dispatched step's outputs (waiting for them), put its draws in the scheduler's sequences
@@ -334,7 +346,8 @@ class PagedEngine(Conveniences):
         """How many decode steps this step may run in one call (1: a plain step): up to its rows'
         `decode_steps` while every running request decodes and none waits, as many as the nearest to its
         max_tokens has left, with pages for them all given now (else 1)."""
-        k = self._steps.get(runner._pow2(plan.num_requests), 1) if shape in self._shape_steps else 1
+        several = shape in self._shape_steps and self.programs.usable(shape, "steps")
+        k = self._steps.get(runner._pow2(plan.num_requests), 1) if several else 1
         # (every work one token drawn after: a preempted request's recomputation may start past its prompt
         # with a chunk of several)
         if (k == 1 or self.scheduler.num_waiting or plan.num_requests != self.scheduler.num_running
@@ -463,6 +476,13 @@ class PagedEngine(Conveniences):
 
     def _completions(self, ids) -> dict:
         return {rid: self._live[rid].out for rid in ids}
+
+
+def _replicated(sharding):
+    """One sharding for small arrays beside a pool placed on `sharding`: its device, or its mesh whole."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
 
 
 def _check_sizes(config: GPTConfig, max_requests, max_len, page_size, num_pages, token_budget, max_logprobs) -> None:

@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import uuid
-from typing import Optional
+from typing import Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -61,11 +61,12 @@ class Service:
 
 def create_app(engine: Engine, tokenizer, *, model_name: str = "jaxgpt", max_waiting: Optional[int] = 256,
                api_key: Optional[str] = None, log_requests: bool = False, chat_template: Optional[str] = None,
-               warmup: bool = True, progress: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES,
+               warmup: Union[bool, str] = True, progress: bool = False, max_request_bytes: int = MAX_REQUEST_BYTES,
                profiler=None) -> FastAPI:
     """The FastAPI app serving `engine` with `tokenizer` (encode, decode, vocab_size, eos_id). Its engine
     thread starts (and warms the engine up: /health is 503 until then; `progress`: a bar on stderr
-    meanwhile, on a terminal) with the app's lifespan. A request body past `max_request_bytes` is a 413.
+    meanwhile, on a terminal; `warmup="background"`: a paged engine answers once its largest step's
+    programs are compiled and compiles the rest beside its steps) with the app's lifespan. A request body past `max_request_bytes` is a 413.
     `profiler`: a StepProfiler (jaxgpt/training/profiling.py) tracing a window of engine steps."""
     if not (isinstance(max_request_bytes, int) and max_request_bytes >= 1):
         raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")

@@ -70,6 +70,10 @@ class Metrics:
         accepted = Gauge("jaxgpt_speculative_accepted_tokens", "Proposed tokens that the model accepted", registry=r)
         accepted.set_function(lambda: stats["accepted"])
         r.register(_EngineCounters(stats))
+        programs = getattr(worker.engine, "programs", None)  # (the paged engine's)
+        pending = Gauge("jaxgpt_engine_programs_pending", "The engine's programs still to compile (in the "
+                        "background, while it serves)", registry=r)
+        pending.set_function(lambda: programs.pending if programs is not None else 0)
         self.ttft = Histogram("jaxgpt_time_to_first_token_seconds", "From the request's arrival to its first "
                               "generated token", buckets=_LATENCY, registry=r)
         self.itl = Histogram("jaxgpt_inter_token_latency_seconds", "Between a request's consecutive tokens",

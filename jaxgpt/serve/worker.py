@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from jaxgpt.engine import Engine, Event
 
@@ -43,13 +43,15 @@ class EngineWorker:
     """Runs `engine` on its own thread. `submit` admits up to `capacity` requests at once (running plus
     waiting; None: no limit); `num_running` and `num_waiting` are read from any thread."""
 
-    def __init__(self, engine: Engine, *, capacity: Optional[int] = None, warmup: bool = True,
+    def __init__(self, engine: Engine, *, capacity: Optional[int] = None, warmup: Union[bool, str] = True,
                  progress: bool = False, profiler=None):
         self.engine = engine
         # a StepProfiler (jaxgpt/training/profiling.py) or None: traces a window of engine steps, counted
         # from 0 at the first step after the warm-up
         self.profiler, self._steps = profiler, 0
         self.capacity = capacity
+        # warmup: True (every program before the first request), "background" (an engine with programs
+        # compiled in the background, the paged one: ready once its largest step's are), False (none)
         self.warmup, self.progress = warmup, progress  # progress: the warm-up's bar (on a terminal)
         self.ready = threading.Event()
         self.failed: Optional[BaseException] = None
@@ -62,7 +64,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="jaxgpt-engine", daemon=True)
 
     @classmethod
-    def for_engine(cls, engine: Engine, max_waiting: Optional[int], warmup: bool = True,
+    def for_engine(cls, engine: Engine, max_waiting: Optional[int], warmup: Union[bool, str] = True,
                    progress: bool = False, profiler=None) -> "EngineWorker":
         """A worker that lets `max_waiting` requests wait for a slot beyond the engine's slots."""
         return cls(engine, capacity=None if max_waiting is None else engine.slots + max_waiting, warmup=warmup,
@@ -96,6 +98,8 @@ class EngineWorker:
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what is left and end the thread."""
         self._inbox.put((_STOP, None))
+        if hasattr(self.engine, "programs"):
+            self.engine.programs.stop()  # (a background compilation ends after its current program)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -115,8 +119,14 @@ class EngineWorker:
                 t0 = time.perf_counter()
                 log.info("compiling the engine's %d programs (or loading them from the compile cache)",
                          self.engine.warmup_programs())
-                self.engine.warmup(progress=self.progress)
-                log.info("the engine's programs are ready (%.1f s)", time.perf_counter() - t0)
+                if self.warmup == "background" and hasattr(self.engine, "programs"):
+                    self.engine.warmup(progress=self.progress, background=True)
+                    log.info("ready with the largest step's programs (%.1f s); the other %d are compiled in the "
+                             "background, steps padded to compiled ones meanwhile", time.perf_counter() - t0,
+                             self.engine.programs.pending)
+                else:
+                    self.engine.warmup(progress=self.progress)
+                    log.info("the engine's programs are ready (%.1f s)", time.perf_counter() - t0)
         except BaseException as e:  # reported by the CLI; /health stays 503
             self.failed = e
             log.exception("engine warm-up failed")
