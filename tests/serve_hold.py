@@ -6,15 +6,17 @@ import os
 import time
 
 from jaxgpt.engine import Engine
-
-_step = Engine.step
-
-
-def _held_step(self):
-    path = os.environ.get("JAXGPT_TEST_HOLD")
-    while path and os.path.exists(path):
-        time.sleep(0.005)
-    return _step(self)
+from jaxgpt.engine.paged import PagedEngine
 
 
-Engine.step = _held_step
+def _held(step):
+    def held_step(self):
+        path = os.environ.get("JAXGPT_TEST_HOLD")
+        while path and os.path.exists(path):
+            time.sleep(0.005)
+        return step(self)
+    return held_step
+
+
+Engine.step = _held(Engine.step)
+PagedEngine.step = _held(PagedEngine.step)

@@ -598,25 +598,31 @@ def _start_server(run, *flags, env=None):
 
 
 @pytest.mark.slow
-def test_jaxgpt_serve_with_the_openai_client(tmp_path, params):
+@pytest.mark.parametrize("engine", ["paged", "slots"])
+def test_jaxgpt_serve_with_the_openai_client(tmp_path, params, engine):
     import httpx
     import openai
 
     _write_run(tmp_path / "run", params)
     hold = tmp_path / "hold"  # while it exists the server's engine takes no step (tests/serve_hold.py)
-    proc, url, err = _start_server(tmp_path / "run", "--slots=2", "--max_waiting=1", "--prefill_chunk=16",
+    # the default engine (paged, its programs compiled in the background), or the slots one with its own
+    # flags (--speculative picks it)
+    own = ["--prefill_chunk=16", "--speculative=ngram", "--speculative_k=3"] if engine == "slots" else []
+    proc, url, err = _start_server(tmp_path / "run", "--slots=2", "--max_waiting=1", *own,
                                    "--api_key=sesame", "--served_model_name=tiny", "--grace_period=30",
-                                   "--import=tests.serve_hold", "--speculative=ngram", "--speculative_k=3",
-                                   "--log_requests", env={"JAXGPT_TEST_HOLD": str(hold)})
+                                   "--import=tests.serve_hold", "--log_requests", env={"JAXGPT_TEST_HOLD": str(hold)})
     try:
         assert "; CPU dispatch async)" in proc.ready_line  # (the default: --cpu_dispatch=async)
+        assert f"; {engine} engine: " in proc.ready_line
+        ready = (r"the engine's programs are ready \(\d+\.\d s\)" if engine == "slots" else
+                 r"ready with the largest step's programs \(\d+\.\d s\); the other \d+ are compiled")
         for _ in range(100):  # the warm-up said what it does, on stderr (stdout's first line is the ready one)
-            if any("the engine's programs are ready" in line for line in err):
+            if any(re.search(ready, line) for line in err):
                 break
             time.sleep(0.05)
         said = [re.search(r"compiling the engine's (\d+) programs", line) for line in err]
         assert any(m and int(m.group(1)) > 0 for m in said), "".join(err)[-2000:]
-        assert any(re.search(r"the engine's programs are ready \(\d+\.\d s\)", line) for line in err)
+        assert any(re.search(ready, line) for line in err), "".join(err)[-2000:]
         c = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
         assert httpx.get(url + "/health").status_code == 200
         r = c.completions.create(model="tiny", prompt="To be or", max_tokens=12, temperature=0)

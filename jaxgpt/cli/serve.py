@@ -76,11 +76,11 @@ def _paged_engine(args, params, config):
 
 def _paged_flags(p: argparse.ArgumentParser) -> None:
     """The engine's kind and the paged engine's own flags."""
-    p.add_argument("--engine", default="slots", choices=["slots", "paged"],
-                   help="slots: dense slots, each a cache row of --max_len (jaxgpt.Engine); paged: a pool of pages "
-                        "shared through block tables, one ragged step a call under --token_budget, prefixes "
-                        "reused by block hash (jaxgpt.engine.PagedEngine; --prefill_chunk, --prefill_budget and "
-                        "--speculative are the slots engine's)")
+    p.add_argument("--engine", default="auto", choices=["auto", "paged", "slots"],
+                   help="paged: a pool of pages shared through block tables, one ragged step a call under "
+                        "--token_budget, prefixes reused by block hash (jaxgpt.engine.PagedEngine); slots: dense "
+                        "slots, each a cache row of --max_len (jaxgpt.Engine; --prefill_chunk, --prefill_budget "
+                        "and --speculative are its own); auto (default): paged, or slots with --speculative")
     p.add_argument("--page_size", type=int, default=16, help="with --engine paged: positions per page (default 16)")
     p.add_argument("--num_pages", type=int, default=None,
                    help="with --engine paged: pages in the pool (default: --slots x --max_len positions, plus the "
@@ -220,8 +220,11 @@ def _announce_when_ready(server, worker, args, name: str) -> None:
 
     port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
     dispatch = f"; CPU dispatch {cpu_dispatch()}" if jax.default_backend() == "cpu" else ""
-    print(f"jaxgpt-serve: ready at http://{args.host}:{port}/v1 (model {name}; {worker.engine.slots} slots of "
-          f"{worker.engine.max_len} positions{dispatch})", flush=True)
+    eng = worker.engine
+    sizes = (f"paged engine: {eng.max_requests} requests of up to {eng.max_len} positions, {eng.num_pages} pages "
+             f"of {eng.page_size}" if hasattr(eng, "page_size") else
+             f"slots engine: {eng.slots} slots of {eng.max_len} positions")
+    print(f"jaxgpt-serve: ready at http://{args.host}:{port}/v1 (model {name}; {sizes}{dispatch})", flush=True)
 
 
 def _watch_warmup(server, worker) -> None:
@@ -234,6 +237,8 @@ def _watch_warmup(server, worker) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.engine == "auto":
+        args.engine = "slots" if args.speculative != "none" else "paged"
     problem = check_numbers(args)
     if problem:
         print(f"jaxgpt-serve: {problem}", file=sys.stderr)

@@ -11,13 +11,25 @@ reads), so compiling never touches the page pool the engine's steps write.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 import threading
 import time
+import weakref
 from typing import Callable, Optional, Sequence
 
 log = logging.getLogger("jaxgpt.engine")
+_COMPILING: "weakref.WeakSet[Programs]" = weakref.WeakSet()  # those with a background thread
+
+
+def _finish_compiling() -> None:
+    """At exit, let each background compilation end after its current program: a thread killed inside
+    XLA's compiler when the interpreter finalizes aborts the process. (Registered at each thread's start,
+    so that it runs before the exit handlers JAX registered by then, which clear what a trace needs.)"""
+    for programs in list(_COMPILING):
+        programs.stop()
+        programs.join()
 
 
 class Programs:
@@ -64,6 +76,9 @@ class Programs:
             self._stop.clear()
             self._thread = threading.Thread(target=self._background, args=(rest,), daemon=True,
                                             name="jaxgpt-engine-compile")
+            _COMPILING.add(self)
+            atexit.unregister(_finish_compiling)
+            atexit.register(_finish_compiling)
             self._thread.start()
 
     def _compile(self, calls: Sequence[tuple], progress: bool) -> None:

@@ -99,7 +99,10 @@ class EngineWorker:
         """Cancel what is left and end the thread."""
         self._inbox.put((_STOP, None))
         if hasattr(self.engine, "programs"):
-            self.engine.programs.stop()  # (a background compilation ends after its current program)
+            # a background compilation ends after its current program, waited for: a thread still inside
+            # XLA's compiler when the interpreter exits aborts the process
+            self.engine.programs.stop()
+            self.engine.programs.join(max(timeout, 120.0))
         if self._thread.is_alive():
             self._thread.join(timeout)
 
