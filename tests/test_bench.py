@@ -180,10 +180,11 @@ def test_serve_benchmark_smoke(monkeypatch):
         assert r["completed"] == r["num_prompts"] and r["failed"] == 0
         assert r["total_output_tokens"] == 8 * r["num_prompts"]  # ignore_eos: every request runs to max_tokens
         assert r["output_throughput"] > 0 and 0 < r["median_ttft_ms"] <= r["p99_ttft_ms"]
-        e = r["engine"]  # from the server's /metrics: 7 of each request's 8 tokens from decode steps' rows
-        assert e["mean_batch"] * e["decode_steps"] >= 7 * r["num_prompts"] - 1e-6
-        assert e["mean_batch"] <= r["concurrency"]
-        assert e["prefill_calls"] >= r["num_prompts"] and 0 < e["busy_share"] <= 1
+        e = r["engine"]  # from the server's /metrics (the paged engine, the default): 7 of each request's 8
+        # tokens from decode tokens of its steps, the first drawn after its prompt's last chunk
+        assert e["paged"] and e["decode_tokens_per_step"] * e["steps"] == pytest.approx(7 * r["num_prompts"])
+        assert e["prompt_tokens_per_step"] * e["steps"] >= r["num_prompts"] and e["calls"] <= e["steps"]
+        assert e["busy_share"] > 0 and 0 < e["host_share"] <= 1
     base = results["generate_batch_1"]  # Decoder.generate at batch 1 on the folder's weights, same kind of load
     assert base["requests"] == 2 and base["quantize"] is None and base["output_throughput"] > 0
     assert results["serve_1_over_generate"] == results["runs"][0]["output_throughput"] / base["output_throughput"]
@@ -191,6 +192,17 @@ def test_serve_benchmark_smoke(monkeypatch):
     assert again["requests"] == 2 and again["output_throughput"] > 0
     mean = (base["output_throughput"] + again["output_throughput"]) / 2
     assert results["serve_1_over_generate_around"] == pytest.approx(results["runs"][0]["output_throughput"] / mean)
+
+
+def test_cold_start_benchmark_smoke():
+    """bench/cold_start.py: jaxgpt-serve on an empty compile cache answers, then finishes compiling its
+    programs in the background (the paged engine's default)."""
+    from bench import cold_start
+
+    out = cold_start.main(["--smoke", "--runs", "1", "--", "--slots=2", "--token_budget=8"])
+    (r,) = out["runs"]
+    assert "paged engine: 2 requests" in r["ready_line"] and out["flags"] == ["--slots=2", "--token_budget=8"]
+    assert 0 < r["ready_s"] <= r["all_compiled_s"] and r["first_completion_s"] > 0
 
 
 def test_serve_benchmark_compares_configurations_in_one_run(monkeypatch):
