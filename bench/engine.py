@@ -171,10 +171,11 @@ def replay_fixed(decoder, prompts, c: int, new_tokens: list, stagger: float) -> 
             "prefill_padding_share": 1.0 - sum(len(p) for p in prompts) / padded}
 
 
-def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps, quantize=None) -> dict:
+def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps, quantize=None, paged=None) -> dict:
     """Decode tokens/s of one request: the engine (`slots` slots, one busy; `decode_steps` per call, and
     one) and Decoder.generate at batch 1, all from a 16-token prompt, prefill excluded (time for new_tokens
-    minus time for 1), the three interleaved over 4 repetitions (medians)."""
+    minus time for 1), interleaved over 4 repetitions (medians). `paged` (a dict of PagedEngine options):
+    the paged engine of as many requests too, with `decode_steps` per call."""
     prompt = workload(cfg, 1, 16, 16, seed=1)[0]
     decoder = jaxgpt.Decoder(params, cfg, quantize=quantize)
 
@@ -185,6 +186,10 @@ def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps, quantize
     engines = {name: Engine(params, cfg, slots=slots, max_len=16 + new_tokens, prefill_chunk=16, decode_steps=k,
                             quantize=quantize)
                for name, k in (("engine", decode_steps), ("engine_1_step", 1))}
+    if paged is not None:
+        from jaxgpt.engine.paged import PagedEngine
+        engines["paged"] = PagedEngine(params, cfg, max_requests=slots, max_len=16 + new_tokens,
+                                       decode_steps=decode_steps, quantize=quantize, **paged)
 
     def runner(engine):
         return lambda n: engine.run([dict(prompt=prompt, max_tokens=n, temperature=1.0, top_k=TOP_K)])
@@ -205,6 +210,8 @@ def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps, quantize
         out[name + "_tokens_per_s"] = 1.0 / float(np.median(times))
     out["engine_over_generate"] = out["engine_tokens_per_s"] / out["generate_tokens_per_s"]
     out["engine_1_step_over_generate"] = out["engine_1_step_tokens_per_s"] / out["generate_tokens_per_s"]
+    if paged is not None:
+        out["paged_over_generate"] = out["paged_tokens_per_s"] / out["generate_tokens_per_s"]
     return out
 
 
@@ -222,6 +229,8 @@ def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, quant
     st = engine.stats
     out = dict(paged_tokens_per_s=one["tokens_per_s"], paged_over_fixed=one["tokens_per_s"] / fixed["tokens_per_s"],
                paged_ttft_p50_s=percentile(one["ttft_s"], 50), paged_ttft_p99_s=percentile(one["ttft_s"], 99),
+               paged_ttft_past_prefill_p99_steps=percentile(one["ttft_past_prefill_s"], 99) / step,
+               paged_ttft_past_serial_p99_steps=percentile(one["ttft_past_serial_s"], 99) / step,
                paged_itl_p50_s=percentile(one["itl_s"], 50), paged_itl_p99_s=percentile(one["itl_s"], 99),
                paged_host_share=st.host_seconds / one["seconds"], paged_steps=st.steps,
                paged_padding_share=st.padding_tokens / max(1, st.padding_tokens + st.prompt_tokens + st.decode_tokens),
@@ -229,8 +238,9 @@ def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, quant
                paged_warmup_s=warm, paged_token_budget=args.token_budget)
     print(f"       paged engine:   {one['tokens_per_s']:8.1f} tok/s  x{out['paged_over_fixed']:.2f}  TTFT p50/p99 "
           f"{out['paged_ttft_p50_s']:.3f}/{out['paged_ttft_p99_s']:.3f} s  ITL p50/p99 {out['paged_itl_p50_s']:.3f}/"
-          f"{out['paged_itl_p99_s']:.3f} s  host {out['paged_host_share']:.1%}  peak pages {st.peak_pages} of "
-          f"{engine.num_pages - 1}  {programs} programs in {warm:.1f} s", flush=True)
+          f"{out['paged_itl_p99_s']:.3f} s  p99 past prefill {out['paged_ttft_past_prefill_p99_steps']:.2f} steps "
+          f"(past serial prefills {out['paged_ttft_past_serial_p99_steps']:.2f})  host {out['paged_host_share']:.1%}  "
+          f"peak pages {st.peak_pages} of {engine.num_pages - 1}  {programs} programs in {warm:.1f} s", flush=True)
     return out
 
 
@@ -348,13 +358,15 @@ def main(argv=None) -> dict:
               f"{100 * fixed['prefill_padding_share']:.0f}% of its positions padding\n"
               f"       {format_engine_summary(calls)}", flush=True)
     for slots in sorted({1, max(args.concurrency)}) if args.lone else ():
-        lone = lone_decode(params, cfg, slots, args.new_tokens, args.decode_steps, quantize)
+        paged = dict(page_size=args.page_size, token_budget=args.token_budget) if args.paged else None
+        lone = lone_decode(params, cfg, slots, args.new_tokens, args.decode_steps, quantize, paged=paged)
         results[f"lone_request_slots_{slots}"] = lone
         print(f"lone request, engine of {slots} slot(s): {lone['engine_tokens_per_s']:.1f} tok/s "
               f"({args.decode_steps} steps a call; one: {lone['engine_1_step_tokens_per_s']:.1f}), "
               f"Decoder.generate batch 1: {lone['generate_tokens_per_s']:.1f} tok/s "
-              f"(x{lone['engine_over_generate']:.2f}; one step a call x{lone['engine_1_step_over_generate']:.2f})",
-              flush=True)
+              f"(x{lone['engine_over_generate']:.2f}; one step a call x{lone['engine_1_step_over_generate']:.2f})"
+              + (f"; paged engine {lone['paged_tokens_per_s']:.1f} tok/s (x{lone['paged_over_generate']:.2f})"
+                 if paged else ""), flush=True)
     if args.out or not args.tiny:
         print("wrote", write_results(args.out or "engine", results))
     return results

@@ -141,6 +141,9 @@ def test_engine_benchmark_smoke():
     # the same requests through the paged engine
     assert run["paged_tokens_per_s"] > 0 and run["paged_programs"] >= 1 and 0 < run["paged_peak_pages"]
     assert 0 <= run["paged_host_share"] < 1 and 0 <= run["paged_padding_share"] < 1
+    assert run["paged_ttft_past_serial_p99_steps"] <= run["paged_ttft_past_prefill_p99_steps"] + 1e-9
+    for lone in (results["lone_request_slots_1"], results["lone_request_slots_2"]):  # the paged engine's too
+        assert lone["paged_over_generate"] == lone["paged_tokens_per_s"] / lone["generate_tokens_per_s"] > 0
 
 
 def test_prefix_benchmark_smoke():
