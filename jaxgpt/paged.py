@@ -18,11 +18,18 @@ requests (one token each) and prompt chunks share that one forward, so every wei
 `paged_attention` is the portable form in plain JAX (any backend; the oracle the native and Pallas kernels
 are tested against): it walks the block tables a few pages at a time, each token gathering its own row's
 pages, with a running (online) softmax, so it holds [T, K, tile, H] at once whatever the lengths. It reads
-either layout.
+any layout.
+
+The "flat" layout [P, page, K*H] (a float pool only) keeps each position's heads side by side in the last
+dimension: a TPU stores an array in tiles of 8 x 128 over its last two dimensions, so a head of 64 in the
+last dimension of the split or combined layouts is padded to 128, twice its bytes (GPT-2's heads: 64).
+`pool_layout` picks it where a backend asks for "combined" and the heads are not a multiple of 128 wide
+(the Pallas kernel's condition), which the portable form then reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -30,30 +37,47 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxgpt.cache import KVCache, _cache_dtype, _is_int8, dequantize_kv, quantize_kv
+from jaxgpt.cache import CacheLayout, KVCache, _cache_dtype, _is_int8, dequantize_kv, quantize_kv
 from jaxgpt.checks import is_int
 from jaxgpt.config import GPTConfig
 
 # positions a step of `paged_attention`'s walk covers (whole pages: at least one)
 TILE_POSITIONS = 128
 
-LAYOUTS = ("split", "combined")
+LAYOUTS = ("split", "combined", "flat")
+LANES = 128  # a TPU tile's last dimension
 
 
 def pool_shape(num_pages: int, kv_heads: int, page_size: int, head_dim: int, layout: str = "split") -> tuple:
-    """One layer's buffer: [P, K, page, H] for each of keys and values ("split"), or [P, page, 2K, H]
-    holding both ("combined")."""
+    """One layer's buffer: [P, K, page, H] for each of keys and values ("split"), [P, page, 2K, H]
+    holding both ("combined"), or [P, page, K*H] for each ("flat")."""
     if layout == "combined":
         return (num_pages, page_size, 2 * kv_heads, head_dim)
+    if layout == "flat":
+        return (num_pages, page_size, kv_heads * head_dim)
     return (num_pages, kv_heads, page_size, head_dim)
 
 
 def pool_layout(config: GPTConfig, backend=None, dtype=None) -> str:
     """The layout of a pool for `backend` (its `paged_layout`; "split" without one): "split" for an int8
-    pool whatever the backend wants (its per-vector scales are kept split; "combined" is float only)."""
+    pool whatever the backend wants (its per-vector scales are kept split; "combined" and "flat" are float
+    only); "flat" where the backend wants "combined" for heads whose width is not a multiple of 128 (its
+    kernel does not take them, and a TPU would pad them to 128 in the combined layout)."""
     if _is_int8(_cache_dtype(config, dtype)):
         return "split"
-    return getattr(backend, "paged_layout", "split") or "split"
+    layout = getattr(backend, "paged_layout", "split") or "split"
+    return "flat" if layout == "combined" and config.head_dim % LANES else layout
+
+
+@dataclasses.dataclass(frozen=True)
+class _PoolHeads(CacheLayout):
+    """A pool's `layout` for `KVCache.on_mesh`: the axis its kv heads lie on (split: 1; combined and flat:
+    2, each head's keys and values, or its H columns, contiguous there), which a tensor axis may split."""
+
+    axis: int = 1
+
+    def heads_axis(self) -> Optional[int]:
+        return self.axis
 
 
 def pool_bytes(config: GPTConfig, num_pages: int, page_size: int, dtype=None) -> int:
@@ -84,7 +108,7 @@ class PagedCache(KVCache):
     def create_pool(cls, config: GPTConfig, num_pages: int, page_size: int, dtype=None,
                     layout: str = "split") -> "PagedCache":
         """An empty pool of `num_pages` pages of `page_size` positions (page 0 included: the null page), in
-        `layout` ("split" or "combined"; an int8 pool is split only)."""
+        `layout` ("split", "combined" or "flat"; an int8 pool is split only)."""
         if layout not in LAYOUTS:
             raise ValueError(f"a page pool's layout is one of {LAYOUTS}, got {layout!r}")
         if not is_int(num_pages) or num_pages < 2:
@@ -92,9 +116,9 @@ class PagedCache(KVCache):
         if not is_int(page_size) or page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
         dtype = _cache_dtype(config, dtype)
-        if layout == "combined" and _is_int8(dtype):
-            raise ValueError("an int8 page pool is split only (its scales are per vector, which the combined "
-                             "layout's kernel does not take): use layout='split' (jaxgpt.paged.pool_layout picks it)")
+        if layout != "split" and _is_int8(dtype):
+            raise ValueError(f"an int8 page pool is split only (its scales are per vector, kept split), not "
+                             f"{layout!r}: use layout='split' (jaxgpt.paged.pool_layout picks it)")
 
         def buffers(shape, dtype):
             if config.scan_layers:
@@ -103,16 +127,18 @@ class PagedCache(KVCache):
 
         shape = pool_shape(int(num_pages), config.n_kv_head, int(page_size), config.head_dim, layout)
         lengths = jnp.zeros((1,), jnp.int32)
+        heads = _PoolHeads(1 if layout == "split" else 2)
         if layout == "combined":
-            return cls(k=buffers(shape, dtype), v=None, lengths=lengths, pool_layout=layout)
+            return cls(k=buffers(shape, dtype), v=None, lengths=lengths, pool_layout=layout, layout=heads)
         scales = {}
         if _is_int8(dtype):
             scales = dict(k_scale=buffers(shape[:-1], jnp.float32), v_scale=buffers(shape[:-1], jnp.float32))
-        return cls(k=buffers(shape, dtype), v=buffers(shape, dtype), lengths=lengths, **scales)
+        return cls(k=buffers(shape, dtype), v=buffers(shape, dtype), lengths=lengths, pool_layout=layout,
+                   layout=heads, **scales)
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1 if self.pool_layout == "combined" else -2]
+        return self.k[0].shape[-3 if self.pool_layout == "combined" else -2]
 
     @property
     def num_pages(self) -> int:
@@ -137,8 +163,8 @@ class PagedCache(KVCache):
         pool's quantized, with their scales; a combined pool's interleaved, one write for both)."""
         ps = self.page_size
         page, offset = self.slots // ps, self.slots % ps
-        # a token's vectors: [P, K, page, ...] split, [P, page, 2K, H] combined
-        index = (page, offset) if self.pool_layout == "combined" else (page, slice(None), offset)
+        # a token's vectors: [P, K, page, ...] split, [P, page, 2K, H] combined, [P, page, K*H] flat
+        index = (page, slice(None), offset) if self.pool_layout == "split" else (page, offset)
 
         def put(layers, new_TxKx):
             def one(buf, layer=None):
@@ -149,9 +175,11 @@ class PagedCache(KVCache):
             return one(layers, i)
 
         k_TxKxH, v_TxKxH = k_BxKxTxH[0].swapaxes(0, 1), v_BxKxTxH[0].swapaxes(0, 1)
+        t, kh, h = k_TxKxH.shape
         if self.pool_layout == "combined":
-            t, kh, h = k_TxKxH.shape
             return self.replace(k=put(self.k, jnp.stack([k_TxKxH, v_TxKxH], axis=2).reshape(t, 2 * kh, h)))
+        if self.pool_layout == "flat":
+            return self.replace(k=put(self.k, k_TxKxH.reshape(t, kh * h)), v=put(self.v, v_TxKxH.reshape(t, kh * h)))
         if not self.quantized:
             return self.replace(k=put(self.k, k_TxKxH), v=put(self.v, v_TxKxH))
         (kq, ks), (vq, vs) = quantize_kv(k_TxKxH), quantize_kv(v_TxKxH)
@@ -179,15 +207,19 @@ def paged_attention(q_TxNxH, k_pool, v_pool, token_rows_T, limits_T, block_table
                     tile_positions: int = TILE_POSITIONS) -> jax.Array:
     """Attention of T ragged queries over a paged cache, in plain JAX: query t (row token_rows[t]) sees
     its row's positions below limits[t], read through block_tables[row]; scores scaled by 1/sqrt(H), the
-    softmax in float32. Pools [P, K, page, H] (int8 with float32 scales [P, K, page], or float), or with
-    v_pool None one combined float pool [P, page, 2K, H] (key head k at 2k, its values at 2k + 1); N a
-    multiple of K (grouped queries). A query that sees nothing (limit 0: padding) gets zeros. -> [T, N, H]
+    softmax in float32. Pools [P, K, page, H] (int8 with float32 scales [P, K, page], or float), flat float
+    pools [P, page, K*H], or with v_pool None one combined float pool [P, page, 2K, H] (key head k at 2k, its
+    values at 2k + 1); N a multiple of K (grouped queries). A query that sees nothing (limit 0: padding) gets zeros. -> [T, N, H]
     in q's dtype. Walks ceil(max(limits) / tile) tiles of whole pages, so short rows cost short walks."""
     combined = v_pool is None
     k_pool, token_rows_T, limits_T, block_tables_RxM = (
         jnp.asarray(a) for a in (k_pool, token_rows_T, limits_T, block_tables_RxM))
     t, n, h = q_TxNxH.shape
-    ps, kh = (k_pool.shape[1], k_pool.shape[2] // 2) if combined else k_pool.shape[2:0:-1]
+    flat = k_pool.ndim == 3
+    if combined or flat:
+        ps, kh = k_pool.shape[1], k_pool.shape[2] // (2 if combined else h)
+    else:
+        ps, kh = k_pool.shape[2:0:-1]
     g = n // kh
     per_tile = max(1, tile_positions // ps)  # pages a step
     m = block_tables_RxM.shape[1]
@@ -205,7 +237,9 @@ def paged_attention(q_TxNxH, k_pool, v_pool, token_rows_T, limits_T, block_table
             return heads_first(x[..., 0, :]), heads_first(x[..., 1, :])
         kv = []
         for pool, scale in ((k_pool, k_scale), (jnp.asarray(v_pool), v_scale)):
-            x = pool[pages_TxP]  # [T, pages, K, ps, H]
+            x = pool[pages_TxP]  # [T, pages, K, ps, H] (flat: [T, pages, ps, K*H])
+            if flat:
+                x = x.reshape(t, per_tile, ps, kh, h).swapaxes(2, 3)
             kv.append(heads_first(x if scale is None else dequantize_kv(x, scale[pages_TxP])))
         return kv
 

@@ -1,4 +1,5 @@
-"""The combined page pool ([P, page, 2K, H], keys and values interleaved) and the TPU backend's paged
+"""The combined page pool ([P, page, 2K, H], keys and values interleaved), the flat one ([P, page, K*H],
+for heads narrower than a TPU's 128 lanes) and the TPU backend's paged
 attention: JAX's Pallas ragged paged attention kernel. On CPU the kernel's own reference
 (`ref_ragged_paged_attention`) is the oracle for the portable form over the combined layout and for the
 arguments the TPU hook builds from a step; with the aot extra the kernel compiles into every paged-engine
@@ -87,18 +88,24 @@ def test_the_tpu_hook_declines_what_the_kernel_does_not_take():
 def test_pool_layouts_and_the_int8_pool_stays_split():
     tpu_backend = tpu.make_backend(interpret=True)
     assert tpu_backend.paged_layout == "combined" and PORTABLE.paged_layout == "split"
-    assert pool_layout(CFG, tpu_backend) == "combined" and pool_layout(CFG, tpu_backend, "int8") == "split"
+    # heads of 128 (what the kernel takes): combined; narrower (CFG's 8, GPT-2's 64): flat, their H columns
+    # side by side in the last dimension (a TPU pads a last dimension of 64 to 128 lanes)
+    assert pool_layout(CFG.replace(n_embd=512), tpu_backend) == "combined" and pool_layout(CFG, tpu_backend) == "flat"
+    assert pool_layout(CFG, tpu_backend, "int8") == "split" and pool_layout(CFG, PORTABLE) == "split"
     pool = PagedCache.create_pool(CFG, 5, 4, layout="combined")
     assert pool.k[0].shape == (5, 4, 4, 8) and pool.v is None and (pool.page_size, pool.num_pages) == (4, 5)
     assert pool.pool().pool_layout == "combined"
-    with pytest.raises(ValueError, match="split only"):
-        PagedCache.create_pool(CFG, 5, 4, dtype="int8", layout="combined")
+    flat = PagedCache.create_pool(CFG.replace(scan_layers=True), 5, 4, layout="flat")
+    assert flat.k.shape == flat.v.shape == (2, 5, 4, 16) and (flat.page_size, flat.num_pages) == (4, 5)
+    for layout in ("combined", "flat"):
+        with pytest.raises(ValueError, match="split only"):
+            PagedCache.create_pool(CFG, 5, 4, dtype="int8", layout=layout)
     with pytest.raises(ValueError, match="layout"):
         PagedCache.create_pool(CFG, 5, 4, layout="joint")
 
 
 @pytest.mark.parametrize("scan", [False, True])
-def test_split_and_combined_pools_give_the_same_logits_through_the_runner(scan):
+def test_split_combined_and_flat_pools_give_the_same_logits_through_the_runner(scan):
     cfg = CFG.replace(scan_layers=scan)
     params = jaxgpt.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(3)
@@ -107,7 +114,7 @@ def test_split_and_combined_pools_give_the_same_logits_through_the_runner(scan):
              Plan(work=(Work(1, 7, (b_seq[7],), (5, 2), True), Work(0, 10, tuple(a_seq[10:]), (3, 7, 1, 9), True)))]
     combined = dataclasses.replace(PORTABLE, paged_layout="combined")
     outs = {}
-    for layout in ("split", "combined"):
+    for layout in ("split", "combined", "flat"):
         pool, outs[layout] = PagedCache.create_pool(cfg, 12, 4, layout=layout), []
         for plan in plans:
             shape = runner.shape_for(plan, runner.step_shapes(32, 4))
@@ -118,23 +125,26 @@ def test_split_and_combined_pools_give_the_same_logits_through_the_runner(scan):
             out.update(runner.token_scores(params, out.pop("hidden"), arrays.targets, **static))
             outs[layout].append(jax.device_get(out))
         assert pool.pool_layout == layout
-    for split, comb in zip(outs["split"], outs["combined"]):
-        np.testing.assert_allclose(comb["prompt_lp"], split["prompt_lp"], atol=1e-5)
-        np.testing.assert_array_equal(comb["token"], split["token"])
+    for split, comb, flat in zip(outs["split"], outs["combined"], outs["flat"]):
+        for other in (comb, flat):
+            np.testing.assert_allclose(other["prompt_lp"], split["prompt_lp"], atol=1e-5)
+            np.testing.assert_array_equal(other["token"], split["token"])
 
 
-def test_an_engine_on_a_combined_backend_keeps_a_combined_pool_and_the_same_tokens():
-    params = jaxgpt.init_params(CFG, jax.random.key(1))
+@pytest.mark.parametrize("cfg, wanted", [(CFG, "flat"), (CFG.replace(n_embd=512), "combined")],
+                         ids=["heads of 8: flat", "heads of 128: combined"])
+def test_an_engine_on_a_combined_backend_keeps_the_pool_it_picks_and_the_same_tokens(cfg, wanted):
+    params = jaxgpt.init_params(cfg, jax.random.key(1))
     prompts = [np.random.default_rng(s).integers(0, 97, size=n).tolist() for s, n in ((0, 9), (1, 3))]
     out = {}
     for backend in (PORTABLE, dataclasses.replace(PORTABLE, paged_layout="combined")):
-        eng = PagedEngine(params, CFG, max_requests=2, page_size=4, token_budget=8, backend=backend)
-        assert eng.cache.pool_layout == backend.paged_layout
-        out[backend.paged_layout] = [c.tokens for c in eng.run([dict(prompt=p, max_tokens=5) for p in prompts])]
-    int8 = PagedEngine(params, CFG, max_requests=2, page_size=4, token_budget=8, kv_dtype="int8",
+        eng = PagedEngine(params, cfg, max_requests=2, page_size=4, token_budget=8, backend=backend)
+        assert eng.cache.pool_layout == ("split" if backend is PORTABLE else wanted)
+        out[eng.cache.pool_layout] = [c.tokens for c in eng.run([dict(prompt=p, max_tokens=5) for p in prompts])]
+    int8 = PagedEngine(params, cfg, max_requests=2, page_size=4, token_budget=8, kv_dtype="int8",
                        backend=dataclasses.replace(PORTABLE, paged_layout="combined"))
     assert int8.cache.pool_layout == "split"
-    assert out["split"] == out["combined"]
+    assert out["split"] == out[wanted]
 
 
 needs_aot = pytest.mark.skipif(aot.missing_extra() is not None, reason=f"aot extra: {aot.missing_extra()}")

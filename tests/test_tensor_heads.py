@@ -186,7 +186,13 @@ def test_the_engine_under_tensor_2_gives_one_devices_tokens_and_logprobs():
         assert [[i for i, _ in t.top] for t in b.tokens] == [[i for i, _ in t.top] for t in a.tokens]
 
 
-def test_the_paged_engine_under_tensor_2_gives_one_devices_tokens_with_its_pool_split_by_kv_head():
+@pytest.mark.parametrize("layout", ["split", "flat"])
+def test_the_paged_engine_under_tensor_2_gives_one_devices_tokens_with_its_pool_split_by_kv_head(layout):
+    # split: [P, K, page, H], the heads' axis 1; flat (a TPU's pool for heads narrower than 128 lanes, here
+    # asked for by a portable backend that wants "combined"): [P, page, K*H], each device its heads' columns
+    import dataclasses
+
+    from jaxgpt.backends import PORTABLE
     from jaxgpt.engine import runner
     from jaxgpt.engine.paged import PagedEngine
 
@@ -195,15 +201,18 @@ def test_the_paged_engine_under_tensor_2_gives_one_devices_tokens_with_its_pool_
     placed = shard_params(params, CFG, mesh)
     reqs = [dict(prompt=[3, 1, 4, 1, 5], max_tokens=6, temperature=0.9, top_k=20, seed=5, logprobs=2),
             dict(prompt=[2, 7, 1, 8, 2, 8, 1], max_tokens=8, temperature=0.0, logprobs=0)]
-    engines = [PagedEngine(p, CFG, max_requests=2, max_len=16, page_size=4, token_budget=8, decode_steps={1: 4})
-               for p in (params, placed)]
+    backend = None if layout == "split" else dataclasses.replace(PORTABLE, paged_layout="combined")
+    engines = [PagedEngine(p, CFG, max_requests=2, max_len=16, page_size=4, token_budget=8, decode_steps={1: 4},
+                           backend=backend) for p in (params, placed)]
     pool = engines[1].cache.k[0]
-    assert engines[1].backend.head_mesh == (mesh, ()) and pool.sharding.shard_shape(pool.shape)[1] == 1
+    axis, part = (1, 1) if layout == "split" else (2, CFG.head_dim)  # (a device's share of 2 kv heads)
+    assert engines[1].cache.pool_layout == layout and pool.ndim == (4 if layout == "split" else 3)
+    assert engines[1].backend.head_mesh == (mesh, ()) and pool.sharding.shard_shape(pool.shape)[axis] == part
     one, split = (e.run(reqs) for e in engines)
     assert [o.token_ids for o in split] == [o.token_ids for o in one]
     for a, b in zip(one, split):
         np.testing.assert_allclose([t.logprob for t in b.tokens], [t.logprob for t in a.tokens], atol=1e-5)
-    assert engines[1].cache.k[0].sharding.shard_shape(pool.shape)[1] == 1  # (still split after the steps)
+    assert engines[1].cache.k[0].sharding.shard_shape(pool.shape)[axis] == part  # (still split after the steps)
     # the compiled step's attention reads each device's own kv heads of the pool: no collective under attn/
     # but c_proj's all-reduce
     e = engines[1]

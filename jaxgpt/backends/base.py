@@ -85,7 +85,9 @@ class Backend:
       not take it; unset or None: `paged.paged_attention`. A backend whose hook is a call XLA cannot
       partition (`per_shard_attention`) drops it on a mesh (`on_mesh`): the portable form runs there.
     - `paged_layout`: the page pool's layout this backend's `paged_attention` reads ("split": keys and values
-      [P, K, page, H] each; "combined": one [P, page, 2K, H] buffer, jaxgpt/paged.py); an int8 pool is split.
+      [P, K, page, H] each; "combined": one [P, page, 2K, H] buffer, jaxgpt/paged.py); an int8 pool is split,
+      and a backend asking for "combined" gets "flat" pools ([P, page, K*H]) for heads not a multiple of 128
+      wide (`paged.pool_layout`).
     """
 
     name: str
