@@ -16,7 +16,8 @@ The KV cache columns decode each window teacher-forced, one token at a time, thr
 cache in the compute dtype (equal to the full forward to that dtype's rounding: the check that the
 decode path is right, and the noise floor of the others), "kv_int8" through an int8 cache (keys and
 values rounded to int8 with a scale per position and kv head), "int8_kv_int8" int8 weights and an int8
-cache together. Each is compared with the float full forward. Everything computes in the run's own
+cache together, "w8a8_kv_int8" w8a8 weights and an int8 cache (what `jaxgpt-serve --quantize=w8a8
+--kv_dtype=int8` decodes). Each is compared with the float full forward. Everything computes in the run's own
 dtype, or `--dtype`'s (float32 separates the int8 effects from bfloat16's rounding). Results: bench/results/quantize_accuracy.json (quantize_accuracy_DTYPE.json with
 `--dtype`).
 """
@@ -51,14 +52,17 @@ def val_windows(meta: dict, block_size: int, n: int, seed: int = 0) -> np.ndarra
     return np.stack([np.asarray(ds.val[s:s + block_size + 1], np.int32) for s in starts])
 
 
-def cached_logits(model: jaxgpt.GPT, params, tokens_BxT: jax.Array, kv_dtype: str) -> jax.Array:
+def cached_logits(model: jaxgpt.GPT, params, tokens_BxT: jax.Array, kv_dtype: str, prepared=None) -> jax.Array:
     """Teacher-forced decoding: tokens [B, T] fed one at a time (a lax.scan of one-token steps) through
-    a KV cache of `kv_dtype` (None: the compute dtype); the logits [B, T, V] each step gave."""
+    a KV cache of `kv_dtype` (None: the compute dtype); the logits [B, T, V] each step gave. `prepared`:
+    the model's backend's prepared weights (w8a8's int8 kernels)."""
     b, t = tokens_BxT.shape
-    cache = jaxgpt.KVCache.create(model.config, b, t, dtype=kv_dtype, layout=jaxgpt.resolve(model.config).cache_layout)
+    backend = model.backend if model.backend is not None else jaxgpt.resolve(model.config)
+    cache = jaxgpt.KVCache.create(model.config, b, t, dtype=kv_dtype, layout=backend.cache_layout)
+    variables = {"params": params} if prepared is None else {"params": params, "prepared": prepared}
 
     def step(cache, tokens_B):
-        logits, cache = model.apply({"params": params}, tokens_B[:, None], cache)
+        logits, cache = model.apply(variables, tokens_B[:, None], cache)
         return cache, logits[:, 0]
 
     _, logits_TxBxV = jax.lax.scan(step, cache, tokens_BxT.T)
@@ -90,13 +94,16 @@ def measure(run_dir: str, windows: int, batch: int = 8, kv: bool = True, dtype=N
     w8a8 = int8_prepared(params, config.tie_embeddings, config=config, quantize="w8a8")
     portable = jaxgpt.GPT(config, backend=resolve("portable"))
     forward_w8a8 = jax.jit(lambda p, w, x: portable.apply({"params": p, "prepared": w}, x))
+    decode_w8a8 = jax.jit(lambda p, w, x: cached_logits(portable, p, x, "int8", prepared=w))
     # name -> logits of tokens [B, T]: the full forward, or teacher-forced decoding through a cache
     columns = {"float32": lambda x: forward(params, x), "int8": lambda x: forward(q_params, x),
                "w8a8": lambda x: forward_w8a8(params, w8a8, x)}
     if kv:
         columns.update({"kv_float": lambda x: decode(params, x, kv_dtype=None),
                         "kv_int8": lambda x: decode(params, x, kv_dtype="int8"),
-                        "int8_kv_int8": lambda x: decode(q_params, x, kv_dtype="int8")})
+                        "int8_kv_int8": lambda x: decode(q_params, x, kv_dtype="int8"),
+                        # what jaxgpt-serve --quantize=w8a8 --kv_dtype=int8 decodes
+                        "w8a8_kv_int8": lambda x: decode_w8a8(params, w8a8, x)})
     losses = {name: [] for name in columns}
     agree = {name: 0 for name in columns}
     total = 0
@@ -138,7 +145,8 @@ def main():
     path = write_results(name, {"machine": machine(), "settings": vars(args), "runs": rows})
     print(f"{'run':>32} {'params':>10} {'val float32':>11} {'column':>13} {'val':>9} {'change':>8} {'top-1 agree':>11}")
     for r in rows:
-        names = ["int8"] + [n for n in ("w8a8", "kv_float", "kv_int8", "int8_kv_int8") if f"val_loss_{n}" in r]
+        names = ["int8"] + [n for n in ("w8a8", "kv_float", "kv_int8", "int8_kv_int8", "w8a8_kv_int8")
+                            if f"val_loss_{n}" in r]
         for n in names:
             change, agree = (r["relative_change"], r["top1_agreement"]) if n == "int8" else \
                 (r[f"relative_change_{n}"], r[f"top1_agreement_{n}"])
