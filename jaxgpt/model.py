@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxgpt import lora, paged
 from jaxgpt.attention import packed_attention, rotary_embedding, segment_positions, takes_segments
@@ -408,8 +409,15 @@ class ParallelBlock(nn.Module):
 
 
 # GPTConfig.remat -> jax.checkpoint policy: None saves nothing (the block is recomputed from its input),
-# "dots" keeps the outputs of matmuls without batch dimensions (the dense layers').
-_REMAT_POLICIES = {"block": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+# "dots" keeps the outputs of matmuls without batch dimensions (the dense layers'). "offload" is "block" with
+# the scanned blocks' saved inputs moved to the host's memory (`_OFFLOAD_POLICY`, in `GPT._scan_blocks`);
+# unrolled (no scan_layers) it is "block".
+_REMAT_POLICIES = {"block": None, "offload": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+BLOCK_INPUT = "block_input"  # the checkpoint name of a scanned block's input (remat="offload")
+# (JAX's host offload: the named value goes to pinned host memory in the forward and comes back in the backward)
+_OFFLOAD_POLICY = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=[BLOCK_INPUT], offload_src="device",
+    offload_dst="pinned_host")
 
 
 @functools.lru_cache(maxsize=None)
@@ -583,6 +591,8 @@ class GPT(nn.Module):
 
         def layer(carry, xs):
             x, cache = carry
+            if cfg.remat == "offload" and cache is None:  # (the block's input, which remat saves, kept on the host)
+                x = checkpoint_name(x, BLOCK_INPUT)
             variables, i, skip_2, ve = xs
             rngs = {} if dropout_rng is None else {"dropout": jax.random.fold_in(dropout_rng, i)}
             extras = {} if ve is None else {"value_embed": ve}
@@ -594,7 +604,8 @@ class GPT(nn.Module):
             return (backend.shard_sequence(x), cache), None  # (the carry, which remat saves, split along T)
 
         if cfg.remat != "none" and cache is None:
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+            policy = _OFFLOAD_POLICY if cfg.remat == "offload" else _REMAT_POLICIES[cfg.remat]
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         xs = ({"params": stacked, **extra}, jnp.arange(cfg.n_layer, dtype=jnp.int32), skip_Lx2,
               None if ve_L is None else jnp.stack(ve_L))
         (x_BxTxD, cache), _ = jax.lax.scan(layer, (x_BxTxD, cache), xs)
@@ -663,11 +674,11 @@ def num_params(config: GPTConfig, non_embedding: bool = True) -> int:
 
 def recompute_flops_per_token(config: GPTConfig, seq_len: Optional[int] = None) -> float:
     """The forward FLOPs per token that `config.remat` does again in the backward, beyond flops_per_token:
-    with "block" each block's forward from its saved input (attention's 4 * n_layer * T * n_embd and 2 x
-    the matmul parameters, less the projections whose outputs feed only the block's output: the MLP's
-    c_proj, and attention's too in the parallel block; XLA drops those); 0 with "none" (nothing
+    with "block" (and "offload") each block's forward from its saved input (attention's 4 * n_layer * T *
+    n_embd and 2 x the matmul parameters, less the projections whose outputs feed only the block's output:
+    the MLP's c_proj, and attention's too in the parallel block; XLA drops those); 0 with "none" (nothing
     recomputed) and "dots" (matmul outputs kept: only elementwise work is redone)."""
-    if config.remat != "block":
+    if config.remat not in ("block", "offload"):
         return 0.0
     t = config.block_size if seq_len is None else seq_len
     params = abstract_params(config)

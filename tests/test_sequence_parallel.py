@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
+from jaxgpt import init_params
 from jaxgpt.sharding import rules, sequence_axes
 from jaxgpt.training import MeshRunner, create_train_state
-from jaxgpt import init_params
 from tests.helpers import assert_same_training
 from tests.test_tensor_heads import CFG, OPT, ROWS, _batches, _devices, _run
 
@@ -74,3 +74,28 @@ def test_sequence_parallel_training_equals_one_device(one_device, mesh, layers):
     losses, state = _run(cfg, runner)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert_same_training(state, want, atol=1e-5, what=f"{mesh}, {layers}")
+
+
+def _host_puts(cfg) -> list:
+    """The device_puts into host memory in the jaxpr of the model's gradient (text, one per match)."""
+    import jax.numpy as jnp
+    from jaxgpt import GPT
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    x = jnp.zeros((2, cfg.block_size), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: GPT(cfg).apply({"params": p}, x).sum()))(params))
+    return re.findall(r"device_put\[[^\]]*MemorySpace\.Host", jaxpr)
+
+
+def test_remat_offload_moves_the_saved_block_inputs_to_the_host_and_trains_as_block():
+    """remat="offload" asks for each scanned block's saved input in host memory (a device_put to the host
+    in the forward, back in the backward; the CPU's compiler keeps it where it is), and trains as "block"
+    does, on one device and at data=2,tensor=2 with sequence parallelism."""
+    offload = SCANNED.replace(remat="offload")
+    assert _host_puts(offload) and not _host_puts(SCANNED)
+    assert _host_puts(CFG.replace(remat="offload")) == []  # (unrolled: "block")
+    want_losses, want = _run(SCANNED, MeshRunner(SCANNED, OPT, devices=jax.devices()[:1]), steps=2)
+    one, mesh = MeshRunner(offload, OPT, devices=jax.devices()[:1]), MeshRunner(offload, OPT, mesh="data=2,tensor=2")
+    for runner in (one, mesh):
+        losses, state = _run(offload, runner, steps=2)
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+        assert_same_training(state, want, atol=1e-5, what=runner.name)
