@@ -12,7 +12,7 @@ from jaxgpt.checks import is_int, is_real
 from jaxgpt.registry import ATTENTION, BACKEND_NAMES, BLOCKS
 
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_MODES = ("none", "block", "dots")
+REMAT_MODES = ("none", "block", "dots", "offload")
 POSITIONS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu", "relu2")
@@ -32,7 +32,9 @@ class GPTConfig:
     `kernels` names the backend ("auto": by platform; jaxgpt.backends), which changes how, never what, is
     computed. `dtype` is the compute dtype, `param_dtype` the parameters'. `scan_layers` stores the blocks
     stacked ([L, ...] leaves under `h`) and runs them as one lax.scan; `remat` "block" or "dots" recomputes
-    activations in the backward pass.
+    activations in the backward pass; "offload" is "block" with the scanned blocks' saved inputs kept in
+    the host's memory (pinned_host) between the forward and the backward, not the device's (scan_layers;
+    unrolled it is "block").
 
     The modern ("speedrun") recipe, each part off by default: `qk_norm` (RMS-normalise q and k per head),
     `mlp="relu2"` (relu(x)^2), `zero_init_proj` (output projections start at zero), `logit_softcap` (> 0:

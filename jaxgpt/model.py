@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxgpt import lora, paged
 from jaxgpt.attention import packed_attention, rotary_embedding, segment_positions, takes_segments
@@ -243,9 +244,12 @@ class CausalSelfAttention(nn.Module):
         segment_kw = {} if segment_ids is None else {"segment_ids": segment_ids}
         out_BxTxNxH, cache = self.attend(q_BxTxNxH, k_BxTxKxH.swapaxes(1, 2), v_BxTxKxH.swapaxes(1, 2),
                                          positions_BxT, cache, layer, **segment_kw)
+        if backend.sequence_mesh is not None:  # (and its gradient: else GSPMD splits it along T, as c_proj's)
+            out_BxTxNxH = backend.shard_heads(out_BxTxNxH, 2, n)
         out_info = matrix("heads", "embed", targets=(("o", None),), output_only=self.output_only,
                           hf_name="self_attn.o_proj.weight")
         y = _dense(cfg, backend, cfg.n_embd, "c_proj", out_info, residual_out=True)(out_BxTxNxH.reshape(b, t, n * h))
+        y = backend.shard_sequence(y)  # (sequence parallelism: each device keeps the sums of its positions)
         return nn.Dropout(cfg.dropout)(y, deterministic=self.deterministic), cache
 
     def attend(self, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, positions_BxT, cache: Optional[KVCache], layer,
@@ -312,6 +316,13 @@ def qkv_info(cfg: GPTConfig) -> ParamInfo:
     return matrix("embed", "qkv", targets=parts, hf_name=tuple(f"self_attn.{x}_proj.weight" for x in "qkv"))
 
 
+def _mlp_columns(backend: Backend, y):
+    """The MLP's hidden activations [B, T, mlp] held split over tensor by columns (c_fc's, c_gate's) under
+    sequence parallelism, and so their gradients: left free, GSPMD splits the backward's along T instead and
+    moves them with all-to-alls (issue 59). `y` itself without a sequence mesh."""
+    return y if backend.sequence_mesh is None else backend.shard_heads(y, y.ndim - 1, y.shape[-1])
+
+
 UP = matrix("embed", "mlp", targets=(("up", None),), hf_name="mlp.up_proj.weight")
 GATE = matrix("embed", "mlp", targets=(("gate", None),), hf_name="mlp.gate_proj.weight")
 
@@ -325,7 +336,8 @@ class GeluMLP(nn.Module):
     output_only: bool = True  # c_proj's output feeds only the block's output
 
     def hidden(self, x_BxTxD):
-        return nn.gelu(_dense(self.config, self.backend, self.config.mlp_hidden, "c_fc", UP)(x_BxTxD), approximate=True)
+        up = _mlp_columns(self.backend, _dense(self.config, self.backend, self.config.mlp_hidden, "c_fc", UP)(x_BxTxD))
+        return nn.gelu(up, approximate=True)
 
     @nn.compact
     def __call__(self, x_BxTxD):
@@ -333,6 +345,7 @@ class GeluMLP(nn.Module):
                       hf_name="mlp.down_proj.weight")
         cfg = self.config
         y = _dense(cfg, self.backend, cfg.n_embd, "c_proj", down, residual_out=True)(self.hidden(x_BxTxD))
+        y = self.backend.shard_sequence(y)  # (sequence parallelism: each device keeps the sums of its positions)
         return nn.Dropout(self.config.dropout)(y, deterministic=self.deterministic)
 
 
@@ -341,15 +354,17 @@ class SwiGLUMLP(GeluMLP):
 
     def hidden(self, x_BxTxD):
         cfg, backend = self.config, self.backend
-        up = _dense(cfg, backend, cfg.mlp_hidden, "c_fc", UP)(x_BxTxD)
-        return nn.silu(_dense(cfg, backend, cfg.mlp_hidden, "c_gate", GATE)(x_BxTxD)) * up
+        up = _mlp_columns(backend, _dense(cfg, backend, cfg.mlp_hidden, "c_fc", UP)(x_BxTxD))
+        gate = _mlp_columns(backend, _dense(cfg, backend, cfg.mlp_hidden, "c_gate", GATE)(x_BxTxD))
+        return nn.silu(gate) * up
 
 
 class ReluSquaredMLP(GeluMLP):
     """The speedrun's MLP: c_proj(relu(c_fc(x)) ** 2)."""
 
     def hidden(self, x_BxTxD):
-        return jnp.square(nn.relu(_dense(self.config, self.backend, self.config.mlp_hidden, "c_fc", UP)(x_BxTxD)))
+        up = _mlp_columns(self.backend, _dense(self.config, self.backend, self.config.mlp_hidden, "c_fc", UP)(x_BxTxD))
+        return jnp.square(nn.relu(up))
 
 
 MLPS = {"gelu": GeluMLP, "swiglu": SwiGLUMLP, "relu2": ReluSquaredMLP}  # GPTConfig.mlp -> the MLP module
@@ -366,10 +381,11 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None, **extras):
         cfg, backend, det = self.config, self.backend, self.deterministic
-        h = norm(cfg, backend, "ln_1", "input_layernorm.weight")(x_BxTxD)
+        # (with sequence parallelism x is split along T; each norm's output is gathered for the matmuls)
+        h = backend.gather_sequence(norm(cfg, backend, "ln_1", "input_layernorm.weight")(x_BxTxD))
         y, cache = CausalSelfAttention(cfg, backend, det, name="attn")(h, positions_BxT, cache, layer, **extras)
         x_BxTxD = x_BxTxD + y
-        h = norm(cfg, backend, "ln_2", "post_attention_layernorm.weight")(x_BxTxD)
+        h = backend.gather_sequence(norm(cfg, backend, "ln_2", "post_attention_layernorm.weight")(x_BxTxD))
         x_BxTxD = x_BxTxD + MLPS[cfg.mlp](cfg, backend, det, name="mlp")(h)
         return x_BxTxD, cache
 
@@ -385,7 +401,7 @@ class ParallelBlock(nn.Module):
     @nn.compact
     def __call__(self, x_BxTxD, positions_BxT, cache: Optional[KVCache] = None, layer=None, **extras):
         cfg, backend, det = self.config, self.backend, self.deterministic
-        h = norm(cfg, backend, "ln_1", "input_layernorm.weight")(x_BxTxD)
+        h = backend.gather_sequence(norm(cfg, backend, "ln_1", "input_layernorm.weight")(x_BxTxD))
         # both branches' projections write only the block's output
         y, cache = CausalSelfAttention(cfg, backend, det, output_only=True, name="attn")(h, positions_BxT, cache,
                                                                                        layer, **extras)
@@ -393,8 +409,15 @@ class ParallelBlock(nn.Module):
 
 
 # GPTConfig.remat -> jax.checkpoint policy: None saves nothing (the block is recomputed from its input),
-# "dots" keeps the outputs of matmuls without batch dimensions (the dense layers').
-_REMAT_POLICIES = {"block": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+# "dots" keeps the outputs of matmuls without batch dimensions (the dense layers'). "offload" is "block" with
+# the scanned blocks' saved inputs moved to the host's memory (`_OFFLOAD_POLICY`, in `GPT._scan_blocks`);
+# unrolled (no scan_layers) it is "block".
+_REMAT_POLICIES = {"block": None, "offload": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+BLOCK_INPUT = "block_input"  # the checkpoint name of a scanned block's input (remat="offload")
+# (JAX's host offload: the named value goes to pinned host memory in the forward and comes back in the backward)
+_OFFLOAD_POLICY = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=[BLOCK_INPUT], offload_src="device",
+    offload_dst="pinned_host")
 
 
 @functools.lru_cache(maxsize=None)
@@ -443,6 +466,7 @@ class GPT(nn.Module):
         x_BxTxD = self._embed(tokens_BxT, positions_BxT, backend, deterministic, per_row)
         skip_Lx2, ve_L = self._layer_inputs(tokens_BxT, backend)
         x0_BxTxD = x_BxTxD if skip_Lx2 is not None else None
+        x_BxTxD = backend.shard_sequence(x_BxTxD)  # (sequence parallelism: the blocks' inputs split along T)
         if cfg.scan_layers:
             x_BxTxD, cache = self._scan_blocks(x_BxTxD, positions_BxT, cache, backend, deterministic,
                                                x0_BxTxD, skip_Lx2, ve_L, segment_ids)
@@ -458,6 +482,8 @@ class GPT(nn.Module):
                 declare_block(block)
                 out = block(x_BxTxD, positions_BxT, cache, None if cache is None else i, **extras)
                 x_BxTxD, cache = _checked_block_output(out, x_BxTxD, cfg)
+                x_BxTxD = backend.shard_sequence(x_BxTxD)
+        x_BxTxD = backend.gather_sequence(x_BxTxD)
         if logits_index is not None:
             x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_index.astype(jnp.int32)[:, None, None], axis=1)
         h_BxTxD = norm(cfg, backend, "ln_f", "model.norm.weight")(x_BxTxD)
@@ -565,6 +591,8 @@ class GPT(nn.Module):
 
         def layer(carry, xs):
             x, cache = carry
+            if cfg.remat == "offload" and cache is None:  # (the block's input, which remat saves, kept on the host)
+                x = checkpoint_name(x, BLOCK_INPUT)
             variables, i, skip_2, ve = xs
             rngs = {} if dropout_rng is None else {"dropout": jax.random.fold_in(dropout_rng, i)}
             extras = {} if ve is None else {"value_embed": ve}
@@ -572,10 +600,12 @@ class GPT(nn.Module):
                 extras["segment_ids"] = segment_ids
             out = block.apply(variables, _mix_embedding(x, x0_BxTxD, skip_2), positions_BxT, cache,
                               None if cache is None else i, rngs=rngs, **extras)
-            return _checked_block_output(out, x, cfg), None
+            x, cache = _checked_block_output(out, x, cfg)
+            return (backend.shard_sequence(x), cache), None  # (the carry, which remat saves, split along T)
 
         if cfg.remat != "none" and cache is None:
-            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+            policy = _OFFLOAD_POLICY if cfg.remat == "offload" else _REMAT_POLICIES[cfg.remat]
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         xs = ({"params": stacked, **extra}, jnp.arange(cfg.n_layer, dtype=jnp.int32), skip_Lx2,
               None if ve_L is None else jnp.stack(ve_L))
         (x_BxTxD, cache), _ = jax.lax.scan(layer, (x_BxTxD, cache), xs)
@@ -644,11 +674,11 @@ def num_params(config: GPTConfig, non_embedding: bool = True) -> int:
 
 def recompute_flops_per_token(config: GPTConfig, seq_len: Optional[int] = None) -> float:
     """The forward FLOPs per token that `config.remat` does again in the backward, beyond flops_per_token:
-    with "block" each block's forward from its saved input (attention's 4 * n_layer * T * n_embd and 2 x
-    the matmul parameters, less the projections whose outputs feed only the block's output: the MLP's
-    c_proj, and attention's too in the parallel block; XLA drops those); 0 with "none" (nothing
+    with "block" (and "offload") each block's forward from its saved input (attention's 4 * n_layer * T *
+    n_embd and 2 x the matmul parameters, less the projections whose outputs feed only the block's output:
+    the MLP's c_proj, and attention's too in the parallel block; XLA drops those); 0 with "none" (nothing
     recomputed) and "dots" (matmul outputs kept: only elementwise work is redone)."""
-    if config.remat != "block":
+    if config.remat not in ("block", "offload"):
         return 0.0
     t = config.block_size if seq_len is None else seq_len
     params = abstract_params(config)

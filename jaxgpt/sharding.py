@@ -15,6 +15,16 @@ the rules table says which mesh axes (`dcn`, `data`, `fsdp`, `tensor`) each name
   The kernel is stored whole on each tensor device, and the model regroups its columns by kv head and
   multiplies each device's own heads (model.Dense's `parts`, Backend.shard_heads): q, k and v, attention
   and c_proj's rows split by heads, one all-reduce per block.
+- `length` (activations' sequence axis, no parameter's) over tensor: sequence parallelism (Megatron-SP) in
+  training. The residual stream between the blocks' matmuls (each block's input, which remat saves, its
+  norms, dropout and residual adds) is split along the sequence over the tensor devices instead of held
+  whole on each: GSPMD all-gathers each norm's output before the column-parallel matmuls (c_attn, the
+  MLP's c_fc) and each device keeps the row-parallel ones' sums (c_proj) for its own positions (a
+  reduce-scatter in principle; libtpu 0.0.42 compiles the forward's as the all-reduce and a slice). The
+  same arithmetic, a tensor-th of the residual stream's memory a device, more collectives (the gathers).
+  Applied by a training runner on a mesh (`MeshRunner`, Backend.on_mesh's `sequence_axes`) where the mesh
+  axes named have more than one device, carry no batch and divide the sequence; decoding and a single
+  device are not touched. "length=" turns it off.
 - a dimension no layer named (`unnamed`: optimizer state that mirrors no parameter, an undeclared
   parameter; also a name of a custom layer's own that the table lacks) may be split over fsdp.
 
@@ -41,10 +51,12 @@ from jaxgpt.schema import AXES as LOGICAL_AXES, UNNAMED, param_schema
 
 MESH_AXES = ("dcn", "data", "fsdp", "tensor")  # every mesh axis, outermost first
 BATCH = "batch"  # the logical axis of a batch's rows
+LENGTH = "length"  # the logical axis of activations' sequence positions (sequence parallelism)
 KEY = "config.train.logical_axis_rules"
 
 DEFAULT_RULES = (
     (BATCH, ("dcn", "data", "fsdp")),
+    (LENGTH, ("tensor",)),
     ("embed", ("fsdp",)),
     ("position", ("fsdp",)),
     ("vocab", ("tensor", "fsdp")),
@@ -92,7 +104,7 @@ def rules(overrides: RulesLike = None) -> Rules:
         pairs = _parse(overrides)
     else:
         pairs = list(overrides)
-    known, seen = (BATCH,) + LOGICAL_AXES + (UNNAMED,), set()
+    known, seen = (BATCH, LENGTH) + LOGICAL_AXES + (UNNAMED,), set()
     for pair in pairs:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             _fail(f"each rule is a pair (logical axis, mesh axes), got {pair!r}")
@@ -114,6 +126,15 @@ def batch_axes(mesh_axes: Sequence[str], table: Optional[Rules] = None) -> tuple
     """The axes of a mesh (names, in its order) that carry the batch's rows, by the `batch` rule."""
     wanted = (table or rules())[BATCH]
     return tuple(a for a in wanted if a in mesh_axes)
+
+
+def sequence_axes(mesh_shape: dict, table: Optional[Rules] = None) -> tuple:
+    """The axes of a mesh ({axis: size}) that split activations along the sequence in training, by the
+    `length` rule: those of more than one device that carry no batch (sequence parallelism; see the
+    module's docstring)."""
+    table = table or rules()
+    batch = batch_axes(tuple(mesh_shape), table)
+    return tuple(a for a in table[LENGTH] if mesh_shape.get(a, 1) > 1 and a not in batch)
 
 
 def logical_spec(axes: Sequence[str], shape: Sequence[int], mesh_shape: dict, table: Optional[Rules] = None) -> P:

@@ -68,36 +68,42 @@ def _collectives(hlo: str) -> list:
     return found
 
 
-def _compiled_step(cfg, mesh: str) -> str:
-    runner = MeshRunner(cfg, OPT, mesh=mesh, devices=_devices(mesh))
+def _compiled_step(cfg, mesh: str, table: str = "") -> str:
+    runner = MeshRunner(cfg, OPT, mesh=mesh, devices=_devices(mesh), rules=table)
     x, y = _batches(cfg, 1)[0]
     state = runner.abstract_state(lambda: create_train_state(init_params(cfg, jax.random.key(0)), OPT,
                                                              jax.random.key(1)))
     return runner.jitted_step(state).lower(state, runner.put_batch(x), runner.put_batch(y)).compile().as_text()
 
 
-def _moved_attention_activations(hlo: str, rows: int, t: int, forward_only: bool = False) -> list:
+def _moved_attention_activations(hlo: str, rows: int, t: int, forward_only: bool = False, width: int = 0) -> list:
     """The collectives that move attention's activations ([rows, t, ...] per device, under attn/) between
-    devices: all-gathers, permutes, all-to-alls (all-reduces are the row-parallel partial sums)."""
+    devices: all-gathers, permutes, all-to-alls (all-reduces are the row-parallel partial sums). With
+    `width` (the model's) less sequence parallelism's all-gathers of c_proj's output gradient [rows, t,
+    width] along t: the residual stream's."""
     return [(kind, shapes, name) for kind, shapes, name in _collectives(hlo)
             if kind not in ("all-reduce", "reduce-scatter") and "/attn/" in name
             and not (forward_only and "transpose(" in name)
+            and not (width and kind == "all-gather" and "/attn/c_proj/" in name and shapes == [[rows, t, width]])
             and any(len(s) >= 3 and s[0] == rows and t in s[1:] for s in shapes)]
 
 
+@pytest.mark.parametrize("table", ["", "length="])
 @pytest.mark.parametrize("mesh, kv_heads", [("data=2,tensor=2", 2), ("tensor=4", 4)])
-def test_the_compiled_step_computes_attention_per_device_on_its_own_heads(mesh, kv_heads):
+def test_the_compiled_step_computes_attention_per_device_on_its_own_heads(mesh, kv_heads, table):
     """Before heads were split, GSPMD split c_attn's [q | k | v] columns in contiguous halves and moved q,
     k and v between the devices (collective-permutes of [4, 16, 16] and [4, 16, 8] under attn/c_attn, forward
-    and backward); now each device computes its own heads' q, k and v from c_attn's columns."""
+    and backward); now each device computes its own heads' q, k and v from c_attn's columns. With sequence
+    parallelism (the default `length` rule; "length=" turns it off) the backward also gathers c_proj's
+    output gradient [rows, T, D] along T: the residual stream's, not attention's."""
     cfg = CFG.replace(n_kv_head=kv_heads)
     tensor = int(mesh.split("tensor=")[1])
     rows = ROWS // (len(_devices(mesh)) // tensor)
-    hlo = _compiled_step(cfg, mesh)
-    assert _moved_attention_activations(hlo, rows, cfg.block_size) == []
+    hlo = _compiled_step(cfg, mesh, table)
+    assert _moved_attention_activations(hlo, rows, cfg.block_size, width=0 if table else cfg.n_embd) == []
     # the forward's all-reduces on the attention path: c_proj's partial sums, one per block
-    forward = [name for kind, _, name in _collectives(hlo)
-               if kind == "all-reduce" and name.startswith("jit(train_step)/jvp(GPT)/") and "/attn/" in name]
+    forward = [name for kind, _, name in _collectives(hlo) if kind in ("all-reduce", "reduce-scatter")
+               and name.startswith("jit(train_step)/jvp(GPT)/") and "/attn/" in name]
     assert len(forward) == cfg.n_layer and all("/attn/c_proj/" in name for name in forward), forward
     # q, k and v of the device's own heads: c_attn's product has (N + 2K) H / tensor columns per device
     width = (cfg.n_head + 2 * kv_heads) * cfg.head_dim // tensor
@@ -248,7 +254,7 @@ def test_the_tpu_backend_runs_splash_per_device_on_its_own_heads():
     runner = MeshRunner(cfg, OPT, mesh="data=2,tensor=2")
     assert runner.backend.name == "tpu" and runner.backend.head_mesh == (runner.mesh, ("data",))
     hlo = _compiled_step(cfg, "data=2,tensor=2")
-    assert _moved_attention_activations(hlo, ROWS // 2, cfg.block_size) == []
+    assert _moved_attention_activations(hlo, ROWS // 2, cfg.block_size, width=cfg.n_embd) == []
     losses, _ = _run(cfg, runner, steps=1)
     np.testing.assert_allclose(losses, _run(CFG, MeshRunner(CFG, OPT, mesh="data=2,tensor=2"), steps=1)[0], rtol=1e-5)
 

@@ -36,7 +36,9 @@ class Memory:
     HBM", states that X) and what a GPU allocates. The compiler's own `peak_memory_in_bytes` is kept as
     `compiler_peak_bytes` but not used: libtpu's counts live buffers in every memory space (a copy
     prefetched into VMEM too) and its temporaries are HBM's alone, so at tiny sizes it is above or
-    below the temporaries (0.12M params: the generate program's 1.4 MB against 2.3 MB of temporaries)."""
+    below the temporaries (0.12M params: the generate program's 1.4 MB against 2.3 MB of temporaries).
+    `host_temp_bytes`: temporaries in the host's memory (remat="offload"'s saved block inputs), not in the
+    peak."""
 
     argument_bytes: int
     output_bytes: int
@@ -45,6 +47,7 @@ class Memory:
     generated_code_bytes: int
     peak_bytes: int
     compiler_peak_bytes: Optional[int]
+    host_temp_bytes: int = 0
 
     @classmethod
     def of(cls, compiled) -> Optional["Memory"]:
@@ -55,7 +58,8 @@ class Memory:
         args, outs, alias, temps = (int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                                     int(m.alias_size_in_bytes), int(m.temp_size_in_bytes))
         return cls(args, outs, alias, temps, int(m.generated_code_size_in_bytes), args + outs - alias + temps,
-                   int(getattr(m, "peak_memory_in_bytes", 0) or 0) or None)
+                   int(getattr(m, "peak_memory_in_bytes", 0) or 0) or None,
+                   int(getattr(m, "host_temp_size_in_bytes", 0) or 0))
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -239,7 +243,8 @@ def format_result(result: dict) -> str:
         lines.append(f"  compiled in {p['compile_s']:.1f}s; per device: arguments {_gib(p['argument_bytes'])}, outputs "
                      f"{_gib(p['output_bytes'])} (aliased {_gib(p['alias_bytes'])}), temporaries {_gib(p['temp_bytes'])}; "
                      f"peak (their sum, aliased outputs once) {_gib(p['peak_bytes'])} of {_gib(p['limit_bytes'])}: "
-                     f"{'fits' if p['fits'] else 'DOES NOT FIT'}")
+                     f"{'fits' if p['fits'] else 'DOES NOT FIT'}"
+                     + (f"; in host memory {_gib(p['host_temp_bytes'])}" if p.get("host_temp_bytes") else ""))
         if p.get("formula_flops_per_device"):
             got = "not reported by this compiler" if p["flops_per_device"] is None else \
                 f"{p['flops_per_device']:.4g} (compiler, for {p['flops_counted_for']})"
@@ -247,7 +252,7 @@ def format_result(result: dict) -> str:
             if ratio and p["custom_calls"].get("tpu_custom_call"):  # Mosaic kernels: their flops go uncounted
                 ratio += (" (libtpu does not count the Pallas kernels' flops, here attention's; "
                           "--config.model.kernels=portable compares the whole step)")
-            formula = "6N + 12LTD" + (" + remat's recomputed forward" if p.get("remat") == "block" else "")
+            formula = "6N + 12LTD" + (" + remat's recomputed forward" if p.get("remat") in ("block", "offload") else "")
             lines.append(f"  flops per device: {got}; {formula} for the step {p['formula_flops_per_device']:.4g}{ratio}")
         elif p["flops_per_device"] is not None:
             lines.append(f"  flops per device: {p['flops_per_device']:.4g} (compiler)")

@@ -75,6 +75,9 @@ class Backend:
       None: no mesh, or one device.
     - `head_mesh`: (mesh, batch axes) when that mesh has a `tensor` axis of more than one device, set by
       `on_mesh`: attention's projections and activations are then split by heads over it (`shard_heads`).
+    - `sequence_mesh`: (mesh, batch axes, sequence axes) when a training runner splits the residual stream
+      along the sequence over `sequence axes` (sequence parallelism, the rules' `length`), set by `on_mesh`:
+      `shard_sequence` and `gather_sequence` place the blocks' activations.
     - `cache_attention(q, cache, layer, q_positions, kv_lengths)`: its built-in "dot_product" attention
       over layer `layer` of a KV cache read as stored (float or int8, a `KVCache.view_first` included:
       its buffers hold more rows than q), or None where it does not take the cache; unset or None: the
@@ -102,6 +105,7 @@ class Backend:
     per_shard_attention: bool = False
     batch_mesh: Optional[tuple] = None
     head_mesh: Optional[tuple] = None
+    sequence_mesh: Optional[tuple] = None
     cache_attention: Optional[Callable] = None
     paged_attention: Optional[Callable] = None
     paged_layout: str = "split"
@@ -118,10 +122,15 @@ class Backend:
             return per_batch_shard(kernel, mesh, batch, heads=self.head_mesh is not None)
         return kernel
 
-    def on_mesh(self, mesh, batch_axes: tuple) -> "Backend":
-        """This backend for programs jitted over `mesh` with the batch sharded over `batch_axes`."""
+    def on_mesh(self, mesh, batch_axes: tuple, sequence_axes: tuple = ()) -> "Backend":
+        """This backend for programs jitted over `mesh` with the batch sharded over `batch_axes`, and the
+        residual stream along the sequence over `sequence_axes` (a training runner's, jaxgpt.sharding's
+        `sequence_axes`; none for decoding)."""
         where = (mesh, tuple(batch_axes))
         changes = {}
+        sequence_axes = tuple(a for a in sequence_axes if dict(mesh.shape).get(a, 1) > 1)
+        if sequence_axes:
+            changes["sequence_mesh"] = where + (sequence_axes,)
         if math.prod(mesh.shape[a] for a in batch_axes) > 1:
             changes["batch_mesh"] = where
         if dict(mesh.shape).get(TENSOR, 1) > 1:
@@ -155,6 +164,30 @@ class Backend:
         if rows and batch and x.shape[0] % math.prod(mesh.shape[a] for a in batch) == 0:
             spec[0] = batch
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+    def _sequence_spec(self, x: jax.Array, split: bool):
+        """The NamedSharding of activations [B, T, ...] on the `sequence_mesh`: rows over its batch axes
+        (when they divide them), T over its sequence axes with `split` (when they divide it); None without
+        a sequence mesh or when T cannot be split."""
+        mesh, batch, sequence = self.sequence_mesh
+        if split and x.shape[1] % math.prod(mesh.shape[a] for a in sequence):
+            return None
+        rows = batch if batch and x.shape[0] % math.prod(mesh.shape[a] for a in batch) == 0 else None
+        return NamedSharding(mesh, P(rows or None, (sequence if len(sequence) > 1 else sequence[0]) if split else None))
+
+    def shard_sequence(self, x: jax.Array) -> jax.Array:
+        """Activations [B, T, ...] split along T over the `sequence_mesh`'s sequence axes (sequence
+        parallelism: a row-parallel matmul's partial sums are then reduce-scattered, not all-reduced); `x`
+        itself without one, or when they do not divide T."""
+        spec = None if self.sequence_mesh is None else self._sequence_spec(x, True)
+        return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+
+    def gather_sequence(self, x: jax.Array) -> jax.Array:
+        """Activations [B, T, ...] whole along T on every device (all-gathered: a column-parallel matmul's
+        input) where `shard_sequence` splits them; `x` itself otherwise."""
+        if self.sequence_mesh is None or self._sequence_spec(x, True) is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, self._sequence_spec(x, False))
 
     def activation_dtype(self, compute_dtype) -> jnp.dtype:
         """The dtype activations travel in between matmuls."""

@@ -159,7 +159,7 @@ def _model_section():
     m.block = "gpt2"             # a registered block (jaxgpt.model): "gpt2" (pre-norm) or "parallel"
     m.kernels = "auto"  # the backend: "auto" (by platform), "portable" or "cpu": see jaxgpt/backends/
     m.scan_layers = False  # blocks stored stacked, run as one lax.scan: compile time flat in depth
-    m.remat = "none"       # "block" or "dots": recompute activations in the backward to save memory
+    m.remat = "none"       # "block", "dots" or "offload": recompute activations in the backward to save memory
     m.position = "learned"  # "learned" (GPT-2's wpe) or "rope" (rotary, base rope_theta)
     m.rope_theta = 10000.0
     m.norm = "layernorm"    # or "rmsnorm"

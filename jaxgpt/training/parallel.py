@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.backends import Backend, resolve
 from jaxgpt.config import GPTConfig
-from jaxgpt.sharding import RulesLike, UNNAMED, batch_axes, logical_spec, rules, tree_shardings
+from jaxgpt.sharding import RulesLike, UNNAMED, batch_axes, logical_spec, rules, sequence_axes, tree_shardings
 from jaxgpt.training.mesh import build_mesh, mesh_text
 from jaxgpt.training.step import make_eval_step, make_train_step, map_batches, repeat_steps
 
@@ -296,7 +296,9 @@ class MeshRunner:
         self.batch_sharding = NamedSharding(self.mesh, P(rows))
         self.stack_sharding = NamedSharding(self.mesh, P(None, rows))  # [K, rows, T]: rows over the batch axes
         _check_rows_per_process(self.batch_sharding, math.prod(self.mesh.shape[a] for a in axes))
-        backend = (backend or resolve(config)).on_mesh(self.mesh, axes)  # (splash runs per batch shard)
+        # (splash runs per batch shard; the residual stream split along the sequence by the `length` rule)
+        sequence = sequence_axes(dict(self.mesh.shape), self.rules)
+        backend = (backend or resolve(config)).on_mesh(self.mesh, axes, sequence)
         self.backend = backend
         self._train_step = make_train_step(config, optimizer, grad_accum, axis_name=None, schedule=schedule,
                                            backend=backend, batch_sharding=self.batch_sharding, loss_chunk=loss_chunk)
