@@ -24,7 +24,9 @@ the rules table says which mesh axes (`dcn`, `data`, `fsdp`, `tensor`) each name
   same arithmetic, a tensor-th of the residual stream's memory a device, more collectives (the gathers).
   Applied by a training runner on a mesh (`MeshRunner`, Backend.on_mesh's `sequence_axes`) where the mesh
   axes named have more than one device, carry no batch and divide the sequence; decoding and a single
-  device are not touched. "length=" turns it off.
+  device are not touched. Off by default, as Megatron-LM's `--sequence-parallel` and MaxText's tensor-sequence
+  parallelism are: "length=tensor" turns it on (its time on hardware is not measured yet; the memory it
+  saves is: bench/README.md, issue 59).
 - a dimension no layer named (`unnamed`: optimizer state that mirrors no parameter, an undeclared
   parameter; also a name of a custom layer's own that the table lacks) may be split over fsdp.
 
@@ -56,7 +58,7 @@ KEY = "config.train.logical_axis_rules"
 
 DEFAULT_RULES = (
     (BATCH, ("dcn", "data", "fsdp")),
-    (LENGTH, ("tensor",)),
+    (LENGTH, ()),  # sequence parallelism off ("length=tensor" turns it on): see the module's docstring
     ("embed", ("fsdp",)),
     ("position", ("fsdp",)),
     ("vocab", ("tensor", "fsdp")),

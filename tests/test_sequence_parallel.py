@@ -19,7 +19,10 @@ from tests.test_tensor_heads import CFG, OPT, ROWS, _batches, _devices, _run
 SCANNED = CFG.replace(scan_layers=True, remat="block")
 
 
-def _lowered(cfg, mesh: str, table: str = ""):
+ON = "length=tensor"  # sequence parallelism (off by default)
+
+
+def _lowered(cfg, mesh: str, table: str = ON):
     runner = MeshRunner(cfg, OPT, mesh=mesh, devices=_devices(mesh), rules=table)
     x, y = _batches(cfg, 1)[0]
     state = runner.abstract_state(lambda: create_train_state(init_params(cfg, jax.random.key(0)), OPT,
@@ -38,16 +41,16 @@ def _saved_inputs(hlo: str, cfg, rows: int) -> set:
 
 
 def test_the_length_rule_names_tensor_where_it_has_devices_and_carries_no_batch():
-    assert sequence_axes({"data": 2, "tensor": 2}) == ("tensor",)
-    assert sequence_axes({"fsdp": 4, "tensor": 1}) == ()
-    assert sequence_axes({"data": 2, "tensor": 2}, rules("length=")) == ()
+    assert sequence_axes({"data": 2, "tensor": 2}, rules(ON)) == ("tensor",)
+    assert sequence_axes({"fsdp": 4, "tensor": 1}, rules(ON)) == ()
+    assert sequence_axes({"data": 2, "tensor": 2}) == ()  # (off by default)
     assert sequence_axes({"data": 2, "tensor": 2}, rules("length=data")) == ()  # (data carries the batch)
-    assert MeshRunner(CFG, OPT, mesh="data=2,tensor=2").backend.sequence_mesh is not None
-    assert MeshRunner(CFG, OPT, mesh="data=2,tensor=2", rules="length=").backend.sequence_mesh is None
+    assert MeshRunner(CFG, OPT, mesh="data=2,tensor=2", rules=ON).backend.sequence_mesh is not None
+    assert MeshRunner(CFG, OPT, mesh="data=2,tensor=2").backend.sequence_mesh is None
     assert MeshRunner(CFG, OPT, mesh="data=4").backend.sequence_mesh is None
 
 
-@pytest.mark.parametrize("table, split", [("", True), ("length=", False)])
+@pytest.mark.parametrize("table, split", [(ON, True), ("", False)])
 def test_the_saved_block_inputs_are_split_along_the_sequence_over_tensor(table, split):
     """What remat="block" keeps for the backward (each scanned block's input, [L, rows, T, D] per device)
     holds half the positions on each of the tensor=2 devices with the rule, all of them without."""
@@ -68,7 +71,7 @@ def one_device():
 @pytest.mark.parametrize("layers", ["scanned", "unrolled"])
 def test_sequence_parallel_training_equals_one_device(one_device, mesh, layers):
     cfg = (SCANNED if layers == "scanned" else CFG).replace(dropout=0.1)
-    runner = MeshRunner(cfg, OPT, mesh=mesh)
+    runner = MeshRunner(cfg, OPT, mesh=mesh, rules=ON)
     assert runner.backend.sequence_mesh is not None
     want_losses, want = one_device[layers]
     losses, state = _run(cfg, runner)
@@ -94,7 +97,7 @@ def test_remat_offload_moves_the_saved_block_inputs_to_the_host_and_trains_as_bl
     assert _host_puts(offload) and not _host_puts(SCANNED)
     assert _host_puts(CFG.replace(remat="offload")) == []  # (unrolled: "block")
     want_losses, want = _run(SCANNED, MeshRunner(SCANNED, OPT, devices=jax.devices()[:1]), steps=2)
-    one, mesh = MeshRunner(offload, OPT, devices=jax.devices()[:1]), MeshRunner(offload, OPT, mesh="data=2,tensor=2")
+    one, mesh = MeshRunner(offload, OPT, devices=jax.devices()[:1]), MeshRunner(offload, OPT, mesh="data=2,tensor=2", rules=ON)
     for runner in (one, mesh):
         losses, state = _run(offload, runner, steps=2)
         np.testing.assert_allclose(losses, want_losses, rtol=1e-5)

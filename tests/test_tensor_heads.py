@@ -88,19 +88,19 @@ def _moved_attention_activations(hlo: str, rows: int, t: int, forward_only: bool
             and any(len(s) >= 3 and s[0] == rows and t in s[1:] for s in shapes)]
 
 
-@pytest.mark.parametrize("table", ["", "length="])
+@pytest.mark.parametrize("table", ["", "length=tensor"])
 @pytest.mark.parametrize("mesh, kv_heads", [("data=2,tensor=2", 2), ("tensor=4", 4)])
 def test_the_compiled_step_computes_attention_per_device_on_its_own_heads(mesh, kv_heads, table):
     """Before heads were split, GSPMD split c_attn's [q | k | v] columns in contiguous halves and moved q,
     k and v between the devices (collective-permutes of [4, 16, 16] and [4, 16, 8] under attn/c_attn, forward
     and backward); now each device computes its own heads' q, k and v from c_attn's columns. With sequence
-    parallelism (the default `length` rule; "length=" turns it off) the backward also gathers c_proj's
+    parallelism ("length=tensor"; off by default) the backward also gathers c_proj's
     output gradient [rows, T, D] along T: the residual stream's, not attention's."""
     cfg = CFG.replace(n_kv_head=kv_heads)
     tensor = int(mesh.split("tensor=")[1])
     rows = ROWS // (len(_devices(mesh)) // tensor)
     hlo = _compiled_step(cfg, mesh, table)
-    assert _moved_attention_activations(hlo, rows, cfg.block_size, width=0 if table else cfg.n_embd) == []
+    assert _moved_attention_activations(hlo, rows, cfg.block_size, width=cfg.n_embd if table else 0) == []
     # the forward's all-reduces on the attention path: c_proj's partial sums, one per block
     forward = [name for kind, _, name in _collectives(hlo) if kind in ("all-reduce", "reduce-scatter")
                and name.startswith("jit(train_step)/jvp(GPT)/") and "/attn/" in name]
