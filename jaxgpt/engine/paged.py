@@ -191,9 +191,8 @@ class PagedEngine(Conveniences):
         """Lower and compile one program for the arguments the engine's steps give it (the call then finds it
         compiled)."""
         a, rows = runner.warm_arrays(shape, self.table_width), runner.idle_rows(shape[1])
-        prev = np.zeros(runner._pow2(self.max_requests), np.int32)
         w = self.weights[shape[0]]
-        prev = jax.ShapeDtypeStruct(prev.shape, prev.dtype, sharding=self._here)
+        prev = jax.ShapeDtypeStruct((runner._pow2(self.max_requests),), jnp.int32, sharding=self._here)
         if kind == "steps":
             lowered = runner.ragged_decode_steps.lower(w, self._pool_spec, a, rows, np.int32(1), prev,
                                                        steps=self._shape_steps[shape], **self._static)
@@ -318,7 +317,8 @@ class PagedEngine(Conveniences):
         """The last dispatched step's draws on the device (zeros before the first)."""
         if self._pending is None:
             return jax.device_put(np.zeros(runner._pow2(self.max_requests), np.int32), self._here)
-        return jax.device_put(self._pending.out["next"], self._here)  # (where it is already, but on a mesh)
+        draws = self._pending.out["next"]
+        return draws if draws.sharding == self._here else jax.device_put(draws, self._here)  # (on a mesh)
 
     def _process(self, step: "_Step", events: list) -> None:
         """Read a dispatched step's outputs (waiting for them), put its draws in the scheduler's sequences

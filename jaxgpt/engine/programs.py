@@ -35,31 +35,30 @@ def _finish_compiling() -> None:
 class Programs:
     """The (shape, kind) programs of an engine, in the order they are compiled, and which are ready.
 
-    `compile_one(shape, kind)` lowers and compiles one of them for the engine's own arguments. Before any
-    `warm`, `ready` is None: every program is usable and compiles at its first call (tests, scripts)."""
+    `compile_one(shape, kind)` lowers and compiles one of them for the engine's own arguments. A program
+    no `warm` asked for is usable at once and compiles at its first call (tests, scripts)."""
 
     def __init__(self, calls: Sequence[tuple], compile_one: Callable[[tuple, str], None]):
         largest = max(shape for shape, _ in calls)
         first = [c for c in calls if c[0] == largest and c[1] != "steps"]  # (any plan fits these)
         self.calls = first + [c for c in calls if c not in first]
-        self.first = len(first)
         self._compile_one = compile_one
-        self.ready: Optional[set] = None
+        self.first = set(first)
+        self.ready: set = set()   # compiled by `warm`
         self.wanted: set = set()  # what `warm` was asked for
         self.failed: Optional[BaseException] = None  # what stopped the background compilation, if anything
-        self.seconds = 0.0  # spent compiling, foreground and background
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
 
     def usable(self, shape: tuple, kind: str) -> bool:
         """Whether a step may call this program now: compiled, or never asked for by `warm` (it compiles at
         its first call, as before any warm-up)."""
-        return self.ready is None or (shape, kind) in self.ready or (shape, kind) not in self.wanted
+        return (shape, kind) in self.ready or (shape, kind) not in self.wanted
 
     @property
     def pending(self) -> int:
         """Programs still to compile (in the background)."""
-        return 0 if self.ready is None else sum(1 for c in self.calls if c not in self.ready)
+        return len(self.wanted - self.ready)
 
     def warm(self, wanted: Sequence[tuple], progress: bool = False, background: bool = False) -> None:
         """Compile `wanted` (a subset of `calls`, kept in their order); with `background`, only those of the
@@ -67,9 +66,8 @@ class Programs:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("the engine's programs are being compiled in the background already")
         wanted = [c for c in self.calls if c in set(wanted)]
-        self.ready = set() if self.ready is None else self.ready
         self.wanted |= set(wanted)
-        now = wanted[:self.first] if background else wanted
+        now = [c for c in wanted if c in self.first] if background else wanted
         self._compile(now, progress)
         rest = [c for c in wanted if c not in now]
         if rest:
@@ -88,9 +86,7 @@ class Programs:
                   disable=not (progress and sys.stderr.isatty())) as bar:
             for call in calls:
                 if call not in self.ready:
-                    t0 = time.perf_counter()
                     self._compile_one(*call)
-                    self.seconds += time.perf_counter() - t0
                     self.ready.add(call)
                 bar.update()
 
