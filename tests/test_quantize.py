@@ -136,7 +136,9 @@ def _w8a8_reference(x, k: Q.Int8Kernel, w_out_in=False):
 
 
 @pytest.mark.parametrize("rows,n_in,out", [(1, 64, 40), (3, 30, 16), (8, 96, 130), (14, 24, 70), (15, 44, 33),
-                                           (16, 32, 7), (41, 100, 70), (130, 520, 33)])
+                                           (16, 32, 7), (41, 100, 70), (130, 520, 33),
+                                           # inputs a multiple of 64 and 16+ rows: AMX tiles where there are
+                                           (16, 64, 40), (33, 128, 70), (70, 256, 33)])
 def test_w8a8_products_equal_the_integer_product_of_the_rounded_rows(rows, n_in, out):
     """Both ways w8a8 is multiplied (the native kernel when built, XLA's int8 dot in ops.int8_linear) give
     (x_q @ q) * x_scale * scale: the same integers, scaled to float rounding."""
@@ -172,6 +174,53 @@ def test_w8a8_products_equal_the_integer_product_of_the_rounded_rows(rows, n_in,
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="int8 panels"):
         native.rows_matmul_w8a8(jnp.asarray(x), panels, scale, corr, out + 32)
+
+
+_W8A8_SCRIPT = """
+import sys, numpy as np, jax, jax.numpy as jnp
+from jaxgpt.backends import native
+d = np.load(sys.argv[1])
+ys = {}
+for name in [n for n in d.files if n.startswith("x")]:
+    x, i = d[name], name[1:]
+    f = jax.jit(lambda a, p, s, c: native.rows_matmul_w8a8(a, p, s, c, int(d["out" + i])))
+    ys["y" + i] = np.asarray(f(jnp.asarray(x), jnp.asarray(d["p" + i]), jnp.asarray(d["s" + i]), jnp.asarray(d["c" + i])))
+np.savez(sys.argv[2], tiles=native.w8a8_tiles(), **ys)
+"""
+
+
+def test_w8a8_tiles_give_the_vector_kernels_bits(tmp_path):
+    """The AMX tile kernel (16+ rows, inputs a multiple of 64, on a CPU with AMX-INT8) and the vpdpbusd one
+    (JAXGPT_AMX=0, another process) give the same bits: the same integer sums, scaled alike. On a CPU with
+    AMX-INT8 the tiles are in use unless the environment says JAXGPT_AMX=0."""
+    if not native.available():
+        pytest.skip("the native kernels are unavailable")
+    import os
+    import subprocess
+    import sys
+    from jaxgpt.backends.cpu import cpu_flags
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for i, (rows, n_in, out) in enumerate([(16, 64, 40), (17, 128, 33), (32, 768, 100), (45, 192, 64), (300, 64, 7)]):
+        w = rng.standard_normal((n_in, out)).astype(np.float32)
+        k = Q.quantize_int8(jnp.asarray(w), activations="int8")
+        for name, a in zip("psc", native.pack_w8a8(k.q, k.scale)):
+            arrays[f"{name}{i}"] = np.asarray(a)
+        arrays[f"x{i}"] = (rng.standard_normal((rows, n_in)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
+        arrays[f"out{i}"] = np.int64(out)
+    np.savez(tmp_path / "in.npz", **arrays)
+    results = {}
+    for amx in ("1", "0"):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAXGPT_AMX=amx)
+        done = subprocess.run([sys.executable, "-c", _W8A8_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / f"{amx}.npz")],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[amx] = np.load(tmp_path / f"{amx}.npz")
+    assert not results["0"]["tiles"]
+    if "amx_int8" in cpu_flags():  # (Linux lists the flag only where it hands processes the tile state)
+        assert results["1"]["tiles"], "AMX-INT8 here, yet the w8a8 kernel does not use the tiles"
+    for name in [n for n in results["0"].files if n.startswith("y")]:
+        np.testing.assert_array_equal(results["1"][name], results["0"][name])
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -186,6 +186,13 @@ def available() -> bool:
         return _state["ok"]
 
 
+def w8a8_tiles() -> bool:
+    """Whether `rows_matmul_w8a8` multiplies blocks of 16 or more rows on AMX tiles here (a CPU with AMX-INT8,
+    a kernel that lets the process use them, and no JAXGPT_AMX=0 in the environment when the library was
+    first called); the vpdpbusd kernel gives the same bits otherwise."""
+    return available() and bool(_state["lib"].jaxgpt_w8a8_tiles())
+
+
 def pack(w: jax.Array, w_out_in: bool = False) -> jax.Array:
     """A kernel [..., in, out] (or [..., out, in] with `w_out_in`) -> panels [..., ceil(out/16), in, 16],
     float32, zero past `out`: panel p holds outputs 16p..16p+15 for every input, in input order.

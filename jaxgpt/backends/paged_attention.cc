@@ -8,13 +8,15 @@
 // positions are read.
 //
 // The tokens are grouped by row (a stable counting sort), and each row's tokens cut into blocks of up to
-// kBlock: one unit of work is (a block, a kv head). A unit walks its row's positions up to the block's
-// largest limit a tile of kTile positions at a time; each tile's keys and values stay in L1 while every query
-// of the block (its tokens times the kv head's N / K query heads) takes its scores, a running (online)
-// softmax, and its weighted values from them: a prompt chunk's keys come from memory once per block, not
-// once per token. A decode token is a block of one. Over an int8 pool a block of several queries first widens
-// each tile into float32, its keys transposed (gather_tile), so that each query's scores take 16 positions
-// in a few multiply-adds and no sums across a vector; otherwise the pools are read in place. Units are taken
+// kBlock: one unit of work is (a block, a kv head), or, for a block of few queries (decode), the block with
+// all its kv heads, so that a page's keys of every head are read as one run of memory. A unit walks its
+// row's positions up to the block's largest limit a tile of kTile positions at a time; each tile's keys and
+// values stay in L1 while every query of the block (its tokens times the kv head's N / K query heads) takes
+// its scores, a running (online) softmax, and its weighted values from them: a prompt chunk's keys come from
+// memory once per block, not once per token. A decode token is a block of one. Over an int8 pool a block of
+// several queries first widens each tile into float32, its keys transposed (gather_tile), so that each
+// query's scores take 16 positions in a few multiply-adds and no sums across a vector; otherwise the pools
+// are read in place, 16 positions' products summed across their vectors together (sums16). Units are taken
 // in turns by the calling thread and a task on XLA's intra-op pool (in_turns, common.h).
 
 #include <algorithm>
@@ -99,8 +101,32 @@ inline float update(Running<H>& r, float* sc, int64_t count, float mt) {
   return fade;
 }
 
+// Two vectors' lanes halved into one: chunks of W lanes taken from x and y in turns, each chunk the sum of
+// a chunk of 2 W lanes' two halves (lo and hi pick them; W = 8, 4, 2, 1).
+template <int W>
+inline v16 fold(v16 x, v16 y) {
+  typedef int32_t i16 __attribute__((vector_size(64)));
+  static_assert(W == 8 || W == 4 || W == 2 || W == 1, "W: 8, 4, 2 or 1");
+  constexpr i16 lo = W == 8   ? i16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}
+                     : W == 4 ? i16{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}
+                     : W == 2 ? i16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}
+                              : i16{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, lo + W);
+}
+
+// Lane s: the sum of a[s]'s 16 lanes. Four rounds of folds, 15 adds and 30 shuffles for the 16 sums, where
+// summing each vector across its lanes alone took about ten dependent instructions apiece.
+inline v16 sums16(v16* a) {
+  for (int i = 0; i < 8; ++i) a[i] = fold<8>(a[i], a[i + 8]);
+  for (int i = 0; i < 4; ++i) a[i] = fold<4>(a[i], a[i + 4]);
+  for (int i = 0; i < 2; ++i) a[i] = fold<2>(a[i], a[i + 2]);
+  return fold<1>(a[0], a[1]);
+}
+
 // Query (token, head) qn over one tile of positions [0, count) read in place from the pools (at[s]: position
-// s's vector): a score is a dot product summed across its vector. For blocks of few queries (decode).
+// s's vector): 16 positions' products at a time, summed across their vectors together (sums16). For blocks
+// of few queries (decode). The values are summed into two sets of accumulators, even and odd positions, so
+// that each multiply-add waits on the one two positions back.
 template <int H, typename E>
 void attend_tile(const float* qn, Running<H>& r, int64_t count, const int64_t* at, const Pool<E>& p,
                  float* sc) {
@@ -109,27 +135,50 @@ void attend_tile(const float* qn, Running<H>& r, int64_t count, const int64_t* a
   v16 qv[NV];
 #pragma GCC unroll 8
   for (int i = 0; i < NV; ++i) qv[i] = load(qn + 16 * i) * scale;
-  float mt = -INFINITY;
-  for (int64_t s = 0; s < count; ++s) {
-    const E* ks = p.k + at[s] * H;
-    v16 acc = qv[0] * load(ks);
+  v16 best = splat(-INFINITY);
+  for (int64_t s0 = 0; s0 < count; s0 += 16) {
+    const int64_t m = std::min<int64_t>(16, count - s0);
+    v16 part[16];
+    for (int s = 0; s < 16; ++s) {
+      if (s >= m) {
+        part[s] = v16{};
+        continue;
+      }
+      const E* ks = p.k + at[s0 + s] * H;
+      v16 acc = qv[0] * load(ks);
 #pragma GCC unroll 8
-    for (int i = 1; i < NV; ++i) acc += qv[i] * load(ks + 16 * i);
-    sc[s] = p.k_scale ? hsum(acc) * p.k_scale[at[s]] : hsum(acc);
-    mt = std::max(mt, sc[s]);
+      for (int i = 1; i < NV; ++i) acc += qv[i] * load(ks + 16 * i);
+      part[s] = acc;
+    }
+    v16 sums = sums16(part);
+    if (p.k_scale)
+      for (int s = 0; s < m; ++s) sums[s] *= p.k_scale[at[s0 + s]];
+    for (int s = m; s < 16; ++s) sums[s] = -INFINITY;
+    store(sc + s0, sums);
+    best = best > sums ? best : sums;
   }
+  float mt = -INFINITY;
+  for (int i = 0; i < 16; ++i) mt = std::max(mt, best[i]);
   const float fade = update<H>(r, sc, count, mt);
-  v16 o[NV];  // (in registers over the tile)
+  v16 o[2][NV];  // (in registers over the tile)
 #pragma GCC unroll 8
-  for (int i = 0; i < NV; ++i) o[i] = r.o[i] * fade;
-  for (int64_t s = 0; s < count; ++s) {
+  for (int i = 0; i < NV; ++i) o[0][i] = r.o[i] * fade, o[1][i] = v16{};
+  int64_t s = 0;
+  for (; s + 2 <= count; s += 2)
+    for (int e = 0; e < 2; ++e) {
+      const v16 w = splat(p.v_scale ? sc[s + e] * p.v_scale[at[s + e]] : sc[s + e]);
+      const E* vs = p.v + at[s + e] * H;
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; ++i) o[e][i] += w * load(vs + 16 * i);
+    }
+  if (s < count) {
     const v16 w = splat(p.v_scale ? sc[s] * p.v_scale[at[s]] : sc[s]);
     const E* vs = p.v + at[s] * H;
 #pragma GCC unroll 8
-    for (int i = 0; i < NV; ++i) o[i] += w * load(vs + 16 * i);
+    for (int i = 0; i < NV; ++i) o[0][i] += w * load(vs + 16 * i);
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < NV; ++i) r.o[i] = o[i];
+  for (int i = 0; i < NV; ++i) r.o[i] = o[0][i] + o[1][i];
 }
 
 // r[0..16) as a 16 x 16 matrix, transposed in registers: four rounds, each swapping the off-diagonal
@@ -215,45 +264,53 @@ void attend_gathered(const float* qn, Running<H>& r, int64_t count, const float*
   for (int i = 0; i < NV; ++i) r.o[i] = o[i];
 }
 
-// The unit (tokens toks[0..n), all of row `row`; kv head j).
+// The unit (tokens toks[0..n), all of row `row`; kv heads [j0, j1)). A block of few queries (decode) takes
+// all its row's kv heads in one unit, tile by tile: a page's keys of every head lie together ([P, K, page,
+// H]), so the unit reads each page's keys, then its values, as one run of K x page x H values instead of K
+// runs of page x H apart in time (short runs that the hardware's prefetcher does not follow).
 template <int H, typename E>
-void unit(const int32_t* toks, int64_t n, int64_t row, int64_t j, const Pool<E>& p, const Step& st,
+void unit(const int32_t* toks, int64_t n, int64_t row, int64_t j0, int64_t j1, const Pool<E>& p, const Step& st,
           std::vector<Running<H>>& run, float* sc, float* kt, float* vt) {
   const int64_t g = st.N / p.K;
   const int64_t cap = st.M * p.page;
   int64_t most = 0;
   for (int64_t i = 0; i < n; ++i) most = std::max<int64_t>(most, std::min<int64_t>(st.limits[toks[i]], cap));
-  run.assign(static_cast<size_t>(n * g), Running<H>{});
+  run.assign(static_cast<size_t>((j1 - j0) * n * g), Running<H>{});
   const int32_t* table = st.tables + row * st.M;
-  int64_t at[kTile];  // each position's index in the pools' [P K page] vectors
+  const bool gathered = std::is_same<E, int8_t>::value && n * g >= kGatherQueries;
+  int64_t first[kTile], at[kTile];  // each position's index in the pools' [P K page] vectors: head 0, head j
   for (int64_t t0 = 0; t0 < most; t0 += kTile) {
     const int64_t span = std::min(kTile, most - t0);
     for (int64_t s = 0; s < span; ++s) {
       const int64_t pos = t0 + s;
       const int64_t page = std::clamp<int64_t>(table[pos / p.page], 0, p.P - 1);
-      at[s] = (page * p.K + j) * p.page + pos % p.page;
+      first[s] = page * p.K * p.page + pos % p.page;
     }
-    const bool gathered = std::is_same<E, int8_t>::value && n * g >= kGatherQueries;
-    if (gathered) gather_tile<H>(span, at, p, kt, vt);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t count = std::min<int64_t>(std::min<int64_t>(st.limits[toks[i]], cap) - t0, span);
-      if (count <= 0) continue;
-      for (int64_t h = 0; h < g; ++h) {
-        const float* qn = st.q + (toks[i] * st.N + j * g + h) * H;
-        if (gathered)
-          attend_gathered<H>(qn, run[i * g + h], count, kt, vt, sc);
-        else
-          attend_tile<H>(qn, run[i * g + h], count, at, p, sc);
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t s = 0; s < span; ++s) at[s] = first[s] + j * p.page;
+      if (gathered) gather_tile<H>(span, at, p, kt, vt);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t count = std::min<int64_t>(std::min<int64_t>(st.limits[toks[i]], cap) - t0, span);
+        if (count <= 0) continue;
+        for (int64_t h = 0; h < g; ++h) {
+          const float* qn = st.q + (toks[i] * st.N + j * g + h) * H;
+          Running<H>& r = run[((j - j0) * n + i) * g + h];
+          if (gathered)
+            attend_gathered<H>(qn, r, count, kt, vt, sc);
+          else
+            attend_tile<H>(qn, r, count, at, p, sc);
+        }
       }
     }
   }
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < g; ++h) {
-      const Running<H>& r = run[i * g + h];
-      float* on = st.out + (toks[i] * st.N + j * g + h) * H;
-      const float inv = r.l > 0.f ? 1.f / r.l : 0.f;
-      for (int v = 0; v < H / 16; ++v) store(on + 16 * v, r.o[v] * inv);
-    }
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < g; ++h) {
+        const Running<H>& r = run[((j - j0) * n + i) * g + h];
+        float* on = st.out + (toks[i] * st.N + j * g + h) * H;
+        const float inv = r.l > 0.f ? 1.f / r.l : 0.f;
+        for (int v = 0; v < H / 16; ++v) store(on + 16 * v, r.o[v] * inv);
+      }
 }
 
 template <typename F>
@@ -321,8 +378,16 @@ static ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const ffi
   for (int64_t t = 0; t < T; ++t)
     if (lp[t] <= 0) std::fill(st.out + t * N * H, st.out + (t + 1) * N * H, 0.f);
   const Blocks blocks = make_blocks(token_rows.typed_data(), lp, T, R);
-  const int64_t units = static_cast<int64_t>(blocks.rows.size()) * K;
+  // the units: (block, first kv head, last + 1), a block of few queries all its heads at once (unit)
+  std::vector<int64_t> work;
+  for (int64_t b = 0; b + 1 < static_cast<int64_t>(blocks.starts.size()); ++b) {
+    const int64_t queries = (blocks.starts[b + 1] - blocks.starts[b]) * (N / K);
+    for (int64_t j = 0; j < K; j = queries < kGatherQueries ? K : j + 1)
+      work.insert(work.end(), {b, j, queries < kGatherQueries ? K : j + 1});
+  }
+  const int64_t units = static_cast<int64_t>(work.size()) / 3;
   const Blocks* bp = &blocks;
+  const int64_t* wk = work.data();
   const bool ok = with_head_dim(H, [&](auto hd) {
     constexpr int HD = decltype(hd)::value;
     if (units == 0) return;
@@ -331,9 +396,10 @@ static ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const ffi
       alignas(64) float sc[kTile] = {};  // (zeroed: a short tile's tail lanes are loaded, then masked)
       std::vector<float> kt(static_cast<size_t>(HD * kTile)), vt(static_cast<size_t>(HD * kTile));
       for (int64_t u = next(); u < units; u = next()) {
-        const int64_t b = u / K;
+        const int64_t b = wk[3 * u];
         const int32_t lo = bp->starts[b], hi = bp->starts[b + 1];
-        unit<HD>(bp->order.data() + lo, hi - lo, bp->rows[b], u % K, p, st, run, sc, kt.data(), vt.data());
+        unit<HD>(bp->order.data() + lo, hi - lo, bp->rows[b], wk[3 * u + 1], wk[3 * u + 2], p, st, run, sc,
+                 kt.data(), vt.data());
       }
     });
   });

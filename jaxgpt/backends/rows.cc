@@ -254,8 +254,123 @@ static void block_w8a8(int64_t r, const uint8_t* xu, const float* xs, int64_t gr
   }
 }
 
+// With AMX (Sapphire Rapids and later; `-march=native` defines __AMX_INT8__ there), blocks of 16 rows are
+// multiplied in tiles: one tdpbusd is a [16 rows, 64 inputs] x [64 inputs, 16 outputs] product in int32,
+// 16384 multiply-adds against a vpdpbusd's 64, so a prompt's chunk or a step of 32 decode rows is no longer
+// bound by the multiply-adds. A weights tile is 16 groups of a panel's 32 x 4 bytes, half of each (its 16
+// outputs), read in place (rows 128 bytes apart): the panels need no other layout. A rows tile is 16 rows
+// of xu, 64 bytes each; xu has whole blocks of 32 rows (the last padded) and `groups` must be a multiple
+// of 16 (64 inputs; GPT-2's 768 and 3072 are); otherwise, or under JAXGPT_AMX_MIN_ROWS rows, or where Linux
+// refuses the tile state, or with JAXGPT_AMX=0 in the environment, the vpdpbusd kernel above runs. The
+// int32 sums are the same integers either way and the scaling is the same float operations, so the two
+// give the same bits.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define JAXGPT_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+
+#ifndef JAXGPT_AMX_MIN_ROWS
+#define JAXGPT_AMX_MIN_ROWS 16
+#endif
+
+// Whether this process may use the tiles: Linux gives a process the tile state only when asked
+// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), once, for all its threads.
+static bool amx_ready() {
+  static const bool ready = [] {
+    const char* env = std::getenv("JAXGPT_AMX");
+    if (env != nullptr && env[0] == '0') return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// Palette 1, eight tiles of 16 rows x 64 bytes: 0-3 the sums (two blocks of rows x a panel's two halves),
+// 4-5 the two blocks of rows, 6-7 the panel's two halves.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// One tile of sums [16 rows][16 outputs] (its first `rows` rows real) scaled into y as panels_w8a8 does.
+static void amx_scale(const int32_t* sums, int64_t rows, const float* xs, const float* scale, const int32_t* corr,
+                      int64_t o, int64_t n, int64_t out, float* y) {
+  i16v c;
+  std::memcpy(&c, corr + o, sizeof c);
+  const v16 s = load16(scale + o);
+  for (int64_t r = 0; r < rows; ++r) {
+    i16v a;
+    std::memcpy(&a, sums + 16 * r, sizeof a);
+    const v16 yr = __builtin_convertvector(a - c, v16) * (s * xs[r]);
+    store_first(y + r * out + o, yr, n);
+  }
+}
+
+static void panels_amx(int64_t r, const uint8_t* xu, const float* xs, int64_t groups, const int8_t* wp,
+                       const float* scale, const int32_t* corr, int64_t out, float* y, int64_t lo, int64_t hi) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+  const int64_t stride = groups * 4;
+  alignas(64) int32_t sums[4][256];
+  for (int64_t p = lo; p < hi; ++p) {
+    const int8_t* w0 = wp + p * groups * 128;
+    for (int64_t m = 0; m < r; m += 32) {
+      const bool two = m + 16 < r;
+      const uint8_t* a = xu + m * stride;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t g = 0; g < groups; g += 16) {
+        _tile_loadd(6, w0 + g * 128, 128);
+        _tile_loadd(7, w0 + g * 128 + 64, 128);
+        _tile_loadd(4, a + g * 4, stride);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, a + 16 * stride + g * 4, stride);
+          _tile_dpbusd(2, 5, 6);
+          _tile_dpbusd(3, 5, 7);
+        }
+      }
+      _tile_stored(0, sums[0], 64);
+      _tile_stored(1, sums[1], 64);
+      if (two) {
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+      }
+      for (int v = 0; v < 2; ++v) {
+        const int64_t o = p * 32 + v * 16, n = out - o < 16 ? out - o : 16;
+        if (n <= 0) break;
+        amx_scale(sums[v], r - m < 16 ? r - m : 16, xs + m, scale, corr, o, n, out, y + m * out);
+        if (two)
+          amx_scale(sums[2 + v], r - m - 16 < 16 ? r - m - 16 : 16, xs + m + 16, scale, corr, o, n, out,
+                    y + (m + 16) * out);
+      }
+    }
+  }
+  _tile_release();
+}
+
+static bool use_amx(int64_t r, int64_t groups) { return r >= JAXGPT_AMX_MIN_ROWS && groups % 16 == 0 && amx_ready(); }
+#define JAXGPT_W8A8_TILE_PROBE_ROWS JAXGPT_AMX_MIN_ROWS
+#else
+static bool use_amx(int64_t, int64_t) { return false; }
+#define JAXGPT_W8A8_TILE_PROBE_ROWS 16
+#endif
+
+// Whether the w8a8 multiply runs on AMX tiles in this process (native.w8a8_tiles()).
+extern "C" int jaxgpt_w8a8_tiles() { return use_amx(JAXGPT_W8A8_TILE_PROBE_ROWS, 16) ? 1 : 0; }
+
 static void run_w8a8(int64_t r, const uint8_t* xu, const float* xs, int64_t groups, const int8_t* wp,
                      const float* scale, const int32_t* corr, int64_t out, float* y, int64_t lo, int64_t hi) {
+#if defined(JAXGPT_HAVE_AMX)
+  if (use_amx(r, groups)) return panels_amx(r, xu, xs, groups, wp, scale, corr, out, y, lo, hi);
+#endif
   if (r <= 14) return block_w8a8(r, xu, xs, groups, wp, scale, corr, out, y, lo, hi);
   const int64_t step = groups * 4;
   for (int64_t p = lo; p < hi; ++p)
@@ -322,7 +437,10 @@ static ffi::Error RowsMatmulW8A8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
         "[32 ceil(out/32)], y [R, out]");
   const int64_t r = xd[0], in = xd[1], groups = wd[1], out = yd[1];
   const float* xp = x.typed_data();
-  std::unique_ptr<uint8_t[]> bytes(new uint8_t[r * groups * 4]);
+  // (whole blocks of 32 rows for the tiles: the padding rows' sums are computed and dropped)
+  const int64_t padded_rows = use_amx(r, groups) ? (r + 31) / 32 * 32 : r;
+  std::unique_ptr<uint8_t[]> bytes(new uint8_t[padded_rows * groups * 4]);
+  if (padded_rows > r) std::memset(bytes.get() + r * groups * 4, 128, (padded_rows - r) * groups * 4);
   std::unique_ptr<float[]> row_scales(new float[r]);
   uint8_t* xb = bytes.get();
   float* xsp = row_scales.get();
