@@ -2,8 +2,8 @@
 
 python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-new-tokens N] [--min-prompt 16]
                        [--max-prompt 256] [--max-len N] [--decode-steps 1:16,2:8,4:4] [--top-k 50]
-                       [--dtype float32|bfloat16] [--quantize none|int8|w8a8] [--prefill-budget N] [--packed]
-                       [--no-lone] [--tiny]
+                       [--dtype float32|bfloat16] [--quantize none|int8|w8a8] [--kv-dtype none|int8]
+                       [--prefill-budget N] [--packed] [--paged] [--no-lone] [--tiny]
 
 GPT-2 124M shape, random float32 weights. Each request: a prompt of 16 to 256 random tokens (uniform), 128
 new tokens (no stop), top-k 50 sampling (--top-k) with its own seed. At concurrency c a client keeps c
@@ -171,25 +171,26 @@ def replay_fixed(decoder, prompts, c: int, new_tokens: list, stagger: float) -> 
             "prefill_padding_share": 1.0 - sum(len(p) for p in prompts) / padded}
 
 
-def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps, quantize=None, paged=None) -> dict:
+def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps, numerics=None, paged=None) -> dict:
     """Decode tokens/s of one request: the engine (`slots` slots, one busy; `decode_steps` per call, and
     one) and Decoder.generate at batch 1, all from a 16-token prompt, prefill excluded (time for new_tokens
     minus time for 1), interleaved over 4 repetitions (medians). `paged` (a dict of PagedEngine options):
     the paged engine of as many requests too, with `decode_steps` per call."""
     prompt = workload(cfg, 1, 16, 16, seed=1)[0]
-    decoder = jaxgpt.Decoder(params, cfg, quantize=quantize)
+    numerics = numerics or {}
+    decoder = jaxgpt.Decoder(params, cfg, **numerics)
 
     def gen(n):
         out = decoder.generate(np.array([prompt]), n, jax.random.key(0), temperature=1.0, top_k=TOP_K)
         out.tokens.block_until_ready()
 
     engines = {name: Engine(params, cfg, slots=slots, max_len=16 + new_tokens, prefill_chunk=16, decode_steps=k,
-                            quantize=quantize)
+                            **numerics)
                for name, k in (("engine", decode_steps), ("engine_1_step", 1))}
     if paged is not None:
         from jaxgpt.engine.paged import PagedEngine
         engines["paged"] = PagedEngine(params, cfg, max_requests=slots, max_len=16 + new_tokens,
-                                       decode_steps=decode_steps, quantize=quantize, **paged)
+                                       decode_steps=decode_steps, **numerics, **paged)
 
     def runner(engine):
         return lambda n: engine.run([dict(prompt=prompt, max_tokens=n, temperature=1.0, top_k=TOP_K)])
@@ -215,13 +216,13 @@ def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps, quantize
     return out
 
 
-def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, quantize) -> dict:
+def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numerics) -> dict:
     """The same requests through a PagedEngine of c requests: tok/s, TTFT, ITL, the share of wall time its
     thread spent outside compiled calls, pages held at most, programs and warm-up."""
     from jaxgpt.engine.paged import PagedEngine
 
     engine = PagedEngine(params, cfg, max_requests=c, max_len=max_len, page_size=args.page_size,
-                         token_budget=args.token_budget, quantize=quantize)
+                         token_budget=args.token_budget, **numerics)
     t0 = time.perf_counter()
     programs = engine.warmup(prompt_logprobs=False)
     warm = time.perf_counter() - t0
@@ -272,6 +273,8 @@ def main(argv=None) -> dict:
                     help="the model's compute dtype (GPTConfig.dtype; params stay float32), for both sides")
     ap.add_argument("--quantize", default="none", choices=["none", "int8", "w8a8"],
                     help="the engine's and Decoder's quantize= (both sides alike; default none)")
+    ap.add_argument("--kv-dtype", default="none", choices=["none", "int8"],
+                    help="the engines' and Decoder's kv_dtype= (an int8 cache, both sides alike; default none)")
     ap.add_argument("--top-k", type=int, default=50,
                     help="each request's top_k, both sides (0: none, a draw over the whole vocabulary, what an "
                          "OpenAI-style request without top_k gets)")
@@ -283,6 +286,7 @@ def main(argv=None) -> dict:
     TOP_K = args.top_k or None
     cfg = config(args.tiny).replace(dtype=args.dtype)
     quantize = None if args.quantize == "none" else args.quantize
+    numerics = dict(quantize=quantize, kv_dtype=None if args.kv_dtype == "none" else args.kv_dtype)
     min_new = args.new_tokens if args.min_new_tokens is None else args.min_new_tokens
     if not 1 <= min_new <= args.new_tokens:
         ap.error(f"--min-new-tokens must be in 1..--new-tokens ({args.new_tokens}), got {min_new}")
@@ -293,14 +297,15 @@ def main(argv=None) -> dict:
     results = {"machine": machine(), "cpu_flags": sorted(f for f in jaxgpt.backends.cpu.cpu_flags()
                                                          if f.startswith(("avx512", "amx", "avx2"))),
                "config": "tiny" if args.tiny else "gpt2-124m", "dtype": args.dtype, "quantize": args.quantize,
+               "kv_dtype": args.kv_dtype,
                "top_k": TOP_K,
                "new_tokens": args.new_tokens, "min_new_tokens": min_new,
                "prompt_range": [args.min_prompt, args.max_prompt], "runs": []}
-    decoder = jaxgpt.Decoder(params, cfg, quantize=quantize)
+    decoder = jaxgpt.Decoder(params, cfg, **numerics)
     for c in args.concurrency:
         def make(packed=False):
             return Engine(params, cfg, slots=c, max_len=max_len, prefill_chunk=args.prefill_chunk,
-                          prefill_budget=args.prefill_budget, decode_steps=args.decode_steps, quantize=quantize,
+                          prefill_budget=args.prefill_budget, decode_steps=args.decode_steps, **numerics,
                           packed_prefill=packed)
         engine = make()
         t0 = time.perf_counter()
@@ -339,7 +344,7 @@ def main(argv=None) -> dict:
                   f"TTFT p50/p99 {run['packed_ttft_p50_s']:.3f}/{run['packed_ttft_p99_s']:.3f} s  p99 past "
                   f"prefill {run['packed_ttft_past_prefill_p99_steps']:.2f} steps", flush=True)
         if args.paged:
-            run.update(paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, quantize))
+            run.update(paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numerics))
         results["runs"].append(run)
         del engine
         if args.packed:
@@ -359,7 +364,7 @@ def main(argv=None) -> dict:
               f"       {format_engine_summary(calls)}", flush=True)
     for slots in sorted({1, max(args.concurrency)}) if args.lone else ():
         paged = dict(page_size=args.page_size, token_budget=args.token_budget) if args.paged else None
-        lone = lone_decode(params, cfg, slots, args.new_tokens, args.decode_steps, quantize, paged=paged)
+        lone = lone_decode(params, cfg, slots, args.new_tokens, args.decode_steps, numerics, paged=paged)
         results[f"lone_request_slots_{slots}"] = lone
         print(f"lone request, engine of {slots} slot(s): {lone['engine_tokens_per_s']:.1f} tok/s "
               f"({args.decode_steps} steps a call; one: {lone['engine_1_step_tokens_per_s']:.1f}), "

@@ -1,11 +1,12 @@
 """Two builds of the native CPU kernels against each other, interleaved: python bench/native_ab.py OLD.so NEW.so
-[--rounds 3] [--decode].
+[--rounds 3] [--serving] [--decode].
 
 Each round runs one child process per library, in turns (old, new, old, new, ...), so a shared machine's
 noise falls on both alike; each child loads its library in place of native.py's cached build and times
 (a) the float32 decode matmul (native.rows_matmul) at GPT-2 124M's shapes for 1, 8 and 32 rows (32 rows as
 two calls of 16, the kernel's most), (b) the dense cached_attention kernel on a decode step (32 rows x ~300
-positions, 12 heads, head size 64, float32), and with --decode (c) bench/decode.py's float32 batch 1 and 8
+positions, 12 heads, head size 64, float32), with --serving (c) the serving step's kernels (child_serving),
+and with --decode (d) bench/decode.py's float32 batch 1 and 8
 (16-token prompt, 32 new tokens, --reps 3, no peer). Prints each figure's median over rounds per library and
 new / old. Build a library with native.py's own command (its docstring), e.g. from `git show REV:...` copies.
 """
@@ -68,6 +69,60 @@ def child_kernels(lib: str) -> dict:
     return out
 
 
+def child_serving(lib: str) -> dict:
+    """The serving step's kernels: the w8a8 matmul over twelve GPT-2 124M blocks' distinct weights (85 MB of
+    int8 panels, read from memory as in a step) at 8, 32, 64 and 256 rows, and paged attention of a decode
+    step (32 rows x ~200 positions, pages of 16 handed out in a random order, float32 and int8 pools)."""
+    _use(lib)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxgpt.backends import native
+
+    rng = np.random.default_rng(0)
+    out, blocks = {}, []
+    for _ in range(12):
+        mats = []
+        for n_in, n_out in ((768, 2304), (768, 768), (768, 3072), (3072, 768)):
+            q = jnp.asarray(rng.integers(-127, 128, (n_in, n_out)), jnp.int8)
+            mats.append(native.pack_w8a8(q, jnp.full((n_out,), 1e-3, jnp.float32)))
+        blocks.append(mats)
+
+    def blocks_w8a8(x, blocks):
+        for (qkv, proj, fc, down) in blocks:
+            h = native.rows_matmul_w8a8(native.rows_matmul_w8a8(x, *qkv, 2304)[:, :768], *proj, 768)
+            x = 1e-3 * native.rows_matmul_w8a8(native.rows_matmul_w8a8(h, *fc, 3072), *down, 768)
+        return x
+
+    f = jax.jit(blocks_w8a8)
+    for rows in (8, 32, 64, 256):
+        x = jnp.asarray(rng.standard_normal((rows, 768)), jnp.float32)
+        out[f"w8a8 12 blocks x{rows}"] = _median_ms(lambda: f(x, blocks).block_until_ready(), 20)
+    rows, heads, h, page = 32, 12, 64, 16
+    lengths = rng.integers(168, 233, rows).astype(np.int32)
+    per_row = -(-lengths // page)
+    order = rng.permutation(int(per_row.sum())) + 1  # page 0: the null page
+    tables = np.zeros((rows, int(per_row.max())), np.int32)
+    at = 0
+    for r in range(rows):
+        tables[r, :per_row[r]] = order[at:at + per_row[r]]
+        at += per_row[r]
+    pages = int(order.max()) + 1
+    q = jnp.asarray(rng.standard_normal((rows, heads, h)), jnp.float32)
+    args = (jnp.arange(rows, dtype=jnp.int32), jnp.asarray(lengths), jnp.asarray(tables))
+    for int8 in (False, True):
+        shape = (pages, heads, page, h)
+        if int8:
+            kv = [jnp.asarray(rng.integers(-127, 128, shape), jnp.int8) for _ in range(2)]
+            scales = [jnp.asarray(rng.uniform(0.005, 0.03, shape[:-1]), jnp.float32) for _ in range(2)]
+        else:
+            kv, scales = [jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)], [None, None]
+        att = jax.jit(native.paged_attention)
+        out[f"paged_attention decode 32x~200 {'int8' if int8 else 'f32'}"] = _median_ms(
+            lambda: att(q, *kv, *args, *scales).block_until_ready(), 50)
+    return out
+
+
 def child_decode(lib: str) -> dict:
     _use(lib)
     import runpy
@@ -83,15 +138,18 @@ def main() -> None:
     ap.add_argument("libs", nargs="*")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--serving", action="store_true", help="also the serving step's kernels: the w8a8 matmul over "
+                    "twelve blocks' weights at 8-256 rows and paged attention of a decode step")
     ap.add_argument("--child", nargs=2, metavar=("LIB", "WHAT"))
     a = ap.parse_args()
     if a.child:
         lib, what = a.child
-        print("RESULT " + json.dumps(child_kernels(lib) if what == "kernels" else child_decode(lib)), flush=True)
+        child = {"kernels": child_kernels, "serving": child_serving, "decode": child_decode}[what]
+        print("RESULT " + json.dumps(child(lib)), flush=True)
         return
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
     got = {lib: {} for lib in a.libs}
-    whats = ["kernels"] + (["decode"] if a.decode else [])
+    whats = ["kernels"] + (["serving"] if a.serving else []) + (["decode"] if a.decode else [])
     for rnd in range(a.rounds):
         for what in whats:
             for lib in a.libs:

@@ -121,8 +121,10 @@ def test_engine_benchmark_smoke():
 
     results = engine.main(["--tiny", "--concurrency", "2", "--new-tokens", "4", "--min-new-tokens", "2",
                            "--min-prompt", "2", "--max-prompt", "9", "--prefill-chunk", "8", "--prefill-budget",
-                           "24", "--packed", "--top-k", "0", "--paged", "--token-budget", "16", "--page-size", "4"])
+                           "24", "--packed", "--top-k", "0", "--paged", "--token-budget", "16", "--page-size", "4",
+                           "--kv-dtype", "int8"])
     (run,) = results["runs"]
+    assert results["kv_dtype"] == "int8"  # (every side's cache int8)
     assert run["requests"] == 8 and run["engine_programs"] >= 2 and results["min_new_tokens"] == 2
     assert results["top_k"] is None  # (draws over the whole vocabulary)
     # the serial bound is at least a request's own prefill: past it, a TTFT is no later than past its prefill
