@@ -4,10 +4,12 @@ compiled by warmup(); the ragged step's arrays and the runner checked against th
 
 import contextlib
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 
 import jaxgpt
@@ -250,9 +252,16 @@ def test_asynchronous_scheduling_changes_no_token(params):
     for mode in (True, False):
         eng = PagedEngine(params, CFG, max_requests=3, max_len=64, page_size=4, num_pages=20, token_budget=12,
                           async_scheduling=mode)
+        t = time.perf_counter()
         outs[mode] = eng.run(reqs)
+        wall = time.perf_counter() - t
         assert eng.scheduler.stats.pages_in_use == 0 and eng._pending is None
         assert (eng.stats.fed_tokens > 0) == mode
+        # the device's time in steps counts overlapping dispatches once: within the run's time, as is each
+        # request's prefill (the steps its prompt ran in)
+        assert 0 < eng.stats.step_seconds <= wall and all(0 < o.prefill_s <= wall for o in outs[mode])
+    eng._read_until = 0.0  # two steps dispatched at 10 and 11, read at 12 and 13, then one alone: 2 + 1 + 1 s
+    assert (eng._span(10.0, 12.0), eng._span(11.0, 13.0), eng._span(14.0, 15.0)) == (2.0, 1.0, 1.0)
     assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
     assert outs[True][0].token_ids == greedy[:greedy.index(greedy[3]) + 1]
     _check_alone(params, CFG, prompts[1:], SETTINGS[1:], outs[True][1:], 12)

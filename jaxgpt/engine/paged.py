@@ -44,7 +44,7 @@ class EngineStats:
 
     steps: int = 0
     calls: int = 0                 # compiled calls (a call may run several decode steps)
-    step_seconds: float = 0.0
+    step_seconds: float = 0.0      # the device's time in steps (overlapping dispatches counted once)
     host_seconds: float = 0.0      # the engine's thread outside compiled calls (planning, arrays, events)
     prompt_tokens: int = 0         # prompt (and recomputed) tokens run
     decode_tokens: int = 0         # decoding requests' tokens run
@@ -149,6 +149,7 @@ class PagedEngine(Conveniences):
         self._static = dict(config=self.config, backend=self.backend, n_logprobs=self.max_logprobs)
         self.async_scheduling = bool(async_scheduling)
         self._pending: Optional[_Step] = None  # a step dispatched whose draws are not read yet
+        self._read_until = 0.0  # when the last step's outputs were read (the device done with it)
         self._live: dict = {}
         self._ids = itertools.count()
         self._traces_at_start = sum(TRACES.values())
@@ -325,12 +326,13 @@ class PagedEngine(Conveniences):
         and emit them; requests that ended since it was planned are skipped."""
         out = jax.device_get({k: v for k, v in step.out.items() if k != "next"})
         t2 = time.perf_counter()
+        span = self._span(step.t1, t2)
         plan, a = step.plan, step.a
         for j, (live, w) in enumerate(zip(step.lives, plan.work)):
             if w.request_id not in self._live:
                 continue
             if w.start < len(live.req.prompt):  # (its prompt's steps: "prefill" in a Completion's times)
-                live.out.prefill_s += t2 - step.t1
+                live.out.prefill_s += span
             if step.want_all and live.req.prompt_logprobs:
                 self._record_prompt(live, w, int(a.last[j]) - len(w.tokens) + 1, out)
             if w.request_id in step.rows_of:
@@ -340,7 +342,14 @@ class PagedEngine(Conveniences):
             elif w.sample:  # (a scoring request: its prompt is done)
                 self._end(live, "length", events)
         decode = sum(1 for live, w in zip(step.lives, plan.work) if w.start >= len(live.req.prompt))
-        self._count(plan, step.shape, decode, step.t0, step.t1, t2)
+        self._count(plan, step.shape, decode, step.t0, step.t1, t2, span)
+
+    def _span(self, t1: float, t2: float) -> float:
+        """Seconds a step dispatched at t1 and read at t2 held the device: from t1, or from when the step
+        before it was read if later (with asynchronous scheduling a step is dispatched while the one before
+        runs, so the two spans dispatch-to-read overlap; counted whole they summed past the run's time)."""
+        start, self._read_until = max(t1, self._read_until), max(self._read_until, t2)
+        return max(0.0, t2 - start)
 
     def _several_steps_now(self, plan: Plan, lives: Sequence[_Live], shape: tuple) -> int:
         """How many decode steps this step may run in one call (1: a plain step): up to its rows'
@@ -394,11 +403,12 @@ class PagedEngine(Conveniences):
         pages = self.scheduler.pages(request_id)
         return np.pad(np.asarray(pages, np.int32), (0, self.table_width - len(pages)))
 
-    def _count(self, plan: Plan, shape: tuple, decode: int, t0: float, t1: float, t2: float) -> None:
+    def _count(self, plan: Plan, shape: tuple, decode: int, t0: float, t1: float, t2: float,
+               span: Optional[float] = None) -> None:
         st, now = self.stats, time.perf_counter()
         st.steps += 1
         st.calls += 1
-        st.step_seconds += t2 - t1
+        st.step_seconds += self._span(t1, t2) if span is None else span
         st.host_seconds += (t1 - t0) + (now - t2)
         st.decode_tokens += decode
         st.prompt_tokens += plan.num_tokens - decode
