@@ -3,7 +3,8 @@
 python bench/engine.py [--concurrency 1 8 32] [--new-tokens 128] [--min-new-tokens N] [--min-prompt 16]
                        [--max-prompt 256] [--max-len N] [--decode-steps 1:16,2:8,4:4] [--top-k 50]
                        [--dtype float32|bfloat16] [--quantize none|int8|w8a8] [--kv-dtype none|int8]
-                       [--prefill-budget N] [--packed] [--paged] [--no-lone] [--tiny]
+                       [--prefill-budget N] [--packed] [--paged] [--token-budget N ...] [--compare-async]
+                       [--no-lone] [--tiny]
 
 GPT-2 124M shape, random float32 weights. Each request: a prompt of 16 to 256 random tokens (uniform), 128
 new tokens (no stop), top-k 50 sampling (--top-k) with its own seed. At concurrency c a client keeps c
@@ -216,13 +217,14 @@ def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps, numerics
     return out
 
 
-def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numerics) -> dict:
+def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numerics, budget: int,
+              async_scheduling=None) -> dict:
     """The same requests through a PagedEngine of c requests: tok/s, TTFT, ITL, the share of wall time its
     thread spent outside compiled calls, pages held at most, programs and warm-up."""
     from jaxgpt.engine.paged import PagedEngine
 
     engine = PagedEngine(params, cfg, max_requests=c, max_len=max_len, page_size=args.page_size,
-                         token_budget=args.token_budget, **numerics)
+                         token_budget=budget, async_scheduling=async_scheduling, **numerics)
     t0 = time.perf_counter()
     programs = engine.warmup(prompt_logprobs=False)
     warm = time.perf_counter() - t0
@@ -236,8 +238,9 @@ def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numer
                paged_host_share=st.host_seconds / one["seconds"], paged_steps=st.steps,
                paged_padding_share=st.padding_tokens / max(1, st.padding_tokens + st.prompt_tokens + st.decode_tokens),
                paged_peak_pages=st.peak_pages, paged_page_size=args.page_size, paged_programs=programs,
-               paged_warmup_s=warm, paged_token_budget=args.token_budget)
-    print(f"       paged engine:   {one['tokens_per_s']:8.1f} tok/s  x{out['paged_over_fixed']:.2f}  TTFT p50/p99 "
+               paged_warmup_s=warm, paged_token_budget=budget, paged_async_scheduling=engine.async_scheduling)
+    print(f"       paged engine, budget {budget}{', async' if engine.async_scheduling else ''}: "
+          f"{one['tokens_per_s']:8.1f} tok/s  x{out['paged_over_fixed']:.2f}  TTFT p50/p99 "
           f"{out['paged_ttft_p50_s']:.3f}/{out['paged_ttft_p99_s']:.3f} s  ITL p50/p99 {out['paged_itl_p50_s']:.3f}/"
           f"{out['paged_itl_p99_s']:.3f} s  p99 past prefill {out['paged_ttft_past_prefill_p99_steps']:.2f} steps "
           f"(past serial prefills {out['paged_ttft_past_serial_p99_steps']:.2f})  host {out['paged_host_share']:.1%}  "
@@ -264,7 +267,12 @@ def main(argv=None) -> dict:
                     help="also replay an engine that packs whole prompts into one prefill call (packed_prefill=True)")
     ap.add_argument("--paged", action="store_true",
                     help="also replay the paged engine (jaxgpt.engine.PagedEngine: one ragged step a call)")
-    ap.add_argument("--token-budget", type=int, default=256, help="with --paged: tokens a step (default 256)")
+    ap.add_argument("--token-budget", type=int, nargs="+", default=[256],
+                    help="with --paged: tokens a step (default 256); several: the paged replay once for each, "
+                         "the first's figures as paged_*, all under paged_by_budget")
+    ap.add_argument("--compare-async", action="store_true",
+                    help="with --paged: also replay the first budget with asynchronous scheduling on (the "
+                         "default on CPUs is off), figures under paged_async")
     ap.add_argument("--page-size", type=int, default=16, help="with --paged: positions a page (default 16)")
     ap.add_argument("--decode-steps", type=decode_steps_arg, default=DEFAULT_DECODE_STEPS,
                     help="the engine's decode steps per call, N or ROWS:N,... (Engine(decode_steps=...); default "
@@ -344,7 +352,12 @@ def main(argv=None) -> dict:
                   f"TTFT p50/p99 {run['packed_ttft_p50_s']:.3f}/{run['packed_ttft_p99_s']:.3f} s  p99 past "
                   f"prefill {run['packed_ttft_past_prefill_p99_steps']:.2f} steps", flush=True)
         if args.paged:
-            run.update(paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numerics))
+            by_budget = [paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numerics, b)
+                         for b in args.token_budget]
+            run.update(by_budget[0], paged_by_budget=by_budget)
+            if args.compare_async:
+                run["paged_async"] = paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numerics,
+                                               args.token_budget[0], async_scheduling=True)
         results["runs"].append(run)
         del engine
         if args.packed:
@@ -363,7 +376,7 @@ def main(argv=None) -> dict:
               f"{100 * fixed['prefill_padding_share']:.0f}% of its positions padding\n"
               f"       {format_engine_summary(calls)}", flush=True)
     for slots in sorted({1, max(args.concurrency)}) if args.lone else ():
-        paged = dict(page_size=args.page_size, token_budget=args.token_budget) if args.paged else None
+        paged = dict(page_size=args.page_size, token_budget=args.token_budget[0]) if args.paged else None
         lone = lone_decode(params, cfg, slots, args.new_tokens, args.decode_steps, numerics, paged=paged)
         results[f"lone_request_slots_{slots}"] = lone
         print(f"lone request, engine of {slots} slot(s): {lone['engine_tokens_per_s']:.1f} tok/s "

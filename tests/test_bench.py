@@ -121,8 +121,8 @@ def test_engine_benchmark_smoke():
 
     results = engine.main(["--tiny", "--concurrency", "2", "--new-tokens", "4", "--min-new-tokens", "2",
                            "--min-prompt", "2", "--max-prompt", "9", "--prefill-chunk", "8", "--prefill-budget",
-                           "24", "--packed", "--top-k", "0", "--paged", "--token-budget", "16", "--page-size", "4",
-                           "--kv-dtype", "int8"])
+                           "24", "--packed", "--top-k", "0", "--paged", "--token-budget", "16", "8", "--compare-async",
+                           "--page-size", "4", "--kv-dtype", "int8"])
     (run,) = results["runs"]
     assert results["kv_dtype"] == "int8"  # (every side's cache int8)
     assert run["requests"] == 8 and run["engine_programs"] >= 2 and results["min_new_tokens"] == 2
@@ -144,6 +144,10 @@ def test_engine_benchmark_smoke():
     assert run["paged_tokens_per_s"] > 0 and run["paged_programs"] >= 1 and 0 < run["paged_peak_pages"]
     assert 0 <= run["paged_host_share"] < 1 and 0 <= run["paged_padding_share"] < 1
     assert run["paged_ttft_past_serial_p99_steps"] <= run["paged_ttft_past_prefill_p99_steps"] + 1e-9
+    # each budget asked for replayed in turn, the first's figures at the top
+    assert [r["paged_token_budget"] for r in run["paged_by_budget"]] == [16, 8] and run["paged_token_budget"] == 16
+    assert all(r["paged_tokens_per_s"] > 0 and not r["paged_async_scheduling"] for r in run["paged_by_budget"])
+    assert run["paged_async"]["paged_async_scheduling"] and run["paged_async"]["paged_token_budget"] == 16
     for lone in (results["lone_request_slots_1"], results["lone_request_slots_2"]):  # the paged engine's too
         assert lone["paged_over_generate"] == lone["paged_tokens_per_s"] / lone["generate_tokens_per_s"] > 0
 

@@ -152,6 +152,43 @@ def test_warmup_compiles_every_program_a_mix_needs(params):
     assert dict(engine_mod.TRACES) == before and compiled == []
 
 
+def test_warmup_runs_each_step_program_once_on_page_0_only(params, monkeypatch):
+    # a program's first run costs more than its later ones: warmup runs each compiled step program once
+    # (plain steps and several decode steps), every token padding, so the first request does not pay it;
+    # what they write lands on page 0 (no request reads it), and nothing is counted
+    ran = []
+
+    class Counted:  # (the jitted function, its calls recorded; `lower` as before)
+        def __init__(self, name):
+            self.name, self.fn = name, getattr(runner, name)
+
+        def __call__(self, *args, **kwargs):
+            ran.append((self.name, args[2].tokens.shape[0]))
+            return self.fn(*args, **kwargs)
+
+        def __getattr__(self, attr):
+            return getattr(self.fn, attr)
+
+    for name in ("ragged_step", "ragged_decode_steps"):
+        monkeypatch.setattr(runner, name, Counted(name))
+    eng = PagedEngine(params, CFG, max_requests=4, max_len=32, page_size=4, token_budget=8,
+                      decode_steps={1: 3, 4: 2})
+    assert not eng.async_scheduling  # (the default on CPUs)
+    eng.warmup(prompt_logprobs=False)
+    want = [("ragged_step", t) for t, _ in eng.shapes] + [("ragged_decode_steps", t) for t, _ in eng._shape_steps]
+    assert sorted(ran) == sorted(want) and eng.stats.steps == 0 and eng.stats.calls == 0
+    pools = [x for x in jax.tree.leaves(eng.cache) if x.shape[0] == eng.num_pages]
+    assert pools and all(not np.asarray(x[1:]).any() for x in pools)
+    prompts = _prompts(14, (3, 9))
+    outs = eng.run([dict(prompt=p, max_tokens=6, **s) for p, s in zip(prompts, SETTINGS)])
+    _check_alone(params, CFG, prompts, SETTINGS, outs, 6)
+    ran.clear()  # in the background: only the largest shape's step runs before warmup returns
+    other = PagedEngine(params, CFG, max_requests=4, max_len=32, page_size=4, token_budget=8, async_scheduling=True)
+    other.warmup(prompt_logprobs=False, background=True)
+    assert ran == [("ragged_step", other.shapes[-1][0])] and other.async_scheduling
+    assert other.programs.join(timeout=300)
+
+
 def test_a_background_warmup_serves_at_once_padded_to_the_programs_ready(params):
     # sizes no other test uses (so nothing is compiled yet): the largest shape's programs are compiled before
     # warmup returns, the rest wait on the test's signal; meanwhile every step runs the largest shape's

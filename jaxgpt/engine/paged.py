@@ -109,14 +109,17 @@ class PagedEngine(Conveniences):
     (say tensor=2) run there, attention split by heads over `tensor`, and with `split_cache` (default: on
     wherever `tensor` > 1) the page pool split by kv head: each device holds and reads its own heads.
     `decode_steps`: as `Engine`'s, several decode steps a call while every running request decodes and none
-    waits. `async_scheduling` (default on): each step is planned while the one before runs. Steps are padded
+    waits. `async_scheduling`: each step is planned while the one before runs (default: on an accelerator;
+    off where the pool is on CPUs, whose host work between steps is ~1% of a step, and where a step planned
+    one ahead misses the requests that arrive meanwhile and, with inline dispatch, holds back the draws of
+    the step before it for a whole step: bench/README.md). Steps are padded
     to at least `min_step_tokens` tokens (fewer programs to compile; on a CPU a few rows cost about one)."""
 
     def __init__(self, params, config: GPTConfig, *, max_requests: int = 32, max_len: Optional[int] = None,
                  page_size: int = 16, num_pages: Optional[int] = None, token_budget: int = 256,
                  max_chunk: Optional[int] = None, max_logprobs: int = 20, backend: Optional[Backend] = None,
                  quantize: Optional[str] = None, kv_dtype: Optional[str] = None, prefix_caching: bool = True,
-                 decode_steps=1, split_cache: Optional[bool] = None, async_scheduling: bool = True,
+                 decode_steps=1, split_cache: Optional[bool] = None, async_scheduling: Optional[bool] = None,
                  min_step_tokens: int = 1):
         self.quantize, self.kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
         max_len = config.block_size if max_len is None else max_len
@@ -147,6 +150,8 @@ class PagedEngine(Conveniences):
                                    token_budget=self.token_budget, max_requests=self.max_requests,
                                    prefix_caching=prefix_caching, max_chunk=max_chunk)
         self._static = dict(config=self.config, backend=self.backend, n_logprobs=self.max_logprobs)
+        if async_scheduling is None:
+            async_scheduling = any(d.platform != "cpu" for d in jax.tree.leaves(self.cache)[0].sharding.device_set)
         self.async_scheduling = bool(async_scheduling)
         self._pending: Optional[_Step] = None  # a step dispatched whose draws are not read yet
         self._read_until = 0.0  # when the last step's outputs were read (the device done with it)
@@ -183,10 +188,32 @@ class PagedEngine(Conveniences):
         logprobs, and the several-decode-steps ones); returns how many were compiled now. With `background`:
         those of the largest shape (which hold any step) before it returns, the rest on a thread while the
         engine serves, its steps padded meanwhile to shapes whose programs are ready (`programs.pending`:
-        how many are left; `programs.join()` waits for them). Compiling runs nothing: the pool is untouched."""
+        how many are left; `programs.join()` waits for them). The step programs compiled before it returns
+        are then run once on a step of padding only (it writes page 0, which no request reads): a program's
+        first run costs more than its later ones (on the CPU the 256-token step's 0.30 s against 0.21), and
+        that first run would otherwise fall on the first request."""
         before = sum(TRACES.values())
-        self.programs.warm(self._warmup_calls(prompt_logprobs), progress=progress, background=background)
-        return sum(TRACES.values()) - before
+        calls = self._warmup_calls(prompt_logprobs)
+        self.programs.warm(calls, progress=progress, background=background)
+        compiled = sum(TRACES.values()) - before
+        self._first_runs([c for c in calls if c in self.programs.ready
+                          and (not background or c in self.programs.first)])
+        return compiled
+
+    def _first_runs(self, calls: Sequence[tuple]) -> None:
+        """Run each "step" and "steps" program of `calls` once, every token padding (on page 0, seeing
+        nothing); nothing is counted in `stats`."""
+        for shape, kind in calls:
+            a, rows = runner.warm_arrays(shape, self.table_width), runner.idle_rows(shape[1])
+            w = self.weights[shape[0]]
+            if kind == "step":
+                self.cache, out = runner.ragged_step(w, self.cache, a, rows, self._prev(), **self._static)
+            elif kind == "steps":
+                self.cache, out = runner.ragged_decode_steps(w, self.cache, a, rows, np.int32(1), self._prev(),
+                                                             steps=self._shape_steps[shape], **self._static)
+            else:
+                continue
+            jax.block_until_ready(out)
 
     def _compile_program(self, shape: tuple, kind: str) -> None:
         """Lower and compile one program for the arguments the engine's steps give it (the call then finds it
