@@ -42,6 +42,7 @@ import jaxgpt  # noqa: E402
 from bench.common import engine_summary, format_engine_summary, machine, write_results  # noqa: E402
 from jaxgpt.cli.serve import DEFAULT_DECODE_STEPS, DEFAULT_DECODE_STEPS_TEXT, decode_steps_arg  # noqa: E402
 from jaxgpt.engine import Engine  # noqa: E402
+from jaxgpt.engine.paged import DEFAULT_TOKEN_BUDGET  # noqa: E402
 
 TOP_K = 50  # every request's top_k (--top-k; None: drawn over the whole vocabulary, as an API's default is)
 
@@ -267,9 +268,9 @@ def main(argv=None) -> dict:
                     help="also replay an engine that packs whole prompts into one prefill call (packed_prefill=True)")
     ap.add_argument("--paged", action="store_true",
                     help="also replay the paged engine (jaxgpt.engine.PagedEngine: one ragged step a call)")
-    ap.add_argument("--token-budget", type=int, nargs="+", default=[256],
-                    help="with --paged: tokens a step (default 256); several: the paged replay once for each, "
-                         "the first's figures as paged_*, all under paged_by_budget")
+    ap.add_argument("--token-budget", type=int, nargs="+", default=[DEFAULT_TOKEN_BUDGET],
+                    help=f"with --paged: tokens a step (default the engine's, {DEFAULT_TOKEN_BUDGET}); several: the "
+                         "paged replay once for each, the first's figures as paged_*, all under paged_by_budget")
     ap.add_argument("--compare-async", action="store_true",
                     help="with --paged: also replay the first budget with asynchronous scheduling on (the "
                          "default on CPUs is off), figures under paged_async")

@@ -259,6 +259,9 @@ def test_serve_decode_steps_flag(capsys):
 
     parse = serve.build_parser().parse_args
     assert parse([]).decode_steps == {1: 16, 2: 8, 4: 4} == serve.DEFAULT_DECODE_STEPS
+    from jaxgpt.engine.paged import DEFAULT_TOKEN_BUDGET  # (serve keeps its own copy: --help imports no JAX)
+
+    assert parse([]).token_budget == serve.DEFAULT_TOKEN_BUDGET == DEFAULT_TOKEN_BUDGET
     assert parse(["--decode_steps=4"]).decode_steps == 4
     assert parse(["--decode_steps=1:8,8:2"]).decode_steps == {1: 8, 8: 2}
     for bad in ("0", "2:4", "1:0", "x", "1:2,3", "1:4,0:2"):

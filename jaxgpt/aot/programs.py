@@ -371,8 +371,9 @@ def compile_engine(config, devs: Devices, vocab_size: int, slots: int = 8, max_l
 
 
 def compile_paged(config, devs: Devices, vocab_size: int, slots: int = 32, max_len: Optional[int] = None,
-                  page_size: int = 16, token_budget: int = 256, progress: bool = True, quantize: Optional[str] = None,
-                  kv_dtype: Optional[str] = None, largest_only: bool = False) -> ProgramReport:
+                  page_size: int = 16, token_budget: Optional[int] = None, progress: bool = True,
+                  quantize: Optional[str] = None, kv_dtype: Optional[str] = None,
+                  largest_only: bool = False) -> ProgramReport:
     """Compile every program of the paged engine (`runner.programs`, the list its warmup() runs: each step
     shape, with and without prompt logprobs, and the several-decode-steps ones of jaxgpt-serve's default)
     for the target, weights and page pool replicated on each device (one engine per device); the figures of
@@ -388,6 +389,7 @@ def compile_paged(config, devs: Devices, vocab_size: int, slots: int = 32, max_l
     quantize, kv_dtype = check_quantize(quantize), check_kv_dtype(kv_dtype)
     gcfg, backend = model_config(config, vocab_size, devs.target.platform)
     max_len = gcfg.block_size if max_len is None else max_len
+    token_budget = paged.DEFAULT_TOKEN_BUDGET if token_budget is None else token_budget
     try:
         paged._check_sizes(gcfg, slots, max_len, page_size, None, token_budget, 20)
     except ValueError as e:

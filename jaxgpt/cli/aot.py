@@ -32,7 +32,7 @@ flags.DEFINE_list("programs", ["train", "generate"], "which programs to compile:
 flags.DEFINE_integer("engine_slots", None, "engine: slots (default 8); the report says how many fit; paged: "
                      "requests at once (default 32)")
 flags.DEFINE_integer("engine_page_size", None, "paged: positions a page (default 16)")
-flags.DEFINE_integer("engine_token_budget", None, "paged: tokens a step (default 256)")
+flags.DEFINE_integer("engine_token_budget", None, "paged: tokens a step (default the engine's, 512)")
 flags.DEFINE_bool("engine_largest_only", None, "paged: compile only the step of the most tokens (not every "
                   "program: a large model's compiles take minutes each)")
 flags.DEFINE_integer("engine_max_len", None, "engine: positions per slot (default the context)")

@@ -36,6 +36,12 @@ from jaxgpt.quantize import check_kv_dtype, check_quantize
 from jaxgpt.sampling import RowSettings, _dequantized_jit, on_params_mesh
 
 
+# Tokens a step by default (decode tokens and prompt chunks together). bench/engine.py at 32 requests, GPT-2 124M
+# on a 2-core CPU: 512 gave lower p50 and p99 TTFT than 256 in float32 and w8a8 alike (a step's fixed cost shared
+# by more prompt tokens), at a higher ITL p99 while prompts arrive; 1024 was slower again (bench/README.md).
+DEFAULT_TOKEN_BUDGET = 512
+
+
 @dataclasses.dataclass
 class EngineStats:
     """What the engine has done, by attribute (the server's /metrics reads these). Tokens, calls and
@@ -116,7 +122,7 @@ class PagedEngine(Conveniences):
     to at least `min_step_tokens` tokens (fewer programs to compile; on a CPU a few rows cost about one)."""
 
     def __init__(self, params, config: GPTConfig, *, max_requests: int = 32, max_len: Optional[int] = None,
-                 page_size: int = 16, num_pages: Optional[int] = None, token_budget: int = 256,
+                 page_size: int = 16, num_pages: Optional[int] = None, token_budget: int = DEFAULT_TOKEN_BUDGET,
                  max_chunk: Optional[int] = None, max_logprobs: int = 20, backend: Optional[Backend] = None,
                  quantize: Optional[str] = None, kv_dtype: Optional[str] = None, prefix_caching: bool = True,
                  decode_steps=1, split_cache: Optional[bool] = None, async_scheduling: Optional[bool] = None,
