@@ -50,6 +50,18 @@ static inline float hsum(v16 x) {
 #endif
 }
 
+// The largest of x's first n lanes (n >= 1; all 16 from n = 16 on).
+static inline float max_first(v16 x, int64_t n) {
+#if defined(__AVX512F__)
+  const __mmask16 lanes = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  return _mm512_mask_reduce_max_ps(lanes, reinterpret_cast<__m512>(x));
+#else
+  float m = -INFINITY;
+  for (int i = 0; i < 16 && i < n; ++i) m = std::max(m, x[i]);
+  return m;
+#endif
+}
+
 // 16 floats loaded (a float32 pool's, or widened from an int8 pool's). (These named AVX-512 loads here
 // first, before common.h's load16 and store16 were made the same: bench/README.md, "Named AVX-512 loads".)
 static inline v16 load(const float* p) { return load16(p); }
@@ -249,7 +261,7 @@ void attend_gathered(const float* qn, Running<H>& r, int64_t count, const float*
   float mt = -INFINITY;
   for (int c = 0; c < G; ++c) {
     store(sc + 16 * c, acc[c]);
-    for (int i = 0; i < 16 && 16 * c + i < count; ++i) mt = std::max(mt, sc[16 * c + i]);
+    if (16 * c < count) mt = std::max(mt, max_first(acc[c], count - 16 * c));
   }
   const float fade = update<H>(r, sc, count, mt);
   v16 o[NV];
@@ -263,6 +275,74 @@ void attend_gathered(const float* qn, Running<H>& r, int64_t count, const float*
 #pragma GCC unroll 8
   for (int i = 0; i < NV; ++i) r.o[i] = o[i];
 }
+
+// As attend_gathered, for four queries with the same count over one tile: each key and value loaded serves
+// all four. Each query's operations are attend_gathered's, in its order (the same bits as four calls).
+template <int H>
+void attend_gathered4(const float* const* qs, Running<H>* const* rs, int64_t count, const float* kt,
+                      const float* vt, float* sc) {
+  constexpr int NV = H / 16, G = kTile / 16;
+  const float scale = 1.f / std::sqrt(static_cast<float>(H));
+  v16 acc[4][G] = {};
+  for (int h = 0; h < H; ++h) {
+    v16 qh[4];
+    for (int q = 0; q < 4; ++q) qh[q] = splat(qs[q][h] * scale);
+#pragma GCC unroll 4
+    for (int c = 0; c < G; ++c) {
+      const v16 k = load(kt + h * kTile + 16 * c);
+      for (int q = 0; q < 4; ++q) acc[q][c] += qh[q] * k;
+    }
+  }
+  float fade[4];
+  for (int q = 0; q < 4; ++q) {
+    float* sq = sc + q * kTile;
+    float mt = -INFINITY;
+    for (int c = 0; c < G; ++c) {
+      store(sq + 16 * c, acc[q][c]);
+      if (16 * c < count) mt = std::max(mt, max_first(acc[q][c], count - 16 * c));
+    }
+    fade[q] = update<H>(*rs[q], sq, count, mt);
+  }
+  v16 o[4][NV];
+  for (int q = 0; q < 4; ++q)
+    for (int i = 0; i < NV; ++i) o[q][i] = rs[q]->o[i] * fade[q];
+  for (int64_t s = 0; s < count; ++s) {
+    const v16 w[4] = {splat(sc[s]), splat(sc[kTile + s]), splat(sc[2 * kTile + s]), splat(sc[3 * kTile + s])};
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) {
+      const v16 v = load(vt + s * H + 16 * i);
+      for (int q = 0; q < 4; ++q) o[q][i] += w[q] * v;
+    }
+  }
+  for (int q = 0; q < 4; ++q)
+    for (int i = 0; i < NV; ++i) rs[q]->o[i] = o[q][i];
+}
+
+// A gathered tile's queries, four at a time where four in a row have the same count (every query of a
+// block but those whose limit falls inside the tile), one at a time otherwise.
+template <int H>
+struct Gathered {
+  const float* kt;
+  const float* vt;
+  float* sc;
+  const float* qs[4];
+  Running<H>* rs[4];
+  int n = 0;
+  int64_t count = 0;
+
+  void add(const float* qn, Running<H>* r, int64_t c) {
+    if (n > 0 && c != count) flush();
+    qs[n] = qn, rs[n] = r, count = c;
+    if (++n == 4) flush();
+  }
+  void flush() {
+    if (n == 4)
+      attend_gathered4<H>(qs, rs, count, kt, vt, sc);
+    else
+      for (int q = 0; q < n; ++q) attend_gathered<H>(qs[q], *rs[q], count, kt, vt, sc);
+    n = 0;
+  }
+};
 
 // The unit (tokens toks[0..n), all of row `row`; kv heads [j0, j1)). A block of few queries (decode) takes
 // all its row's kv heads in one unit, tile by tile: a page's keys of every head lie together ([P, K, page,
@@ -289,6 +369,7 @@ void unit(const int32_t* toks, int64_t n, int64_t row, int64_t j0, int64_t j1, c
     for (int64_t j = j0; j < j1; ++j) {
       for (int64_t s = 0; s < span; ++s) at[s] = first[s] + j * p.page;
       if (gathered) gather_tile<H>(span, at, p, kt, vt);
+      Gathered<H> batch{kt, vt, sc};
       for (int64_t i = 0; i < n; ++i) {
         const int64_t count = std::min<int64_t>(std::min<int64_t>(st.limits[toks[i]], cap) - t0, span);
         if (count <= 0) continue;
@@ -296,11 +377,12 @@ void unit(const int32_t* toks, int64_t n, int64_t row, int64_t j0, int64_t j1, c
           const float* qn = st.q + (toks[i] * st.N + j * g + h) * H;
           Running<H>& r = run[((j - j0) * n + i) * g + h];
           if (gathered)
-            attend_gathered<H>(qn, r, count, kt, vt, sc);
+            batch.add(qn, &r, count);
           else
             attend_tile<H>(qn, r, count, at, p, sc);
         }
       }
+      batch.flush();
     }
   }
   for (int64_t j = j0; j < j1; ++j)
@@ -393,7 +475,7 @@ static ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const ffi
     if (units == 0) return;
     in_turns(pool, units, [=](auto next) {
       std::vector<Running<HD>> run;
-      alignas(64) float sc[kTile] = {};  // (zeroed: a short tile's tail lanes are loaded, then masked)
+      alignas(64) float sc[4 * kTile] = {};  // (zeroed: a short tile's tail lanes are loaded, then masked)
       std::vector<float> kt(static_cast<size_t>(HD * kTile)), vt(static_cast<size_t>(HD * kTile));
       for (int64_t u = next(); u < units; u = next()) {
         const int64_t b = wk[3 * u];
