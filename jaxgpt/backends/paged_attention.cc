@@ -276,10 +276,12 @@ void attend_gathered(const float* qn, Running<H>& r, int64_t count, const float*
   for (int i = 0; i < NV; ++i) r.o[i] = o[i];
 }
 
-// As attend_gathered, for four queries with the same count over one tile: each key and value loaded serves
-// all four. Each query's operations are attend_gathered's, in its order (the same bits as four calls).
+// As attend_gathered, for four queries over one tile (query q seeing its first counts[q] positions): each
+// key and value loaded serves all four. Each query's operations are attend_gathered's, in its order; past
+// its own count a query's weights are zeros, and adding zero times a value leaves its sums as they were
+// (an int8 pool's values are never -0), so its bits are those of a call of its own.
 template <int H>
-void attend_gathered4(const float* const* qs, Running<H>* const* rs, int64_t count, const float* kt,
+void attend_gathered4(const float* const* qs, Running<H>* const* rs, const int64_t* counts, const float* kt,
                       const float* vt, float* sc) {
   constexpr int NV = H / 16, G = kTile / 16;
   const float scale = 1.f / std::sqrt(static_cast<float>(H));
@@ -293,20 +295,22 @@ void attend_gathered4(const float* const* qs, Running<H>* const* rs, int64_t cou
       for (int q = 0; q < 4; ++q) acc[q][c] += qh[q] * k;
     }
   }
+  const int64_t most = std::max(std::max(counts[0], counts[1]), std::max(counts[2], counts[3]));
   float fade[4];
   for (int q = 0; q < 4; ++q) {
     float* sq = sc + q * kTile;
     float mt = -INFINITY;
     for (int c = 0; c < G; ++c) {
       store(sq + 16 * c, acc[q][c]);
-      if (16 * c < count) mt = std::max(mt, max_first(acc[q][c], count - 16 * c));
+      if (16 * c < counts[q]) mt = std::max(mt, max_first(acc[q][c], counts[q] - 16 * c));
     }
-    fade[q] = update<H>(*rs[q], sq, count, mt);
+    fade[q] = update<H>(*rs[q], sq, counts[q], mt);
+    std::fill(sq + counts[q], sq + most, 0.f);
   }
   v16 o[4][NV];
   for (int q = 0; q < 4; ++q)
     for (int i = 0; i < NV; ++i) o[q][i] = rs[q]->o[i] * fade[q];
-  for (int64_t s = 0; s < count; ++s) {
+  for (int64_t s = 0; s < most; ++s) {
     const v16 w[4] = {splat(sc[s]), splat(sc[kTile + s]), splat(sc[2 * kTile + s]), splat(sc[3 * kTile + s])};
 #pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
@@ -318,8 +322,7 @@ void attend_gathered4(const float* const* qs, Running<H>* const* rs, int64_t cou
     for (int i = 0; i < NV; ++i) rs[q]->o[i] = o[q][i];
 }
 
-// A gathered tile's queries, four at a time where four in a row have the same count (every query of a
-// block but those whose limit falls inside the tile), one at a time otherwise.
+// A gathered tile's queries four at a time (a block's last one to three one at a time).
 template <int H>
 struct Gathered {
   const float* kt;
@@ -327,19 +330,18 @@ struct Gathered {
   float* sc;
   const float* qs[4];
   Running<H>* rs[4];
+  int64_t counts[4];
   int n = 0;
-  int64_t count = 0;
 
-  void add(const float* qn, Running<H>* r, int64_t c) {
-    if (n > 0 && c != count) flush();
-    qs[n] = qn, rs[n] = r, count = c;
+  void add(const float* qn, Running<H>* r, int64_t count) {
+    qs[n] = qn, rs[n] = r, counts[n] = count;
     if (++n == 4) flush();
   }
   void flush() {
     if (n == 4)
-      attend_gathered4<H>(qs, rs, count, kt, vt, sc);
+      attend_gathered4<H>(qs, rs, counts, kt, vt, sc);
     else
-      for (int q = 0; q < n; ++q) attend_gathered<H>(qs[q], *rs[q], count, kt, vt, sc);
+      for (int q = 0; q < n; ++q) attend_gathered<H>(qs[q], *rs[q], counts[q], kt, vt, sc);
     n = 0;
   }
 };
