@@ -15,7 +15,8 @@
 // its scores, a running (online) softmax, and its weighted values from them: a prompt chunk's keys come from
 // memory once per block, not once per token. A decode token is a block of one. Over an int8 pool a block of
 // several queries first widens each tile into float32, its keys transposed (gather_tile), so that each
-// query's scores take 16 positions in a few multiply-adds and no sums across a vector; otherwise the pools
+// query's scores take 16 positions in a few multiply-adds and no sums across a vector, four queries sharing
+// each load (attend_gathered, Gathered); otherwise the pools
 // are read in place, 16 positions' products summed across their vectors together (sums16). Units are taken
 // in turns by the calling thread and a task on XLA's intra-op pool (in_turns, common.h).
 
@@ -246,58 +247,29 @@ void gather_tile(int64_t span, const int64_t* at, const Pool<E>& p, float* kt, f
     }
 }
 
-// As attend_tile, over a tile copied by gather_tile.
-template <int H>
-void attend_gathered(const float* qn, Running<H>& r, int64_t count, const float* kt, const float* vt,
-                     float* sc) {
+// As attend_tile, over a tile copied by gather_tile, for Q queries at once (query q seeing its first
+// counts[q] positions): each key and value loaded serves all Q. Each query's operations are the same, in the
+// same order, whatever Q: past its own count a query's weights are zeros, and adding zero times a value
+// leaves its sums as they were (an int8 pool's values are never -0), so its bits are those of Q = 1.
+template <int H, int Q>
+void attend_gathered(const float* const* qs, Running<H>* const* rs, const int64_t* counts, const float* kt,
+                     const float* vt, float* sc) {
   constexpr int NV = H / 16, G = kTile / 16;
   const float scale = 1.f / std::sqrt(static_cast<float>(H));
-  v16 acc[G] = {};
+  v16 acc[Q][G] = {};
   for (int h = 0; h < H; ++h) {  // (all G groups: a fixed count keeps acc in registers; kt is zero past the tile)
-    const v16 qh = splat(qn[h] * scale);
-#pragma GCC unroll 8
-    for (int c = 0; c < G; ++c) acc[c] += qh * load(kt + h * kTile + 16 * c);
-  }
-  float mt = -INFINITY;
-  for (int c = 0; c < G; ++c) {
-    store(sc + 16 * c, acc[c]);
-    if (16 * c < count) mt = std::max(mt, max_first(acc[c], count - 16 * c));
-  }
-  const float fade = update<H>(r, sc, count, mt);
-  v16 o[NV];
-#pragma GCC unroll 8
-  for (int i = 0; i < NV; ++i) o[i] = r.o[i] * fade;
-  for (int64_t s = 0; s < count; ++s) {
-    const v16 w = splat(sc[s]);
-#pragma GCC unroll 8
-    for (int i = 0; i < NV; ++i) o[i] += w * load(vt + s * H + 16 * i);
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < NV; ++i) r.o[i] = o[i];
-}
-
-// As attend_gathered, for four queries over one tile (query q seeing its first counts[q] positions): each
-// key and value loaded serves all four. Each query's operations are attend_gathered's, in its order; past
-// its own count a query's weights are zeros, and adding zero times a value leaves its sums as they were
-// (an int8 pool's values are never -0), so its bits are those of a call of its own.
-template <int H>
-void attend_gathered4(const float* const* qs, Running<H>* const* rs, const int64_t* counts, const float* kt,
-                      const float* vt, float* sc) {
-  constexpr int NV = H / 16, G = kTile / 16;
-  const float scale = 1.f / std::sqrt(static_cast<float>(H));
-  v16 acc[4][G] = {};
-  for (int h = 0; h < H; ++h) {
-    v16 qh[4];
-    for (int q = 0; q < 4; ++q) qh[q] = splat(qs[q][h] * scale);
+    v16 qh[Q];
+    for (int q = 0; q < Q; ++q) qh[q] = splat(qs[q][h] * scale);
 #pragma GCC unroll 4
     for (int c = 0; c < G; ++c) {
       const v16 k = load(kt + h * kTile + 16 * c);
-      for (int q = 0; q < 4; ++q) acc[q][c] += qh[q] * k;
+      for (int q = 0; q < Q; ++q) acc[q][c] += qh[q] * k;
     }
   }
-  const int64_t most = std::max(std::max(counts[0], counts[1]), std::max(counts[2], counts[3]));
-  float fade[4];
-  for (int q = 0; q < 4; ++q) {
+  int64_t most = 0;
+  float fade[Q];
+  for (int q = 0; q < Q; ++q) most = std::max(most, counts[q]);
+  for (int q = 0; q < Q; ++q) {
     float* sq = sc + q * kTile;
     float mt = -INFINITY;
     for (int c = 0; c < G; ++c) {
@@ -307,18 +279,19 @@ void attend_gathered4(const float* const* qs, Running<H>* const* rs, const int64
     fade[q] = update<H>(*rs[q], sq, counts[q], mt);
     std::fill(sq + counts[q], sq + most, 0.f);
   }
-  v16 o[4][NV];
-  for (int q = 0; q < 4; ++q)
+  v16 o[Q][NV];
+  for (int q = 0; q < Q; ++q)
     for (int i = 0; i < NV; ++i) o[q][i] = rs[q]->o[i] * fade[q];
   for (int64_t s = 0; s < most; ++s) {
-    const v16 w[4] = {splat(sc[s]), splat(sc[kTile + s]), splat(sc[2 * kTile + s]), splat(sc[3 * kTile + s])};
+    v16 w[Q];
+    for (int q = 0; q < Q; ++q) w[q] = splat(sc[q * kTile + s]);
 #pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
       const v16 v = load(vt + s * H + 16 * i);
-      for (int q = 0; q < 4; ++q) o[q][i] += w[q] * v;
+      for (int q = 0; q < Q; ++q) o[q][i] += w[q] * v;
     }
   }
-  for (int q = 0; q < 4; ++q)
+  for (int q = 0; q < Q; ++q)
     for (int i = 0; i < NV; ++i) rs[q]->o[i] = o[q][i];
 }
 
@@ -339,9 +312,9 @@ struct Gathered {
   }
   void flush() {
     if (n == 4)
-      attend_gathered4<H>(qs, rs, counts, kt, vt, sc);
+      attend_gathered<H, 4>(qs, rs, counts, kt, vt, sc);
     else
-      for (int q = 0; q < n; ++q) attend_gathered<H>(qs[q], *rs[q], counts[q], kt, vt, sc);
+      for (int q = 0; q < n; ++q) attend_gathered<H, 1>(qs + q, rs + q, counts + q, kt, vt, sc);
     n = 0;
   }
 };
