@@ -36,9 +36,9 @@ from jaxgpt.quantize import check_kv_dtype, check_quantize
 from jaxgpt.sampling import RowSettings, _dequantized_jit, on_params_mesh
 
 
-# Tokens a step by default (decode tokens and prompt chunks together). bench/engine.py at 32 requests, GPT-2 124M
-# on a 2-core CPU: 512 gave lower p50 and p99 TTFT than 256 in float32 and w8a8 alike (a step's fixed cost shared
-# by more prompt tokens), at a higher ITL p99 while prompts arrive; 1024 was slower again (bench/README.md).
+# Tokens a step by default (decode tokens and prompt chunks together): under a burst of prompts, larger steps
+# share each step's fixed cost among more prompt tokens (lower TTFT) but hold decoding rows longer (higher
+# ITL); 512 measured best for TTFT on a CPU (bench/README.md).
 DEFAULT_TOKEN_BUDGET = 512
 
 
@@ -116,9 +116,8 @@ class PagedEngine(Conveniences):
     wherever `tensor` > 1) the page pool split by kv head: each device holds and reads its own heads.
     `decode_steps`: as `Engine`'s, several decode steps a call while every running request decodes and none
     waits. `async_scheduling`: each step is planned while the one before runs (default: on an accelerator;
-    off where the pool is on CPUs, whose host work between steps is ~1% of a step, and where a step planned
-    one ahead misses the requests that arrive meanwhile and, with inline dispatch, holds back the draws of
-    the step before it for a whole step: bench/README.md). Steps are padded
+    off where the pool is on CPUs, where the host's work between steps is small and a step planned ahead
+    misses the requests that arrive meanwhile: bench/README.md). Steps are padded
     to at least `min_step_tokens` tokens (fewer programs to compile; on a CPU a few rows cost about one)."""
 
     def __init__(self, params, config: GPTConfig, *, max_requests: int = 32, max_len: Optional[int] = None,
@@ -196,8 +195,7 @@ class PagedEngine(Conveniences):
         engine serves, its steps padded meanwhile to shapes whose programs are ready (`programs.pending`:
         how many are left; `programs.join()` waits for them). The step programs compiled before it returns
         are then run once on a step of padding only (it writes page 0, which no request reads): a program's
-        first run costs more than its later ones (on the CPU the 256-token step's 0.30 s against 0.21), and
-        that first run would otherwise fall on the first request."""
+        first run costs more than its later ones, and would otherwise fall on the first request."""
         before = sum(TRACES.values())
         calls = self._warmup_calls(prompt_logprobs)
         self.programs.warm(calls, progress=progress, background=background)
