@@ -71,7 +71,7 @@ def child_kernels(lib: str) -> dict:
 
 def child_serving(lib: str) -> dict:
     """The serving step's kernels: the w8a8 matmul over twelve GPT-2 124M blocks' distinct weights (85 MB of
-    int8 panels, read from memory as in a step) at 8, 32, 64 and 256 rows, and paged attention of a decode
+    int8 panels, read from memory as in a step) at 8, 32, 64, 256 and 512 rows, and paged attention of a decode
     step (32 rows x ~200 positions, pages of 16 handed out in a random order, float32 and int8 pools)."""
     _use(lib)
     import jax
@@ -95,7 +95,7 @@ def child_serving(lib: str) -> dict:
         return x
 
     f = jax.jit(blocks_w8a8)
-    for rows in (8, 32, 64, 256):
+    for rows in (8, 32, 64, 256, 512):
         x = jnp.asarray(rng.standard_normal((rows, 768)), jnp.float32)
         out[f"w8a8 12 blocks x{rows}"] = _median_ms(lambda: f(x, blocks).block_until_ready(), 20)
     rows, heads, h, page = 32, 12, 64, 16
@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--serving", action="store_true", help="also the serving step's kernels: the w8a8 matmul over "
-                    "twelve blocks' weights at 8-256 rows and paged attention of a decode step")
+                    "twelve blocks' weights at 8-512 rows and paged attention of a decode step")
     ap.add_argument("--child", nargs=2, metavar=("LIB", "WHAT"))
     a = ap.parse_args()
     if a.child:

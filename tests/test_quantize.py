@@ -228,7 +228,9 @@ def test_w8a8_tiles_give_the_vector_kernels_bits(tmp_path):
     from jaxgpt.backends.cpu import cpu_flags
     rng = np.random.default_rng(0)
     arrays = {}
-    for i, (rows, n_in, out) in enumerate([(16, 64, 40), (17, 128, 33), (32, 768, 100), (45, 192, 64), (300, 64, 7)]):
+    # (past 768 inputs the tiles take them in slabs, partial sums kept between: 3072 and 1600 = 768 + 768 + 64)
+    cases = [(16, 64, 40), (17, 128, 33), (32, 768, 100), (45, 192, 64), (300, 64, 7), (70, 3072, 40), (33, 1600, 65)]
+    for i, (rows, n_in, out) in enumerate(cases):
         w = rng.standard_normal((n_in, out)).astype(np.float32)
         k = Q.quantize_int8(jnp.asarray(w), activations="int8")
         for name, a in zip("psc", native.pack_w8a8(k.q, k.scale)):

@@ -325,13 +325,16 @@ static void panels_amx(int64_t r, const uint8_t* xu, const float* xs, int64_t gr
   _tile_loadconfig(&config);
   const int64_t stride = groups * 4;
   alignas(64) int32_t sums[4][256];
-  std::unique_ptr<int32_t[]> kept(groups > JAXGPT_AMX_SLAB ? new int32_t[(hi - lo) * 1024 + 16] : nullptr);
+  // (one block of rows, a decode step's, takes all the inputs at once: each panel then streams from memory in
+  // one run, as the weights must)
+  const int64_t slab = r > 32 ? JAXGPT_AMX_SLAB : groups;
+  std::unique_ptr<int32_t[]> kept(groups > slab ? new int32_t[(hi - lo) * 1024 + 16] : nullptr);
   int32_t* part = kept ? kept.get() + (16 - reinterpret_cast<uintptr_t>(kept.get()) / 4 % 16) % 16 : nullptr;
   for (int64_t m = 0; m < r; m += 32) {
     const bool two = m + 16 < r;
     const uint8_t* a = xu + m * stride;
-    for (int64_t k0 = 0; k0 < groups; k0 += JAXGPT_AMX_SLAB) {
-      const int64_t k1 = std::min<int64_t>(k0 + JAXGPT_AMX_SLAB, groups);
+    for (int64_t k0 = 0; k0 < groups; k0 += slab) {
+      const int64_t k1 = std::min<int64_t>(k0 + slab, groups);
       for (int64_t p = lo; p < hi; ++p) {
         const int8_t* w0 = wp + p * groups * 128;
         int32_t* c = part + (p - lo) * 1024;
