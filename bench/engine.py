@@ -16,7 +16,10 @@ shape is run once first). Reports output tokens/s, time to first token (TTFT, fr
 batch's tokens all come when its call returns), how far each engine TTFT is past its own prefill in
 decode steps (p99) and past the serial bound (its prefill after those of every request that arrived before
 it, back to back: what no server prefilling one prompt at a time can beat), the engine's program count and
-warm-up time; and a lone request's decode rate on the engine against Decoder.generate at batch 1.
+warm-up time; and a lone request's decode rate on the engine against Decoder.generate at batch 1. With
+--paged it also fits the paged engine's calls as a + b x tokens (seconds) and prints what share of its
+time the ramp's prompts ask for and the step that share settles at: past a full step of the budget, every
+ramp step is full and an arrival waits a whole one before its own.
 
 With every request asking for the same number of tokens, a fixed batch's rows end together: what the engine
 can save is the padding of each batch's prompts to its longest. The bench also times the fixed batches'
@@ -89,7 +92,7 @@ def new_token_counts(n: int, lo: int, hi: int, seed: int) -> list:
 
 def replay_engine(engine: Engine, prompts, new_tokens: list, stagger: float) -> dict:
     """A closed loop of engine.slots requests in flight over `prompts` (request i asks for new_tokens[i])."""
-    start, outs, nxt, seen = time.perf_counter(), {}, 0, {}
+    start, outs, nxt, seen, steps = time.perf_counter(), {}, 0, {}, []
 
     def submit(i, at):
         seen[i] = []  # when each of its tokens reached the caller (a call's tokens come together)
@@ -111,7 +114,9 @@ def replay_engine(engine: Engine, prompts, new_tokens: list, stagger: float) -> 
                     submit(nxt, outs[i].finished)
                     nxt += 1
         if engine.has_work():
+            before, t0 = run_tokens(engine), time.perf_counter()
             engine.step()
+            steps.append((run_tokens(engine) - before, time.perf_counter() - t0))
         elif nxt < min(engine.slots, len(prompts)):
             time.sleep(max(0.0, start + nxt * stagger - time.perf_counter()))
     total = time.perf_counter() - start
@@ -121,7 +126,23 @@ def replay_engine(engine: Engine, prompts, new_tokens: list, stagger: float) -> 
             "ttft_s": [o.first_token - o.submitted for o in done],
             "ttft_past_prefill_s": [o.first_token - o.submitted - o.prefill_s for o in done],
             "ttft_past_serial_s": [o.first_token - o.submitted - b for o, b in zip(done, serial_bound(done))],
-            "itl_s": [b - a for i in range(len(prompts)) for a, b in zip(seen[i], seen[i][1:])]}
+            "itl_s": [b - a for i in range(len(prompts)) for a, b in zip(seen[i], seen[i][1:])],
+            "steps": steps}
+
+
+def run_tokens(engine) -> int:
+    """Tokens the engine has run so far (prompt and decode; 0 where its stats do not count them)."""
+    return engine.stats.get("prompt_tokens", 0) + engine.stats.get("decode_tokens", 0)
+
+
+def step_cost(steps) -> tuple:
+    """(a, b): seconds of an engine.step() call fitted as a + b x tokens run (least squares over the calls
+    that ran any), or (nan, nan) with fewer than two sizes of call."""
+    pairs = [(n, t) for n, t in steps if n > 0]
+    if len({n for n, _ in pairs}) < 2:
+        return float("nan"), float("nan")
+    b, a = np.polyfit([n for n, _ in pairs], [t for _, t in pairs], 1)
+    return float(a), float(b)
 
 
 def serial_bound(done) -> list:
@@ -221,7 +242,9 @@ def lone_decode(params, cfg, slots: int, new_tokens: int, decode_steps, numerics
 def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numerics, budget: int,
               async_scheduling=None) -> dict:
     """The same requests through a PagedEngine of c requests: tok/s, TTFT, ITL, the share of wall time its
-    thread spent outside compiled calls, pages held at most, programs and warm-up."""
+    thread spent outside compiled calls, pages held at most, programs and warm-up; and its calls' seconds
+    fitted as a + b x tokens, with the share of the engine's time the ramp's prompts ask for (b x the mean
+    prompt / the decode step that separates arrivals) and the step that share settles at, a / (1 - share)."""
     from jaxgpt.engine.paged import PagedEngine
 
     engine = PagedEngine(params, cfg, max_requests=c, max_len=max_len, page_size=args.page_size,
@@ -231,6 +254,12 @@ def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numer
     warm = time.perf_counter() - t0
     one = replay_engine(engine, prompts, counts, stagger=step)
     st = engine.stats
+    # what the ramp asks of the engine: b x (prompt tokens a step apart) of each second, and the step that
+    # load settles at, a / (1 - load), against the largest step the budget allows
+    a, b = step_cost(one["steps"])
+    mean_prompt = float(np.mean([len(p) for p in prompts]))
+    load = b * mean_prompt / step
+    settled = a / (1 - load) if load < 1 else float("inf")
     out = dict(paged_tokens_per_s=one["tokens_per_s"], paged_over_fixed=one["tokens_per_s"] / fixed["tokens_per_s"],
                paged_ttft_p50_s=percentile(one["ttft_s"], 50), paged_ttft_p99_s=percentile(one["ttft_s"], 99),
                paged_ttft_past_prefill_p99_steps=percentile(one["ttft_past_prefill_s"], 99) / step,
@@ -239,13 +268,19 @@ def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numer
                paged_host_share=st.host_seconds / one["seconds"], paged_steps=st.steps,
                paged_padding_share=st.padding_tokens / max(1, st.padding_tokens + st.prompt_tokens + st.decode_tokens),
                paged_peak_pages=st.peak_pages, paged_page_size=args.page_size, paged_programs=programs,
-               paged_warmup_s=warm, paged_token_budget=budget, paged_async_scheduling=engine.async_scheduling)
+               paged_warmup_s=warm, paged_token_budget=budget, paged_async_scheduling=engine.async_scheduling,
+               paged_step_fixed_s=a, paged_step_per_token_s=b, paged_mean_prompt=mean_prompt, paged_ramp_load=load,
+               paged_settled_step_s=settled,
+               paged_full_step_s=a + b * budget)
     print(f"       paged engine, budget {budget}{', async' if engine.async_scheduling else ''}: "
           f"{one['tokens_per_s']:8.1f} tok/s  x{out['paged_over_fixed']:.2f}  TTFT p50/p99 "
           f"{out['paged_ttft_p50_s']:.3f}/{out['paged_ttft_p99_s']:.3f} s  ITL p50/p99 {out['paged_itl_p50_s']:.3f}/"
           f"{out['paged_itl_p99_s']:.3f} s  p99 past prefill {out['paged_ttft_past_prefill_p99_steps']:.2f} steps "
           f"(past serial prefills {out['paged_ttft_past_serial_p99_steps']:.2f})  host {out['paged_host_share']:.1%}  "
           f"peak pages {st.peak_pages} of {engine.num_pages - 1}  {programs} programs in {warm:.1f} s", flush=True)
+    print(f"       a step: {1e3 * a:.1f} ms + {1e3 * b:.3f} ms a token (fit over {len(one['steps'])} calls); the "
+          f"ramp's prompts take {load:.2f} of its time: steps settle at {1e3 * settled:.0f} ms (a full one "
+          f"{1e3 * (a + b * budget):.0f} ms, a decode step {1e3 * step:.1f} ms)", flush=True)
     return out
 
 
