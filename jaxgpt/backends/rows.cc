@@ -337,7 +337,7 @@ static void panels_amx(int64_t r, const uint8_t* xu, const float* xs, int64_t gr
       const int64_t k1 = std::min<int64_t>(k0 + slab, groups);
       for (int64_t p = lo; p < hi; ++p) {
         const int8_t* w0 = wp + p * groups * 128;
-        int32_t* c = part + (p - lo) * 1024;
+        int32_t* c = part ? part + (p - lo) * 1024 : nullptr;  // (used only where there are slabs)
         if (k0 == 0) {
           _tile_zero(0);
           _tile_zero(1);
