@@ -270,8 +270,7 @@ def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numer
                paged_peak_pages=st.peak_pages, paged_page_size=args.page_size, paged_programs=programs,
                paged_warmup_s=warm, paged_token_budget=budget, paged_async_scheduling=engine.async_scheduling,
                paged_step_fixed_s=a, paged_step_per_token_s=b, paged_mean_prompt=mean_prompt, paged_ramp_load=load,
-               paged_settled_step_s=settled,
-               paged_full_step_s=a + b * budget)
+               paged_settled_step_s=settled, paged_full_step_s=a + b * budget)
     print(f"       paged engine, budget {budget}{', async' if engine.async_scheduling else ''}: "
           f"{one['tokens_per_s']:8.1f} tok/s  x{out['paged_over_fixed']:.2f}  TTFT p50/p99 "
           f"{out['paged_ttft_p50_s']:.3f}/{out['paged_ttft_p99_s']:.3f} s  ITL p50/p99 {out['paged_itl_p50_s']:.3f}/"
@@ -280,7 +279,7 @@ def paged_run(params, cfg, c, max_len, args, prompts, counts, step, fixed, numer
           f"peak pages {st.peak_pages} of {engine.num_pages - 1}  {programs} programs in {warm:.1f} s", flush=True)
     print(f"       a step: {1e3 * a:.1f} ms + {1e3 * b:.3f} ms a token (fit over {len(one['steps'])} calls); the "
           f"ramp's prompts take {load:.2f} of its time: steps settle at {1e3 * settled:.0f} ms (a full one "
-          f"{1e3 * (a + b * budget):.0f} ms, a decode step {1e3 * step:.1f} ms)", flush=True)
+          f"{1e3 * out['paged_full_step_s']:.0f} ms, a decode step {1e3 * step:.1f} ms)", flush=True)
     return out
 
 

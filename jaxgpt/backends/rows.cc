@@ -443,9 +443,10 @@ static void round_row(const float* row, int64_t in, int64_t padded, uint8_t* d, 
   // x / s is a division (~10 cycles a vector); x * (1 / s) is within 2^-15 of it for |x / s| <= 127.0001, so
   // both round to the same integer unless x * (1 / s) lies within 2^-13 of a half: only such vectors (~0.2%
   // of them) are divided. The bytes are those of x / s (tests/test_quantize.py).
-  const __m512 vs = _mm512_set1_ps(s), inv = _mm512_set1_ps(1.f / s), lo = _mm512_set1_ps(-127.f),
+  const float s_inv = 1.f / s;
+  const bool fast = std::isfinite(s_inv);  // (else a scale under 2^-128: every vector divided)
+  const __m512 vs = _mm512_set1_ps(s), inv = _mm512_set1_ps(s_inv), lo = _mm512_set1_ps(-127.f),
                hi = _mm512_set1_ps(127.f), near = _mm512_set1_ps(0.5f - 0x1p-13f);
-  const bool fast = std::isfinite(1.f / s);  // (else a scale under 2^-128: every vector divided)
   for (; k + 16 <= in; k += 16) {
     const __m512 x = _mm512_loadu_ps(row + k), t = _mm512_mul_ps(x, inv);
     __m512 q = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
