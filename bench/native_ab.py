@@ -120,6 +120,39 @@ def child_serving(lib: str) -> dict:
         att = jax.jit(native.paged_attention)
         out[f"paged_attention decode 32x~200 {'int8' if int8 else 'f32'}"] = _median_ms(
             lambda: att(q, *kv, *args, *scales).block_until_ready(), 50)
+    out.update(_prompt_attention(rng, heads, h, page))
+    return out
+
+
+def _prompt_attention(rng, heads: int, h: int, page: int) -> dict:
+    """Paged attention of a prompt step: 512 tokens, three new prompts of 221, 169 and 122 (each token at
+    its position, seeing its prompt up to itself), pages in a random order; float32 and int8 pools."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxgpt.backends import native
+
+    lengths = (221, 169, 122)
+    per_row = [-(-n // page) for n in lengths]
+    order = rng.permutation(sum(per_row)) + 1  # page 0: the null page
+    tables = np.zeros((len(lengths), max(per_row)), np.int32)
+    at = 0
+    for r, n in enumerate(per_row):
+        tables[r, :n] = order[at:at + n]
+        at += n
+    args = (jnp.asarray(np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)),
+            jnp.asarray(np.concatenate([np.arange(1, n + 1) for n in lengths]).astype(np.int32)), jnp.asarray(tables))
+    q = jnp.asarray(rng.standard_normal((sum(lengths), heads, h)), jnp.float32)
+    shape, out = (int(order.max()) + 1, heads, page, h), {}
+    att = jax.jit(native.paged_attention)
+    for int8 in (False, True):
+        if int8:
+            kv = [jnp.asarray(rng.integers(-127, 128, shape), jnp.int8) for _ in range(2)]
+            scales = [jnp.asarray(rng.uniform(0.005, 0.03, shape[:-1]), jnp.float32) for _ in range(2)]
+        else:
+            kv, scales = [jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)], [None, None]
+        out[f"paged_attention prompts 512 {'int8' if int8 else 'f32'}"] = _median_ms(
+            lambda: att(q, *kv, *args, *scales).block_until_ready(), 30)
     return out
 
 
@@ -139,7 +172,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--serving", action="store_true", help="also the serving step's kernels: the w8a8 matmul over "
-                    "twelve blocks' weights at 8-512 rows and paged attention of a decode step")
+                    "twelve blocks' weights at 8-512 rows and paged attention of a decode step and of a 512-token "
+                    "prompt step")
     ap.add_argument("--child", nargs=2, metavar=("LIB", "WHAT"))
     a = ap.parse_args()
     if a.child:
