@@ -101,6 +101,17 @@ def test_native_kernel_matches_plain_jax(page, int8):
     assert not np.any(got[s["limits"] == 0])  # padding: zeros
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_native_kernel_cuts_a_long_prompt_chunk_into_blocks(int8):
+    """A chunk of 150 tokens of one row: the kernel's blocks of 64 tokens (a row's tokens past one block,
+    a last block of 22 whose tiles end mid-group on the diagonal), each query seeing its own prefix."""
+    _needs_native()
+    s = make_step(7 + int8, 16, lengths=(190, 9, 70, 1), int8=int8, chunk=150)
+    got, want = kernel(s), oracle(s)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert not np.any(got[s["limits"] == 0])
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 1, 16), (4, 4, 128), (12, 3, 80)])
 def test_native_kernel_head_shapes(heads, kv_heads, head_dim):
     _needs_native()
