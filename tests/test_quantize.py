@@ -252,6 +252,47 @@ def test_w8a8_tiles_give_the_vector_kernels_bits(tmp_path):
         np.testing.assert_array_equal(results["1"][name], results["0"][name])
 
 
+def test_w8a8_avx2_kernel_gives_this_cpus_bits(tmp_path):
+    """The w8a8 kernel built for AVX2 without AVX-512 or VNNI (-march=x86-64-v3: vpmaddubsw of |x| and the
+    weights given x's sign, sums without corr) gives the bits of this CPU's own build (VNNI or AMX tiles on
+    AVX-512 CPUs), edge rows included: zeros, a NaN, and rows and weights all at -127 (the largest pairs
+    vpmaddubsw adds). Runs on any x86 CPU with AVX2 (another process per build)."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    from jaxgpt.backends.cpu import cpu_flags
+    if not native.available() or platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_flags():
+        pytest.skip("needs the native kernels on an x86 CPU with AVX2")
+    rng = np.random.default_rng(1)
+    arrays = {}
+    cases = [(1, 768, 100), (3, 20, 33), (8, 3072, 64), (15, 1600, 65), (17, 64, 40), (64, 768, 96), (130, 192, 7)]
+    for i, (rows, n_in, out) in enumerate(cases):
+        w = rng.standard_normal((n_in, out)).astype(np.float32)
+        x = (rng.standard_normal((rows, n_in)) * rng.uniform(0.1, 10, (rows, 1))).astype(np.float32)
+        if i == 2:  # every product -127 x -127
+            w[:], x[:] = -1.0, -3.0
+        elif rows > 2:
+            x[1], x[2, 5] = 0.0, np.nan
+        k = Q.quantize_int8(jnp.asarray(w), activations="int8")
+        for name, a in zip("psc", native.pack_w8a8(k.q, k.scale)):
+            arrays[f"{name}{i}"] = np.asarray(a)
+        arrays[f"x{i}"], arrays[f"out{i}"] = x, np.int64(out)
+    np.savez(tmp_path / "in.npz", **arrays)
+    results = {}
+    for march in ("native", "x86-64-v3"):
+        env = {k: v for k, v in os.environ.items() if k != "JAXGPT_NATIVE_MARCH"}
+        env.update(JAX_PLATFORMS="cpu", **({} if march == "native" else {"JAXGPT_NATIVE_MARCH": march}))
+        args = [sys.executable, "-c", _W8A8_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / f"{march}.npz")]
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[march] = np.load(tmp_path / f"{march}.npz")
+    assert np.isnan(results["native"]["y0"]).sum() == 0 and np.isnan(results["native"]["y1"]).any()
+    np.testing.assert_allclose(results["native"]["y2"], 3.0 * 3072, rtol=1e-6)  # (-127 x -127: nothing saturates)
+    for name in [n for n in results["native"].files if n.startswith("y")]:
+        np.testing.assert_array_equal(results["x86-64-v3"][name], results["native"][name])
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_w8a8_decoding_is_the_same_on_every_backend_and_near_the_dequantized_model(tie):
     """The cpu backend (its native W8A8 kernel where built) and the portable one (XLA's int8 dot) decode
@@ -266,7 +307,8 @@ def test_w8a8_decoding_is_the_same_on_every_backend_and_near_the_dequantized_mod
         # int8 kernels in the decode steps on both; the native kernel's (with its int32 corr) where built
         dtypes = {np.dtype(leaf.dtype) for leaf in jax.tree.leaves(dec.weights(3).prepared)}
         assert np.dtype(np.int8) in dtypes
-        native_w8a8 = kernels == "cpu" and dec.backend.prepare_decode.keywords["native_decode"] and native.available()
+        keywords = dec.backend.prepare_decode.keywords if kernels == "cpu" else {}
+        native_w8a8 = bool(keywords.get("native_w8a8", keywords.get("native_decode"))) and native.available()
         assert (np.dtype(np.int32) in dtypes) == native_w8a8
         toks = [np.asarray(dec.generate(prompts[:b], 16, jax.random.key(2), **s).tokens)
                 for b, s in ((1, dict(temperature=0.0)), (3, dict(temperature=0.9, top_k=20)))]

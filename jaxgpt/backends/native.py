@@ -4,7 +4,8 @@ int8 rows for w8a8), causal self-attention for training, forward and backward (a
 step's attention over the KV cache, reading only each row's filled positions (cached_attention.cc), and a
 ragged step's attention over a paged cache, reading only each token's visible positions (paged_attention.cc).
 
-The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`, `-march=native`) against the
+The sources are compiled with the machine's C++ compiler (`$CXX`, else `c++`, `-march=native`, or
+`-march=$JAXGPT_NATIVE_MARCH`: tests build x86-64-v3, AVX2 without AVX-512, to check its kernels) against the
 installed jaxlib's FFI headers into `kernels/` of `$JAXGPT_CACHE` (default `~/.cache/jaxgpt`), once per
 source, jaxlib and CPU (about 10 s). The library's size and SHA-256 are recorded beside it (`.so.json`) and
 checked before every load: one that does not match (cut short by a full disk or an interrupted copy, which
@@ -120,8 +121,10 @@ def _build() -> str:
             sources.append(f.read())
     import jaxlib
     # (b"recorded": libraries named so have a size + SHA-256 record beside them; older ones are not used)
+    march = os.environ.get("JAXGPT_NATIVE_MARCH") or "native"
     key = hashlib.sha256(b"\0".join(sources + [jaxlib.__version__.encode(), compiler.encode(),
-                                                _cpu_signature().encode(), b"recorded"])).hexdigest()[:16]
+                                                _cpu_signature().encode(), b"recorded"]
+                                     + ([] if march == "native" else [march.encode()]))).hexdigest()[:16]
     out_dir = _cache_dir()
     path = os.path.join(out_dir, f"jaxgpt-{key}.so")
     if os.path.exists(path):
@@ -136,7 +139,7 @@ def _build() -> str:
     os.close(fd)
     record_tmp = tmp + ".json"
     # -ffp-contract=fast: multiply-adds fused (ISO C++ modes leave them unfused)
-    cmd = [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w",
+    cmd = [compiler, "-O3", f"-march={march}", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC", "-w",
            f"-I{jax.ffi.include_dir()}", *SOURCES, "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

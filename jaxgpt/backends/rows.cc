@@ -179,6 +179,35 @@ static inline acc16 dot4(acc16 acc, const uint8_t* x4, acc16 w) {
   return acc;
 }
 static inline i16v acc16_ints(acc16 a) { return (i16v)a; }
+constexpr bool kSumsSigned = false;
+#elif defined(__AVX2__)
+// AVX2 without VNNI (AMD Zen 2 and 3, Intel before Ice Lake): a vpdpbusd in three instructions. As signed
+// bytes (x ^ 0x80) the rows are x itself, |x| <= 127, and so are the weights (quantize clips them to 127):
+// vpmaddubsw of |x| and the weights given x's sign adds pairs of products of at most 127 x 127, so never
+// saturates, and vpmaddwd by ones adds the pairs. The sums are of x w, not (x + 128) w: corr is not taken
+// off them (kSumsSigned), and the integers are the same.
+struct acc16 {
+  __m256i lo, hi;
+};
+static inline acc16 acc16_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline acc16 load64(const int8_t* w) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))};
+}
+static inline acc16 dot4(acc16 acc, const uint8_t* x4, const acc16& w) {
+  int32_t b;
+  std::memcpy(&b, x4, 4);
+  const __m256i x = _mm256_set1_epi32(b ^ int32_t(0x80808080u)), ax = _mm256_abs_epi8(x), one = _mm256_set1_epi16(1);
+  acc.lo = _mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w.lo, x)), one));
+  acc.hi = _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w.hi, x)), one));
+  return acc;
+}
+static inline i16v acc16_ints(acc16 a) {
+  i16v v;
+  std::memcpy(&v, &a, sizeof v);
+  return v;
+}
+constexpr bool kSumsSigned = true;
 #else
 typedef i16v acc16;
 static inline acc16 acc16_zero() { return i16v{}; }
@@ -196,6 +225,7 @@ static inline acc16 dot4(acc16 acc, const uint8_t* x4, const w64& w) {
   return acc;
 }
 static inline i16v acc16_ints(acc16 a) { return a; }
+constexpr bool kSumsSigned = false;
 #endif
 
 // W8A8 panels [lo, hi) of 32 outputs (two vectors of 16) for R rows: 2 R accumulators and 2 weight vectors
@@ -225,8 +255,8 @@ static void panels_w8a8(const uint8_t* xu, const float* xs, int64_t groups, cons
     for (int v = 0; v < 2; ++v) {
       const int64_t o = p * 32 + v * 16, n = out - o < 16 ? out - o : 16;
       if (n <= 0) break;
-      i16v c;
-      std::memcpy(&c, corr + o, sizeof c);
+      i16v c{};
+      if (!kSumsSigned) std::memcpy(&c, corr + o, sizeof c);
       const v16 s = load16(scale + o);
       for (int r = 0; r < R; ++r) {
         const v16 yr = __builtin_convertvector(acc16_ints(acc[v][r]) - c, v16) * (s * xs[r]);
@@ -241,6 +271,9 @@ static void panels_w8a8(const uint8_t* xu, const float* xs, int64_t groups, cons
 // `in` bytes: 24 KiB at 768 inputs, in L1).
 #ifndef JAXGPT_W8A8_BLOCK
 #define JAXGPT_W8A8_BLOCK 8
+#endif
+#ifndef JAXGPT_W8A8_ONE_BLOCK
+#define JAXGPT_W8A8_ONE_BLOCK 14
 #endif
 static void block_w8a8(int64_t r, const uint8_t* xu, const float* xs, int64_t groups, const int8_t* wp,
                        const float* scale, const int32_t* corr, int64_t out, float* y, int64_t lo, int64_t hi) {
@@ -403,7 +436,7 @@ static void run_w8a8(int64_t r, const uint8_t* xu, const float* xs, int64_t grou
 #if defined(JAXGPT_HAVE_AMX)
   if (use_amx(r, groups)) return panels_amx(r, xu, xs, groups, wp, scale, corr, out, y, lo, hi);
 #endif
-  if (r <= 14) return block_w8a8(r, xu, xs, groups, wp, scale, corr, out, y, lo, hi);
+  if (r <= JAXGPT_W8A8_ONE_BLOCK) return block_w8a8(r, xu, xs, groups, wp, scale, corr, out, y, lo, hi);
   const int64_t step = groups * 4;
   for (int64_t p = lo; p < hi; ++p)
     for (int64_t b = 0; b < r; b += JAXGPT_W8A8_BLOCK) {
