@@ -55,11 +55,17 @@ def test_the_cpu_backend_uses_the_native_kernels_on_avx512_cpus_only(monkeypatch
     on, off = backends.cpu_backend(AVX512), backends.cpu_backend(AVX2)
     assert on.name == off.name == "cpu" and on != off
     assert on.prepare_decode.keywords == {"native_decode": True}
-    assert off.prepare_decode.keywords == {"native_decode": False}
+    # on AVX2 the w8a8 matmul and paged attention stay native (they beat XLA's forms there too)
+    assert off.prepare_decode.keywords == {"native_decode": False, "native_w8a8": True}
+    assert on.paged_attention is off.paged_attention is cpu.native_paged_attention
+    assert on.cache_attention is cpu.native_cache_attention and off.cache_attention is None
     assert dict(on.attention_kernels)["dot_product"].keywords == {"native_attention": True}
     assert dict(off.attention_kernels)["dot_product"].keywords == {"native_attention": False}
     assert backends.cpu_backend(AVX512) is on  # one value per choice: jitted callers are not retraced
     assert cpu.native_kernels_pay(AVX512) and not cpu.native_kernels_pay(AVX2)
+    assert cpu.native_serving_kernels_pay(AVX512) and cpu.native_serving_kernels_pay(AVX2)
+    bare = backends.cpu_backend(frozenset({"sse2", "avx"}))  # neither: XLA's forms everywhere
+    assert bare.prepare_decode.keywords == {"native_decode": False} and bare.paged_attention is None
     # what the choice does: decode kernels packed in panels (with the kernel built) or [out, in]
     params = {"c_fc": {"kernel": jnp.ones((8, 32))}}
     form = "panels" if native.available() else "out_in"
@@ -537,6 +543,7 @@ def test_without_a_compiler_the_cpu_backend_decodes_through_xla(monkeypatch, cap
     monkeypatch.setenv("JAXGPT_NATIVE", "0")
     off = backends.cpu_backend(AVX512)
     assert off is backends.cpu_backend(AVX2) and off.prepare_decode.keywords == {"native_decode": False}
+    assert off.paged_attention is None
     assert off.prepare_decode(params, 4, jnp.float32, False)["c_fc"]["kernel"].form == "out_in"
     off.attention("dot_product")(q, k.swapaxes(1, 2), v.swapaxes(1, 2), None, None)
     assert native._state == {}

@@ -45,9 +45,11 @@ _BY_PLATFORM = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}
 def cpu_backend(flags: Optional[frozenset] = None) -> Backend:
     """The CPU backend for a CPU with these feature flags (default: this one's)."""
     flags = cpu.cpu_flags() if flags is None else flags
-    native_ok = os.environ.get("JAXGPT_NATIVE", "1") != "0" and cpu.native_kernels_pay(flags)
+    enabled = os.environ.get("JAXGPT_NATIVE", "1") != "0"
+    native_ok = enabled and cpu.native_kernels_pay(flags)
     return cpu.make_backend(native_decode=native_ok, native_attention=native_ok,
-                            fast_bf16=cpu.has_bf16_matmul(flags))
+                            fast_bf16=cpu.has_bf16_matmul(flags),
+                            native_serving=enabled and cpu.native_serving_kernels_pay(flags))
 
 
 def resolve(config, platform: Optional[str] = None) -> Backend:

@@ -54,6 +54,13 @@ def native_kernels_pay(flags: frozenset) -> bool:
     return "avx512f" in flags
 
 
+def native_serving_kernels_pay(flags: frozenset) -> bool:
+    """Whether the w8a8 matmul and paged attention beat XLA's forms: with AVX-512, and with AVX2 + FMA too
+    (2026-12-07, a 2-core AMD EPYC with AVX2 only: the w8a8 matmul 2.2-3.4x XLA's float32 dot at 1 to 32 rows
+    and level at 512, paged attention 2.1-3.9x the plain-JAX form; bench/README.md)."""
+    return native_kernels_pay(flags) or {"avx2", "fma"} <= flags
+
+
 _ALLOCATOR_TUNED = False
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # mallopt's parameters (malloc.h)
 
@@ -219,7 +226,7 @@ def _prepare_int8(k: Int8Kernel, w_out_in: bool) -> PreparedKernel:
 
 
 def prepare_decode(params: dict, batch_size: int, compute_dtype, tie_embeddings: bool, quantize=None, *,
-                   native_decode: bool, config=None) -> dict:
+                   native_decode: bool, config=None, native_w8a8: Optional[bool] = None) -> dict:
     """The "prepared" collection for decode steps of `batch_size` rows: every dense kernel ([in, out], or
     stacked [L, in, out] for scan_layers) in `decode_form`, and a tied head's table as `head` (the leaves
     the parameter schema marks `decode`, quantize.decode_kernels; `config`: the model's). With
@@ -227,8 +234,10 @@ def prepare_decode(params: dict, batch_size: int, compute_dtype, tie_embeddings:
     "w8a8" the W8A8 kernel's panels. Without them the params (the dequantized model, quantize.dequantized)
     keep their float forms for "int8": XLA:CPU's int8 forms ran 10x slower than float32 (bench/README.md),
     so the same tokens come at float32's speed; "w8a8" multiplies `Int8Kernel`s with XLA's int8 dot
-    (its tokens need the rounded activations; slow, but the same integers as the native kernel)."""
-    if weights_int8(quantize) and native_decode and native.available():
+    (its tokens need the rounded activations; slow, but the same integers as the native kernel).
+    `native_w8a8` (default `native_decode`) decides for "w8a8" alone: its kernel pays on AVX2 too."""
+    native_ok = native_decode if quantize != "w8a8" or native_w8a8 is None else native_w8a8
+    if weights_int8(quantize) and native_ok and native.available():
         return int8_prepared(params, tie_embeddings, _prepare_int8, config=config, quantize=quantize)
     if quantize == "w8a8":
         return int8_prepared(params, tie_embeddings, config=config, quantize=quantize)
@@ -413,16 +422,23 @@ class RowsCacheLayout(CacheLayout):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backend(native_decode: bool, native_attention: bool, fast_bf16: bool = True) -> Backend:
-    """The CPU backend, with or without each native kernel (one value per choice)."""
+def make_backend(native_decode: bool, native_attention: bool, fast_bf16: bool = True,
+                 native_serving: Optional[bool] = None) -> Backend:
+    """The CPU backend, with or without each native kernel (one value per choice); `native_serving` decides
+    the w8a8 matmul and paged attention apart from the rest (default: as `native_decode` and
+    `native_attention`)."""
+    paged = native_attention if native_serving is None else native_serving
+    decode = {"native_decode": native_decode}
+    if native_serving is not None and native_serving != native_decode:
+        decode["native_w8a8"] = native_serving
     return Backend(
         name="cpu", linear=linear,
         attention_kernels=(("dot_product", partial(dot_product_attention, native_attention=native_attention)),),
         cache_layout=RowsCacheLayout(),
-        prepare_decode=partial(prepare_decode, native_decode=native_decode),
+        prepare_decode=partial(prepare_decode, **decode),
         float32_activations=True,  # XLA:CPU has no bf16 arithmetic outside matmuls: converts cost the gain
         fast_bf16=fast_bf16,
         run_once_options=(("xla_backend_optimization_level", 0),),  # halves the init's compile time
         setup=tune_allocator,
         cache_attention=native_cache_attention if native_attention else None,
-        paged_attention=native_paged_attention if native_attention else None)
+        paged_attention=native_paged_attention if paged else None)
