@@ -50,7 +50,7 @@ def test_auto_picks_the_cpu_backend_on_a_cpu_and_the_environment_can_override(mo
     assert backends.resolve("tpu", "tpu") != backends.resolve("tpu") == backends.resolve("tpu", "cpu")
 
 
-def test_the_cpu_backend_uses_the_native_kernels_on_avx512_cpus_only(monkeypatch):
+def test_the_cpu_backend_uses_its_native_kernels_on_avx512_and_the_serving_ones_on_avx2(monkeypatch):
     monkeypatch.delenv("JAXGPT_NATIVE", raising=False)
     on, off = backends.cpu_backend(AVX512), backends.cpu_backend(AVX2)
     assert on.name == off.name == "cpu" and on != off
