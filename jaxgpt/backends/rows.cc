@@ -448,6 +448,9 @@ static void run_w8a8(int64_t r, const uint8_t* xu, const float* xs, int64_t grou
 // A row of x rounded to int8 with its own scale s = max |x| / 127 (x / s to the nearest integer, halves to
 // even), stored as bytes x + 128; inputs past `in` are 128 (zero weights). A row holding a NaN or an
 // infinity (an overflowing row) is all 128 and its scale NaN or infinite: its products are NaN.
+// Vectorized for AVX-512 and for AVX2 (16 and 8 lanes, the same bytes as the scalar loop); before
+// 2026-12-07 AVX2 CPUs ran the scalar loop, a division an element: 4.0 ms for 512 rows of 3072 on
+// an AMD EPYC (Zen 3), 0.6 ms vectorized (bench/README.md).
 static void round_row(const float* row, int64_t in, int64_t padded, uint8_t* d, float* xs) {
   float amax = 0.f;
   int64_t k = 0;
@@ -460,6 +463,19 @@ static void round_row(const float* row, int64_t in, int64_t padded, uint8_t* d, 
     m = _mm512_max_ps(m, _mm512_abs_ps(v));
   }
   amax = nan ? NAN : _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  int nan = 0;
+  for (; k + 8 <= in; k += 8) {
+    const __m256 v = _mm256_loadu_ps(row + k);
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, _mm256_and_ps(v, magnitude));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  amax = nan ? NAN : _mm_cvtss_f32(h);
 #endif
   for (; k < in; ++k) {
     const float a = std::fabs(row[k]);
@@ -490,6 +506,24 @@ static void round_row(const float* row, int64_t in, int64_t padded, uint8_t* d, 
     q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
     const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + k), _mm512_cvtepi32_epi8(u));
+  }
+#elif defined(__AVX2__)
+  // (the same rounding, 8 lanes at a time; `magnitude` from the maximum's loop above)
+  const float s_inv = 1.f / s;
+  const bool fast = std::isfinite(s_inv);
+  const __m256 vs = _mm256_set1_ps(s), inv = _mm256_set1_ps(s_inv), lo = _mm256_set1_ps(-127.f),
+               hi = _mm256_set1_ps(127.f), near = _mm256_set1_ps(0.5f - 0x1p-13f);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (; k + 8 <= in; k += 8) {
+    const __m256 x = _mm256_loadu_ps(row + k), t = _mm256_mul_ps(x, inv);
+    __m256 q = _mm256_round_ps(t, kNearest);
+    const __m256 tie = fast ? _mm256_cmp_ps(_mm256_and_ps(_mm256_sub_ps(t, q), magnitude), near, _CMP_GT_OQ)
+                            : _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    if (_mm256_movemask_ps(tie)) q = _mm256_blendv_ps(q, _mm256_round_ps(_mm256_div_ps(x, vs), kNearest), tie);
+    q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+    const __m256i u = _mm256_add_epi32(_mm256_cvtps_epi32(q), _mm256_set1_epi32(128));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(d + k), _mm_packus_epi16(w, w));
   }
 #endif
   for (; k < in; ++k) {
