@@ -448,9 +448,8 @@ static void run_w8a8(int64_t r, const uint8_t* xu, const float* xs, int64_t grou
 // A row of x rounded to int8 with its own scale s = max |x| / 127 (x / s to the nearest integer, halves to
 // even), stored as bytes x + 128; inputs past `in` are 128 (zero weights). A row holding a NaN or an
 // infinity (an overflowing row) is all 128 and its scale NaN or infinite: its products are NaN.
-// Vectorized for AVX-512 and for AVX2 (16 and 8 lanes, the same bytes as the scalar loop); before
-// 2026-12-07 AVX2 CPUs ran the scalar loop, a division an element: 4.0 ms for 512 rows of 3072 on
-// an AMD EPYC (Zen 3), 0.6 ms vectorized (bench/README.md).
+// Vectorized for AVX-512 and for AVX2 (16 and 8 lanes, the same bytes as the scalar loop, which divides
+// each element; the figures are in bench/README.md).
 static void round_row(const float* row, int64_t in, int64_t padded, uint8_t* d, float* xs) {
   float amax = 0.f;
   int64_t k = 0;
