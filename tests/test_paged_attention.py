@@ -120,6 +120,52 @@ def test_native_kernel_head_shapes(heads, kv_heads, head_dim):
         np.testing.assert_allclose(kernel(s), oracle(s), atol=1e-5, rtol=1e-5)
 
 
+_AVX2_SCRIPT = """
+import sys, numpy as np, jax, jax.numpy as jnp
+from jaxgpt.backends import native
+assert native.available(), native._state.get("why")
+d, out = np.load(sys.argv[1]), {}
+for i in range(int(d["cases"])):
+    a = [d[f"{name}{i}"] for name in ("q", "k", "v", "rows", "limits", "tables")]
+    scales = [d[f"ks{i}"], d[f"vs{i}"]] if f"ks{i}" in d.files else [None, None]
+    out[f"o{i}"] = np.asarray(jax.jit(native.paged_attention)(jnp.asarray(a[0]), *a[1:], *scales))
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_native_kernel_avx2_forms_match_plain_jax(tmp_path):
+    """The kernel built for AVX2 without AVX-512 (-march=x86-64-v3: its AVX2 forms of the decode tile, the
+    gathered tile, its 8 x 8 transposes and the float32 pools gathered too) against plain JAX, on any x86
+    CPU with AVX2 and FMA (another process; on a CPU without AVX-512 the tests above run these forms too):
+    prompt chunks cut into blocks, decode tokens, padding, int8 and float32 pools, head sizes 16 to 128."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    from jaxgpt.backends.cpu import cpu_flags
+    _needs_native()
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs an x86 CPU with AVX2 and FMA")
+    steps = [make_step(7 + int8, 16, lengths=(190, 9, 70, 1), int8=int8, chunk=150) for int8 in (False, True)]
+    steps += [make_step(heads + int8, 16, heads=heads, kv_heads=kv_heads, head_dim=head_dim, int8=int8)
+              for heads, kv_heads, head_dim in [(6, 1, 16), (4, 4, 128), (12, 3, 80), (12, 12, 64)]
+              for int8 in (False, True)]
+    arrays = {"cases": np.int64(len(steps))}
+    for i, s in enumerate(steps):
+        arrays.update({f"{name}{i}": s[name] for name in ("q", "k", "v", "rows", "limits", "tables")})
+        if s["ks"] is not None:
+            arrays[f"ks{i}"], arrays[f"vs{i}"] = s["ks"], s["vs"]
+    np.savez(tmp_path / "in.npz", **arrays)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXGPT_NATIVE_MARCH="x86-64-v3")
+    done = subprocess.run([sys.executable, "-c", _AVX2_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = np.load(tmp_path / "out.npz")
+    for i, s in enumerate(steps):
+        np.testing.assert_allclose(got[f"o{i}"], oracle(s), atol=1e-5, rtol=1e-5, err_msg=f"case {i}")
+        assert not np.any(got[f"o{i}"][s["limits"] == 0])
+
+
 def test_cpu_backend_takes_float32_and_int8_pools_and_declines_others():
     _needs_native()
     backend = cpu.make_backend(native_decode=True, native_attention=True)

@@ -18,7 +18,8 @@
 // query's scores take 16 positions in a few multiply-adds and no sums across a vector, four queries sharing
 // each load (attend_gathered, Gathered); otherwise the pools
 // are read in place, 16 positions' products summed across their vectors together (sums16). Units are taken
-// in turns by the calling thread and a task on XLA's intra-op pool (in_turns, common.h).
+// in turns by the calling thread and a task on XLA's intra-op pool (in_turns, common.h). On CPUs with AVX2
+// but not AVX-512 the innermost loops have forms of their own (JAXGPT_PAGED_AVX2, below).
 
 #include <algorithm>
 #include <cmath>
@@ -27,6 +28,10 @@
 #include <vector>
 
 #include "common.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define JAXGPT_PAGED_AVX2 1  // (the AVX2 forms below)
+#endif
 
 namespace {
 
@@ -40,8 +45,14 @@ constexpr const char* kUsage =
 constexpr int64_t kBlock = 64;
 constexpr int64_t kTile = 64;   // positions whose keys and values are read at once
 // queries of a block from which an int8 pool's tile is first widened into float32 (gather_tile): float32
-// tiles are read in place (copying them measured no faster)
+// tiles are read in place with AVX-512 (copying them measured no faster), gathered too with AVX2 only (their
+// scores in place were the stack-bound loop; gathered, a 512-token prompt step's attention took 1/4 the time)
 constexpr int64_t kGatherQueries = 4;
+#if defined(JAXGPT_PAGED_AVX2)
+constexpr bool kGatherFloat = true;
+#else
+constexpr bool kGatherFloat = false;
+#endif
 
 static inline float hsum(v16 x) {
 #if defined(__AVX512F__)
@@ -71,6 +82,38 @@ static inline v16 load(const float* p) { return load16(p); }
 static inline v16 load(const int8_t* p) { return weights16(p); }
 
 static inline void store(float* p, v16 x) { store16(p, x); }
+
+// AVX2 without AVX-512 (AMD Zen 2 and 3, Intel before Skylake-SP): a v16 is two of AVX2's 16 registers, so
+// the loops below that hold 8 to 32 of them at once (a gathered tile's scores and weighted values for four
+// queries, the 16 x 16 transpose, a decode tile's 16 positions) kept them on the stack: 3-4 G multiply-adds
+// a second on a Zen 3 core. Their AVX2 forms (JAXGPT_PAGED_AVX2) hold at most 12 registers; a gathered
+// tile's do each element's operations in the same order as the generic forms (the same bits). Figures:
+// bench/README.md, "Paged attention on AVX2".
+#if defined(JAXGPT_PAGED_AVX2)
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// r[0..8) as an 8 x 8 matrix, transposed in registers.
+static inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {  // (a0 b0 a1 b1 | a4 b4 a5 b5) and (a2 b2 a3 b3 | a6 b6 a7 b7)
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // (a0 b0 c0 d0 | a4 b4 c4 d4), then columns 1, 2, 3 likewise
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+#endif
 
 template <typename E>
 struct Pool {
@@ -138,6 +181,77 @@ inline v16 sums16(v16* a) {
   return fold<1>(a[0], a[1]);
 }
 
+#if defined(JAXGPT_PAGED_AVX2)
+// Lane s: the sum of a[s]'s 8 lanes (six horizontal adds, two lane swaps, one add).
+static inline __m256 sums8(const __m256* a) {
+  const __m256 c0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // a0..a3 per half
+  const __m256 c1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));  // a4..a7
+  return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
+}
+
+// o[0, 8 N) faded, then plus each position's weight times its value's dimensions [c, c + 8 N): N vectors in
+// registers over the tile.
+template <int N, int H, typename E>
+inline void weigh(float* o, float fade, const float* sc, int64_t count, const int64_t* at, const Pool<E>& p, int c) {
+  __m256 acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = _mm256_mul_ps(load8(o + 8 * i), _mm256_set1_ps(fade));
+  for (int64_t s = 0; s < count; ++s) {
+    const __m256 w = _mm256_set1_ps(p.v_scale ? sc[s] * p.v_scale[at[s]] : sc[s]);
+    const E* vs = p.v + at[s] * H + c;
+#pragma GCC unroll 8
+    for (int i = 0; i < N; ++i) acc[i] = _mm256_fmadd_ps(w, load8(vs + 8 * i), acc[i]);
+  }
+  for (int i = 0; i < N; ++i) _mm256_storeu_ps(o + 8 * i, acc[i]);
+}
+
+// Query (token, head) qn over one tile of positions [0, count) read in place from the pools (at[s]: position
+// s's vector), for blocks of few queries (decode); the AVX2 form: 8 positions' products at a time, each
+// position's in one vector, the 8 vectors summed across together (sums8); the values weighed 64 dimensions
+// at a time, each in its own register (8 chains of multiply-adds). Its sums are in another order than the
+// AVX-512 form's (below), so its bits differ from those of an AVX-512 build.
+template <int H, typename E>
+void attend_tile(const float* qn, Running<H>& r, int64_t count, const int64_t* at, const Pool<E>& p,
+                 float* sc) {
+  constexpr int NV = H / 8;
+  const __m256 scale = _mm256_set1_ps(1.f / std::sqrt(static_cast<float>(H)));
+  alignas(32) float qs[H];
+  for (int i = 0; i < NV; ++i) _mm256_store_ps(qs + 8 * i, _mm256_mul_ps(load8(qn + 8 * i), scale));
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  for (int64_t s0 = 0; s0 < count; s0 += 8) {
+    const int64_t m = std::min<int64_t>(8, count - s0);
+    __m256 part[8];
+    for (int s = 0; s < 8; ++s) {
+      if (s >= m) {
+        part[s] = _mm256_setzero_ps();
+        continue;
+      }
+      const E* ks = p.k + at[s0 + s] * H;
+      __m256 acc = _mm256_mul_ps(_mm256_load_ps(qs), load8(ks));
+#pragma GCC unroll 16
+      for (int i = 1; i < NV; ++i) acc = _mm256_fmadd_ps(_mm256_load_ps(qs + 8 * i), load8(ks + 8 * i), acc);
+      part[s] = acc;
+    }
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, sums8(part));
+    for (int s = 0; s < 8; ++s)
+      sums[s] = s >= m ? -INFINITY : p.k_scale ? sums[s] * p.k_scale[at[s0 + s]] : sums[s];
+    const __m256 v = _mm256_load_ps(sums);
+    _mm256_storeu_ps(sc + s0, v);
+    best = _mm256_max_ps(best, v);
+  }
+  alignas(32) float most[8];
+  _mm256_store_ps(most, best);
+  const float mt = *std::max_element(most, most + 8);
+  const float fade = update<H>(r, sc, count, mt);
+  float* o = reinterpret_cast<float*>(r.o);
+  if constexpr (H <= 64) {
+    weigh<H / 8, H>(o, fade, sc, count, at, p, 0);
+  } else {
+    weigh<8, H>(o, fade, sc, count, at, p, 0);
+    weigh<(H - 64) / 8, H>(o + 64, fade, sc, count, at, p, 64);
+  }
+}
+#else
 // Query (token, head) qn over one tile of positions [0, count) read in place from the pools (at[s]: position
 // s's vector): 16 positions' products at a time, summed across their vectors together (sums16). For blocks
 // of few queries (decode). The values are summed into two sets of accumulators, even and odd positions, so
@@ -195,6 +309,7 @@ void attend_tile(const float* qn, Running<H>& r, int64_t count, const int64_t* a
 #pragma GCC unroll 8
   for (int i = 0; i < NV; ++i) r.o[i] = o[0][i] + o[1][i];
 }
+#endif
 
 // r[0..16) as a 16 x 16 matrix, transposed in registers: four rounds, each swapping the off-diagonal
 // blocks of size d within every 2d x 2d block (d = 8, 4, 2, 1).
@@ -231,6 +346,25 @@ inline void transpose16(v16* r) {
 // time with no sums across a vector.
 template <int H, typename E>
 void gather_tile(int64_t span, const int64_t* at, const Pool<E>& p, float* kt, float* vt) {
+#if defined(JAXGPT_PAGED_AVX2)
+  for (int64_t s = 0; s < span; ++s) {
+    const E* vs = p.v + at[s] * H;
+    const __m256 vscale = _mm256_set1_ps(p.v_scale ? p.v_scale[at[s]] : 1.f);
+    for (int i = 0; i < H / 8; ++i) _mm256_storeu_ps(vt + s * H + 8 * i, _mm256_mul_ps(load8(vs + 8 * i), vscale));
+  }
+  for (int64_t c = 0; c < kTile / 8; ++c)  // 8 positions by 8 of the head's dimensions at a time
+    for (int i = 0; i < H / 8; ++i) {
+      __m256 r[8];
+      for (int64_t s = 0; s < 8; ++s) {
+        const int64_t pos = 8 * c + s;
+        r[s] = pos < span ? _mm256_mul_ps(load8(p.k + at[pos] * H + 8 * i),
+                                          _mm256_set1_ps(p.k_scale ? p.k_scale[at[pos]] : 1.f))
+                          : _mm256_setzero_ps();
+      }
+      transpose8(r);
+      for (int d = 0; d < 8; ++d) _mm256_storeu_ps(kt + (8 * i + d) * kTile + 8 * c, r[d]);
+    }
+#else
   for (int64_t s = 0; s < span; ++s) {
     const E* vs = p.v + at[s] * H;
     const float vscale = p.v_scale ? p.v_scale[at[s]] : 1.f;
@@ -247,6 +381,7 @@ void gather_tile(int64_t span, const int64_t* at, const Pool<E>& p, float* kt, f
       transpose16(r);
       for (int d = 0; d < 16; ++d) store(kt + (16 * i + d) * kTile + 16 * c, r[d]);
     }
+#endif
 }
 
 // As attend_tile, over a tile copied by gather_tile, for Q queries at once (query q seeing its first
@@ -256,6 +391,24 @@ void gather_tile(int64_t span, const int64_t* at, const Pool<E>& p, float* kt, f
 // Scores of Q queries (scaled: qsc) over the first U groups of 16 positions of a gathered tile, into acc.
 template <int H, int Q, int U>
 inline void scores(const float (*qsc)[H], const float* kt, v16 (*acc)[kTile / 16]) {
+#if defined(JAXGPT_PAGED_AVX2)
+  for (int c = 0; c < U; ++c) {  // a group of 16 positions (two vectors) for the Q queries: 2 Q sums
+    __m256 a[Q][2];
+    for (int q = 0; q < Q; ++q) a[q][0] = a[q][1] = _mm256_setzero_ps();
+    for (int h = 0; h < H; ++h) {
+      const __m256 k0 = load8(kt + h * kTile + 16 * c), k1 = load8(kt + h * kTile + 16 * c + 8);
+      for (int q = 0; q < Q; ++q) {
+        const __m256 x = _mm256_broadcast_ss(&qsc[q][h]);
+        a[q][0] = _mm256_fmadd_ps(x, k0, a[q][0]);
+        a[q][1] = _mm256_fmadd_ps(x, k1, a[q][1]);
+      }
+    }
+    for (int q = 0; q < Q; ++q) {
+      std::memcpy(&acc[q][c], &a[q][0], 32);
+      std::memcpy(reinterpret_cast<char*>(&acc[q][c]) + 32, &a[q][1], 32);
+    }
+  }
+#else
   for (int h = 0; h < H; ++h) {
     v16 qh[Q];
     for (int q = 0; q < Q; ++q) qh[q] = splat(qsc[q][h]);
@@ -265,6 +418,7 @@ inline void scores(const float (*qsc)[H], const float* kt, v16 (*acc)[kTile / 16
       for (int q = 0; q < Q; ++q) acc[q][c] += qh[q] * k;
     }
   }
+#endif
 }
 
 template <int H, int Q>
@@ -299,6 +453,29 @@ void attend_gathered(const float* const* qs, Running<H>* const* rs, const int64_
     fade[q] = update<H>(*rs[q], sq, counts[q], mt);
     std::fill(sq + counts[q], sq + most, 0.f);
   }
+#if defined(JAXGPT_PAGED_AVX2)
+  for (int i = 0; i < NV; ++i) {  // 16 of the head's dimensions (two vectors) for the Q queries at a time
+    __m256 o[Q][2];
+    for (int q = 0; q < Q; ++q) {
+      float* r = reinterpret_cast<float*>(&rs[q]->o[i]);
+      o[q][0] = _mm256_mul_ps(load8(r), _mm256_set1_ps(fade[q]));
+      o[q][1] = _mm256_mul_ps(load8(r + 8), _mm256_set1_ps(fade[q]));
+    }
+    for (int64_t s = 0; s < most; ++s) {
+      const __m256 v0 = load8(vt + s * H + 16 * i), v1 = load8(vt + s * H + 16 * i + 8);
+      for (int q = 0; q < Q; ++q) {
+        const __m256 w = _mm256_broadcast_ss(sc + q * kTile + s);
+        o[q][0] = _mm256_fmadd_ps(w, v0, o[q][0]);
+        o[q][1] = _mm256_fmadd_ps(w, v1, o[q][1]);
+      }
+    }
+    for (int q = 0; q < Q; ++q) {
+      float* r = reinterpret_cast<float*>(&rs[q]->o[i]);
+      _mm256_storeu_ps(r, o[q][0]);
+      _mm256_storeu_ps(r + 8, o[q][1]);
+    }
+  }
+#else
   v16 o[Q][NV];
   for (int q = 0; q < Q; ++q)
     for (int i = 0; i < NV; ++i) o[q][i] = rs[q]->o[i] * fade[q];
@@ -313,6 +490,7 @@ void attend_gathered(const float* const* qs, Running<H>* const* rs, const int64_
   }
   for (int q = 0; q < Q; ++q)
     for (int i = 0; i < NV; ++i) rs[q]->o[i] = o[q][i];
+#endif
 }
 
 // A gathered tile's queries four at a time (a block's last one to three one at a time).
@@ -352,7 +530,7 @@ void unit(const int32_t* toks, int64_t n, int64_t row, int64_t j0, int64_t j1, c
   for (int64_t i = 0; i < n; ++i) most = std::max<int64_t>(most, std::min<int64_t>(st.limits[toks[i]], cap));
   run.assign(static_cast<size_t>((j1 - j0) * n * g), Running<H>{});
   const int32_t* table = st.tables + row * st.M;
-  const bool gathered = std::is_same<E, int8_t>::value && n * g >= kGatherQueries;
+  const bool gathered = (std::is_same<E, int8_t>::value || kGatherFloat) && n * g >= kGatherQueries;
   int64_t first[kTile], at[kTile];  // each position's index in the pools' [P K page] vectors: head 0, head j
   for (int64_t t0 = 0; t0 < most; t0 += kTile) {
     const int64_t span = std::min(kTile, most - t0);
