@@ -57,7 +57,8 @@ def native_kernels_pay(flags: frozenset) -> bool:
 def native_serving_kernels_pay(flags: frozenset) -> bool:
     """Whether the w8a8 matmul and paged attention beat XLA's forms: with AVX-512, and with AVX2 + FMA too
     (2026-12-07, a 2-core AMD EPYC with AVX2 only: the w8a8 matmul 1.4-3.4x XLA's dots at 1 to 32 rows and
-    level at 512, paged attention 2.1-3.9x the plain-JAX form; bench/README.md)."""
+    level at 512; paged attention, with its AVX2 forms, 4-6x the plain-JAX form on a decode step and 13-15x on
+    a 256-token prompt chunk; bench/README.md)."""
     return native_kernels_pay(flags) or {"avx2", "fma"} <= flags
 
 
