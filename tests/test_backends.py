@@ -55,8 +55,9 @@ def test_the_cpu_backend_uses_its_native_kernels_on_avx512_and_the_serving_ones_
     on, off = backends.cpu_backend(AVX512), backends.cpu_backend(AVX2)
     assert on.name == off.name == "cpu" and on != off
     assert on.prepare_decode.keywords == {"native_decode": True}
-    # on AVX2 the w8a8 matmul and paged attention stay native (they beat XLA's forms there too)
-    assert off.prepare_decode.keywords == {"native_decode": False, "native_w8a8": True}
+    # on AVX2 the w8a8 matmul, paged attention and the float32 decode matmul (up to 64 rows, its AVX2 form)
+    # stay native (they beat XLA's forms there too)
+    assert off.prepare_decode.keywords == {"native_decode": False, "native_w8a8": True, "float_rows": 64}
     assert on.paged_attention is off.paged_attention is cpu.native_paged_attention
     assert on.cache_attention is cpu.native_cache_attention and off.cache_attention is None
     assert dict(on.attention_kernels)["dot_product"].keywords == {"native_attention": True}
@@ -70,8 +71,13 @@ def test_the_cpu_backend_uses_its_native_kernels_on_avx512_and_the_serving_ones_
     params = {"c_fc": {"kernel": jnp.ones((8, 32))}}
     form = "panels" if native.available() else "out_in"
     assert on.prepare_decode(params, 4, jnp.float32, False)["c_fc"]["kernel"].form == form
-    assert off.prepare_decode(params, 4, jnp.float32, False)["c_fc"]["kernel"].form == "out_in"
-    assert off.prepare_decode(params, 1, jnp.float32, False) == {}  # one row: XLA's matmul as stored
+    assert on.prepare_decode(params, 32, jnp.float32, False) == {}  # AVX-512: panels up to 16 rows
+    for rows in (1, 4, 32, 64):  # (without the kernel built: [out, in] up to 16 rows, else XLA's as stored)
+        got = off.prepare_decode(params, rows, jnp.float32, False)
+        assert (got["c_fc"]["kernel"].form if got else None) == (form if native.available() or rows == 4 else None)
+    assert off.prepare_decode(params, 65, jnp.float32, False) == {}  # past 64 rows: XLA's matmul as stored
+    assert cpu.native_float_rows(AVX512) == 16 and cpu.native_float_rows(AVX2) == 64
+    assert cpu.native_float_rows(frozenset({"sse2", "avx"})) == 0
     # bf16 matmuls in hardware: AVX512_BF16 or AMX-BF16 (no flags at all: not Linux, no change on a guess)
     assert not cpu.has_bf16_matmul(frozenset({"avx2"}))
     assert not cpu.has_bf16_matmul(AVX512)
@@ -79,6 +85,8 @@ def test_the_cpu_backend_uses_its_native_kernels_on_avx512_and_the_serving_ones_
     assert cpu.has_bf16_matmul(frozenset({"amx_bf16"})) and cpu.has_bf16_matmul(frozenset())
     assert not on.fast_bf16 and not off.fast_bf16  # a bf16 run says it computes in float32 on these
     assert backends.cpu_backend(AVX512 | {"avx512_bf16"}).fast_bf16
+    monkeypatch.setenv("JAXGPT_NATIVE", "0")  # switched off: XLA's forms on AVX2 too
+    assert backends.cpu_backend(AVX2).prepare_decode.keywords == {"native_decode": False}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -452,13 +460,58 @@ def test_native_rows_matmul_equals_a_float32_matmul_in_either_stored_layout(nati
         np.testing.assert_array_equal(native.pack(stored, w_out_in), native.pack_reference(stored, w_out_in))
     np.testing.assert_array_equal(native.pack(jnp.stack([w, 2 * w]))[1], native.pack(2 * w))
     with pytest.raises(ValueError, match="rows_matmul"):
-        native.rows_matmul(jnp.ones((native.MAX_ROWS + 1, 48)), native.pack(w), 40)
+        native.rows_matmul(jnp.ones((native.MAX_FLOAT_ROWS + 1, 48)), native.pack(w), 40)
     with pytest.raises(ValueError, match="rows_matmul"):
         native.rows_matmul(x, native.pack(w), 56)  # panels for 33..48 outputs
     # the CPU backend's linear over a prepared panels kernel: the same multiply
     prepared = cpu.prepare_decode({"c_fc": {"kernel": w}}, rows, jnp.float32, False, native_decode=True)
     assert prepared["c_fc"]["kernel"].form == "panels"
     np.testing.assert_allclose(cpu.linear(x, prepared["c_fc"]["kernel"]), want, rtol=1e-5, atol=1e-5)
+
+
+_FLOAT_ROWS_SCRIPT = """
+import sys, numpy as np, jax, jax.numpy as jnp
+from jaxgpt.backends import native
+d = np.load(sys.argv[1])
+f = jax.jit(native.rows_matmul, static_argnums=2)
+ys = {"y" + n[1:]: np.asarray(f(jnp.asarray(d[n]), native.pack(jnp.asarray(d["w" + n[1:]])), d["w" + n[1:]].shape[1]))
+      for n in d.files if n.startswith("x")}
+np.savez(sys.argv[2], **ys)
+"""
+
+
+def test_the_float_decode_matmul_built_for_avx2_gives_this_cpus_bits(tmp_path):
+    """The float32 decode matmul built for AVX2 without AVX-512 (-march=x86-64-v3: blocks of up to 6 rows in
+    named registers) gives the bits of this CPU's own build (the generic 16-float form on AVX-512 CPUs: both
+    sum each output in input order, one FMA an input) and a float64 product's values, at 1 to 64 rows (blocks
+    of 6 or 16 and what is left) and with the last panel partial. Runs on any x86 CPU with AVX2 (another
+    process per build)."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    if not native.available() or platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu.cpu_flags():
+        pytest.skip("needs the native kernels on an x86 CPU with AVX2")
+    rng = np.random.default_rng(3)
+    cases = [(1, 768, 100), (5, 48, 40), (6, 64, 16), (7, 300, 33), (16, 96, 48), (17, 768, 70), (40, 50, 7),
+             (native.MAX_FLOAT_ROWS, 256, 130)]
+    arrays = {}
+    for i, (rows, n_in, out) in enumerate(cases):
+        arrays[f"x{i}"] = rng.standard_normal((rows, n_in)).astype(np.float32)
+        arrays[f"w{i}"] = rng.standard_normal((n_in, out)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", **arrays)
+    results = {}
+    for march in ("native", "x86-64-v3"):
+        env = {k: v for k, v in os.environ.items() if k != "JAXGPT_NATIVE_MARCH"}
+        env.update(JAX_PLATFORMS="cpu", **({} if march == "native" else {"JAXGPT_NATIVE_MARCH": march}))
+        args = [sys.executable, "-c", _FLOAT_ROWS_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / f"{march}.npz")]
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[march] = np.load(tmp_path / f"{march}.npz")
+    for i in range(len(cases)):
+        want = arrays[f"x{i}"].astype(np.float64) @ arrays[f"w{i}"].astype(np.float64)
+        np.testing.assert_allclose(results["x86-64-v3"][f"y{i}"], want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(results["x86-64-v3"][f"y{i}"], results["native"][f"y{i}"])
 
 
 def _ffi_targets(jaxpr) -> collections.Counter:
@@ -776,8 +829,9 @@ def test_generate_neither_transposes_nor_copies_the_parameters_per_call(monkeypa
                  and any(tuple(v.aval.shape) in weight_shapes for v in e.outvars)]
         assert not moved, [str(e)[:120] for e in moved]
         backend = backends.resolve(cfg)
-        native_decode = backend.prepare_decode is not PORTABLE.prepare_decode and \
-            backend.prepare_decode.keywords["native_decode"] and native.available()
+        kw = backend.prepare_decode.keywords if backend.prepare_decode is not PORTABLE.prepare_decode else {}
+        float_rows = kw.get("float_rows", cpu.SMALL_ROWS if kw.get("native_decode") else 0)  # (64 on AVX2)
+        native_decode = float_rows >= batch and native.available()
         kernels = (4 if scan else 2 * 4) + 1  # dense layers (stacked: one [L, ...] kernel each) and the head
         packs = _ffi_targets(prepare_jaxpr)[native.PACK_TARGET]
         transposes = [e for e in _primitives(prepare_jaxpr) if e.primitive.name == "transpose"]

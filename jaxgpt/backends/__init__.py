@@ -49,7 +49,8 @@ def cpu_backend(flags: Optional[frozenset] = None) -> Backend:
     native_ok = enabled and cpu.native_kernels_pay(flags)
     return cpu.make_backend(native_decode=native_ok, native_attention=native_ok,
                             fast_bf16=cpu.has_bf16_matmul(flags),
-                            native_serving=enabled and cpu.native_serving_kernels_pay(flags))
+                            native_serving=enabled and cpu.native_serving_kernels_pay(flags),
+                            float_rows=cpu.native_float_rows(flags) if enabled else 0)
 
 
 def resolve(config, platform: Optional[str] = None) -> Backend:

@@ -49,9 +49,22 @@ def has_bf16_matmul(flags: Optional[frozenset] = None) -> bool:
 
 def native_kernels_pay(flags: frozenset) -> bool:
     """Whether the native kernels beat XLA's forms on a CPU with these flags: with AVX-512 only (their
-    register tiles assume 32 vector registers; on AVX2 + FMA the decode matmul measured 13x slower at
-    batch 8, bench/README.md)."""
+    register tiles assume 32 vector registers; on AVX2 + FMA the generic decode matmul measured 13x slower
+    at batch 8, bench/README.md). The float32 decode matmul has an AVX2 form: `native_float_rows`."""
     return "avx512f" in flags
+
+
+AVX2_FLOAT_ROWS = 64  # below 64 rows XLA's float32 dot is weak on AVX2 (17-42 G multiply-adds a second at 8-32)
+
+
+def native_float_rows(flags: frozenset) -> int:
+    """Most rows of a float32 decode step multiplied by the native matmul (its panels), 0 for none: 16 with
+    AVX-512; 64 with AVX2 + FMA, its AVX2 form (2026-12-08, a 2-core AMD EPYC, Zen 3: XLA's dot ran GPT-2
+    124M's kernels at 17-42 G multiply-adds a second at 8 to 32 rows, 59-71 G at 64 and 58-86 G above;
+    bench/README.md); 0 otherwise."""
+    if native_kernels_pay(flags):
+        return SMALL_ROWS
+    return AVX2_FLOAT_ROWS if {"avx2", "fma"} <= flags else 0
 
 
 def native_serving_kernels_pay(flags: frozenset) -> bool:
@@ -177,8 +190,9 @@ def linear(x: jax.Array, w, compute_dtype=jnp.float32, *, b=None, w_out_in: bool
         return int8_linear(x, w, compute_dtype, b=b, w_out_in=w_out_in, out_dtype=out_dtype)
     if isinstance(w, PreparedKernel):
         features = w.features
-        if w.form == "panels":  # the native kernels take up to MAX_ROWS rows a call
-            xf, m = x2.astype(compute_dtype).astype(jnp.float32), native.MAX_ROWS
+        if w.form == "panels":  # the native kernels take up to MAX_ROWS (int8) or MAX_FLOAT_ROWS rows a call
+            xf = x2.astype(compute_dtype).astype(jnp.float32)
+            m = native.MAX_ROWS if w.scale is not None else native.MAX_FLOAT_ROWS
             if w.scale is not None:
                 parts = [native.rows_matmul_int8(xf[i:i + m], w.w, w.scale, features) for i in range(0, len(xf), m)]
             else:
@@ -199,15 +213,15 @@ def linear(x: jax.Array, w, compute_dtype=jnp.float32, *, b=None, w_out_in: bool
     return y.reshape(*x.shape[:-1], features)
 
 
-def decode_form(batch_size: int, compute_dtype, native_decode: bool) -> Optional[str]:
-    """The decode steps' kernel form for `batch_size` rows: float32 and 1..16 rows only, "panels" with
-    the native multiply, else "out_in" for 2..16 rows; None keeps the stored [in, out] (XLA's matmul is
+def decode_form(batch_size: int, compute_dtype, native_decode: bool, panel_rows: int = SMALL_ROWS) -> Optional[str]:
+    """The decode steps' kernel form for `batch_size` rows, float32 only: "panels" with the native multiply
+    up to `panel_rows` rows, else "out_in" for 2..16 rows; None keeps the stored [in, out] (XLA's matmul is
     faster in bf16 and at more rows)."""
-    if not 1 <= batch_size <= SMALL_ROWS or jnp.dtype(compute_dtype) != jnp.float32:
+    if batch_size < 1 or jnp.dtype(compute_dtype) != jnp.float32:
         return None
-    if native_decode and native.available():
+    if native_decode and batch_size <= panel_rows and native.available():
         return "panels"
-    return "out_in" if batch_size > 1 else None
+    return "out_in" if 1 < batch_size <= SMALL_ROWS else None
 
 
 def _prepare(w: jax.Array, form: str, w_out_in: bool = False) -> PreparedKernel:
@@ -227,7 +241,8 @@ def _prepare_int8(k: Int8Kernel, w_out_in: bool) -> PreparedKernel:
 
 
 def prepare_decode(params: dict, batch_size: int, compute_dtype, tie_embeddings: bool, quantize=None, *,
-                   native_decode: bool, config=None, native_w8a8: Optional[bool] = None) -> dict:
+                   native_decode: bool, config=None, native_w8a8: Optional[bool] = None,
+                   float_rows: Optional[int] = None) -> dict:
     """The "prepared" collection for decode steps of `batch_size` rows: every dense kernel ([in, out], or
     stacked [L, in, out] for scan_layers) in `decode_form`, and a tied head's table as `head` (the leaves
     the parameter schema marks `decode`, quantize.decode_kernels; `config`: the model's). With
@@ -236,13 +251,16 @@ def prepare_decode(params: dict, batch_size: int, compute_dtype, tie_embeddings:
     keep their float forms for "int8": XLA:CPU's int8 forms ran 10x slower than float32 (bench/README.md),
     so the same tokens come at float32's speed; "w8a8" multiplies `Int8Kernel`s with XLA's int8 dot
     (its tokens need the rounded activations; slow, but the same integers as the native kernel).
-    `native_w8a8` (default `native_decode`) decides for "w8a8" alone: its kernel pays on AVX2 too."""
+    `native_w8a8` (default `native_decode`) decides for "w8a8" alone: its kernel pays on AVX2 too; and
+    `float_rows` (default 16 with `native_decode`, else 0) for the float32 panels alone: up to how many rows
+    (`native_float_rows`)."""
     native_ok = native_decode if quantize != "w8a8" or native_w8a8 is None else native_w8a8
     if weights_int8(quantize) and native_ok and native.available():
         return int8_prepared(params, tie_embeddings, _prepare_int8, config=config, quantize=quantize)
     if quantize == "w8a8":
         return int8_prepared(params, tie_embeddings, config=config, quantize=quantize)
-    form = decode_form(batch_size, compute_dtype, native_decode)
+    rows = (SMALL_ROWS if native_decode else 0) if float_rows is None else float_rows
+    form = decode_form(batch_size, compute_dtype, rows > 0, rows)
     if form is None:
         return {}
     flat = traverse_util.flatten_dict(params)
@@ -424,14 +442,16 @@ class RowsCacheLayout(CacheLayout):
 
 @functools.lru_cache(maxsize=None)
 def make_backend(native_decode: bool, native_attention: bool, fast_bf16: bool = True,
-                 native_serving: Optional[bool] = None) -> Backend:
+                 native_serving: Optional[bool] = None, float_rows: Optional[int] = None) -> Backend:
     """The CPU backend, with or without each native kernel (one value per choice); `native_serving` decides
     the w8a8 matmul and paged attention apart from the rest (default: as `native_decode` and
-    `native_attention`)."""
+    `native_attention`), and `float_rows` the float32 decode matmul's rows (`prepare_decode`)."""
     paged = native_attention if native_serving is None else native_serving
     decode = {"native_decode": native_decode}
     if native_serving is not None and native_serving != native_decode:
         decode["native_w8a8"] = native_serving
+    if float_rows is not None and float_rows != (SMALL_ROWS if native_decode else 0):
+        decode["float_rows"] = float_rows
     return Backend(
         name="cpu", linear=linear,
         attention_kernels=(("dot_product", partial(dot_product_attention, native_attention=native_attention)),),

@@ -42,6 +42,7 @@ INT8_TARGET = "jaxgpt_rows_matmul_int8"
 W8A8_TARGET = "jaxgpt_rows_matmul_w8a8"
 PACK_TARGET = "jaxgpt_pack"
 MAX_ROWS = 16
+MAX_FLOAT_ROWS = 64  # rows_matmul's (float32 panels); MAX_ROWS is the int8 kernel's
 INT8_PANEL = 64  # outputs per int8 panel: one cache line per input
 W8A8_PANEL = 32  # outputs per w8a8 panel: 4 inputs of each, 128 bytes
 ATTENTION_TARGET = "jaxgpt_causal_attention"
@@ -230,9 +231,9 @@ def panels_shape(n_in: int, out: int) -> tuple[int, int, int]:
 
 
 def rows_matmul(x: jax.Array, panels: jax.Array, out: int) -> jax.Array:
-    """x float32 [R, in] (1 <= R <= 16) times the kernel packed in `panels` -> float32 [R, out]."""
-    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS or panels.shape != panels_shape(x.shape[1], out):
-        raise ValueError(f"rows_matmul: x [R <= {MAX_ROWS}, in] and panels {panels_shape(x.shape[-1], out)}, "
+    """x float32 [R, in] (1 <= R <= MAX_FLOAT_ROWS) times the kernel packed in `panels` -> float32 [R, out]."""
+    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_FLOAT_ROWS or panels.shape != panels_shape(x.shape[1], out):
+        raise ValueError(f"rows_matmul: x [R <= {MAX_FLOAT_ROWS}, in] and panels {panels_shape(x.shape[-1], out)}, "
                          f"got x{x.shape} and panels{panels.shape}")
     # (vmap: one call per element, e.g. when flax checks a stacked layer's shapes through a vmapped init)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32), vmap_method="sequential")

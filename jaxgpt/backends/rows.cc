@@ -1,12 +1,13 @@
 // The decode step's native matmul (see native.py): y = x @ W for a few rows of x.
 //
-// x float32 [R, in] (R <= 16), W packed in panels of 16 outputs, wp[p][i][j] = W[i, 16 p + j] (float32
+// x float32 [R, in] (R <= 64), W packed in panels of 16 outputs, wp[p][i][j] = W[i, 16 p + j] (float32
 // [ceil(out / 16), in, 16], zero past `out`), y float32 [R, out]. Each panel is read once, in order, and
 // every row of x is multiplied with it while it is in registers: the weights stream from memory at the
 // machine's bandwidth, which XLA:CPU's matmul and fusions do not reach at 1..16 rows (bench/README.md).
 // The panels are split between the calling thread and one task on XLA's intra-op pool (in_two_halves).
 // `JaxgptPack` makes the panels from a stored kernel once per generate call (XLA's transposes took ~0.3 s
-// for GPT-2 124M's kernels on that machine).
+// for GPT-2 124M's kernels on that machine). Past 16 rows (and on AVX2 CPUs, always) the rows are taken in
+// blocks per panel, each block after the first reading the panel from cache.
 //
 // `JaxgptRowsMatmulInt8` is the same multiply over int8 panels of 64 outputs with a float scale per output
 // (jaxgpt/quantize.py): each 16 weights are widened to float in registers, so the weights stream at a
@@ -83,17 +84,80 @@ static void run(int64_t r, const float* x, int64_t in, const W* wp, const float*
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define JAXGPT_ROWS_AVX2 1
+// AVX2 (16 registers of 8 floats; the generic forms above, in 16-float vectors, kept their accumulators on
+// the stack there): a panel's 16 outputs are two registers, so the accumulators of up to 6 rows (12) stay in
+// registers beside the panel's two weight vectors and a row's input; more rows in blocks of 6. Each output's
+// sum runs in input order, one FMA an input, as the generic form's does: an AVX-512 build's bits.
+// (Named accumulators: in an array GCC 12 stored all twelve to the stack on every input, 3x slower.)
+#define JAXGPT_FMA_ROW(k)                                       \
+  if constexpr (R > k) {                                        \
+    const __m256 xi = _mm256_broadcast_ss(x + k * in + i);      \
+    lo##k = _mm256_fmadd_ps(xi, wl, lo##k);                     \
+    hi##k = _mm256_fmadd_ps(xi, wh, hi##k);                     \
+  }
+#define JAXGPT_STORE_ROW(k)                                     \
+  if constexpr (R > k) {                                        \
+    _mm256_store_ps(t, lo##k);                                  \
+    _mm256_store_ps(t + 8, hi##k);                              \
+    std::memcpy(y + k * out + o, t, n * sizeof(float));         \
+  }
+template <int R>
+static void panel_avx2(const float* x, int64_t in, const float* w0, int64_t out, float* y, int64_t o) {
+  __m256 lo0 = _mm256_setzero_ps(), lo1 = lo0, lo2 = lo0, lo3 = lo0, lo4 = lo0, lo5 = lo0;
+  __m256 hi0 = lo0, hi1 = lo0, hi2 = lo0, hi3 = lo0, hi4 = lo0, hi5 = lo0;
+  for (int64_t i = 0; i < in; ++i) {
+    const __m256 wl = _mm256_loadu_ps(w0 + i * 16), wh = _mm256_loadu_ps(w0 + i * 16 + 8);
+    JAXGPT_FMA_ROW(0) JAXGPT_FMA_ROW(1) JAXGPT_FMA_ROW(2) JAXGPT_FMA_ROW(3) JAXGPT_FMA_ROW(4) JAXGPT_FMA_ROW(5)
+  }
+  const int64_t n = out - o < 16 ? out - o : 16;
+  alignas(32) float t[16];
+  JAXGPT_STORE_ROW(0) JAXGPT_STORE_ROW(1) JAXGPT_STORE_ROW(2) JAXGPT_STORE_ROW(3) JAXGPT_STORE_ROW(4)
+  JAXGPT_STORE_ROW(5)
+}
+#undef JAXGPT_FMA_ROW
+#undef JAXGPT_STORE_ROW
+#endif
+
+// Panels [lo, hi) for any number of rows: in blocks of 16 per panel (6 with AVX2), so that a panel read from
+// memory serves every block from cache.
+static void run_float(int64_t r, const float* x, int64_t in, const float* wp, int64_t out, float* y, int64_t lo,
+                      int64_t hi) {
+#if defined(JAXGPT_ROWS_AVX2)
+  for (int64_t p = lo; p < hi; ++p)
+    for (int64_t b = 0; b < r; b += 6) {
+      const float* xb = x + b * in;
+      const float* w0 = wp + p * in * 16;
+      float* yb = y + b * out;
+      switch (r - b < 6 ? r - b : 6) {
+        case 1: panel_avx2<1>(xb, in, w0, out, yb, p * 16); break;
+        case 2: panel_avx2<2>(xb, in, w0, out, yb, p * 16); break;
+        case 3: panel_avx2<3>(xb, in, w0, out, yb, p * 16); break;
+        case 4: panel_avx2<4>(xb, in, w0, out, yb, p * 16); break;
+        case 5: panel_avx2<5>(xb, in, w0, out, yb, p * 16); break;
+        default: panel_avx2<6>(xb, in, w0, out, yb, p * 16); break;
+      }
+    }
+#else
+  if (r <= 16) return run<float>(r, x, in, wp, nullptr, out, y, lo, hi);
+  for (int64_t p = lo; p < hi; ++p)
+    for (int64_t b = 0; b < r; b += 16)
+      run<float>(r - b < 16 ? r - b : 16, x + b * in, in, wp, nullptr, out, y + b * out, p, p + 1);
+#endif
+}
+
 static ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
                              ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = wp.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != 16 || wd[1] != xd[1] || yd[0] != xd[0] ||
-      (yd[1] + 15) / 16 != wd[0] || xd[0] < 1 || xd[0] > 16)
-    return ffi::Error::InvalidArgument("jaxgpt_rows_matmul: x [R <= 16, in], panels [ceil(out/16), in, 16], y [R, out]");
+      (yd[1] + 15) / 16 != wd[0] || xd[0] < 1 || xd[0] > 64)
+    return ffi::Error::InvalidArgument("jaxgpt_rows_matmul: x [R <= 64, in], panels [ceil(out/16), in, 16], y [R, out]");
   const int64_t r = xd[0], in = xd[1], out = yd[1];
   const float* xp = x.typed_data();
   const float* w = wp.typed_data();
   float* yp = y->typed_data();
-  in_two_halves(pool, wd[0], [=](int64_t lo, int64_t hi) { run<float>(r, xp, in, w, nullptr, out, yp, lo, hi); });
+  in_two_halves(pool, wd[0], [=](int64_t lo, int64_t hi) { run_float(r, xp, in, w, out, yp, lo, hi); });
   return ffi::Error::Success();
 }
 
