@@ -54,14 +54,14 @@ def native_kernels_pay(flags: frozenset) -> bool:
     return "avx512f" in flags
 
 
-AVX2_FLOAT_ROWS = 64  # below 64 rows XLA's float32 dot is weak on AVX2 (17-42 G multiply-adds a second at 8-32)
+AVX2_FLOAT_ROWS = 64  # below 64 rows XLA's float32 dot is weak on AVX2 (17-47 G multiply-adds a second at 8-32)
 
 
 def native_float_rows(flags: frozenset) -> int:
     """Most rows of a float32 decode step multiplied by the native matmul (its panels), 0 for none: 16 with
-    AVX-512; 64 with AVX2 + FMA, its AVX2 form (2026-12-08, a 2-core AMD EPYC, Zen 3: XLA's dot ran GPT-2
-    124M's kernels at 17-42 G multiply-adds a second at 8 to 32 rows, 59-71 G at 64 and 58-86 G above;
-    bench/README.md); 0 otherwise."""
+    AVX-512; 64 with AVX2 + FMA, its AVX2 form (2026-12-08, a 2-core AMD EPYC, Zen 3, GPT-2 124M's kernels:
+    0.43-0.71x XLA's dot's time at 8 rows, 0.53-0.83x at 32, 0.82-0.99x at 64, level at 1; XLA's reaches 62-81
+    G multiply-adds a second from 128 rows; bench/README.md); 0 otherwise."""
     if native_kernels_pay(flags):
         return SMALL_ROWS
     return AVX2_FLOAT_ROWS if {"avx2", "fma"} <= flags else 0
