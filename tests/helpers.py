@@ -138,3 +138,25 @@ def whole_buffer_copies(hlo: str, shapes) -> list:
     return [line.strip() for line in hlo.splitlines()
             if re.search(r"\bcopy(-start)?\(", line) and any(s + "{" in line.split("=", 1)[-1].split("(")[0]
                                                           for s in shapes)]
+
+
+def run_for_marches(script: str, tmp_path, inputs: dict, marches=("native", "x86-64-v3")) -> dict:
+    """`script` (python -c: argv[1] an .npz of `inputs`, argv[2] the .npz it writes) run once per build of the
+    native kernels, each in its own process with JAXGPT_NATIVE_MARCH set to the -march ("native": this CPU's
+    own build); {march: its outputs}."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    np.savez(tmp_path / "in.npz", **inputs)
+    results = {}
+    for march in marches:
+        env = {k: v for k, v in os.environ.items() if k != "JAXGPT_NATIVE_MARCH"}
+        env.update(JAX_PLATFORMS="cpu", **({} if march == "native" else {"JAXGPT_NATIVE_MARCH": march}))
+        args = [sys.executable, "-c", script, str(tmp_path / "in.npz"), str(tmp_path / f"{march}.npz")]
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[march] = np.load(tmp_path / f"{march}.npz")
+    return results

@@ -17,7 +17,7 @@ from jaxgpt.attention import einsum_attention
 from jaxgpt.backends import PORTABLE, DecodeWeights, cpu, native
 from jaxgpt.ops import linear
 from jaxgpt.training.step import cross_entropy
-from tests.helpers import varied_params
+from tests.helpers import run_for_marches, varied_params
 from tests.xla_flags import AS_USERS_COMPILE
 
 AVX512 = frozenset({"avx512f", "avx512bw", "avx2", "fma"})
@@ -486,10 +486,7 @@ def test_the_float_decode_matmul_built_for_avx2_gives_this_cpus_bits(tmp_path):
     sum each output in input order, one FMA an input) and a float64 product's values, at 1 to 64 rows (blocks
     of 6 or 16 and what is left) and with the last panel partial. Runs on any x86 CPU with AVX2 (another
     process per build)."""
-    import os
     import platform
-    import subprocess
-    import sys
     if not native.available() or platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu.cpu_flags():
         pytest.skip("needs the native kernels on an x86 CPU with AVX2")
     rng = np.random.default_rng(3)
@@ -499,15 +496,7 @@ def test_the_float_decode_matmul_built_for_avx2_gives_this_cpus_bits(tmp_path):
     for i, (rows, n_in, out) in enumerate(cases):
         arrays[f"x{i}"] = rng.standard_normal((rows, n_in)).astype(np.float32)
         arrays[f"w{i}"] = rng.standard_normal((n_in, out)).astype(np.float32)
-    np.savez(tmp_path / "in.npz", **arrays)
-    results = {}
-    for march in ("native", "x86-64-v3"):
-        env = {k: v for k, v in os.environ.items() if k != "JAXGPT_NATIVE_MARCH"}
-        env.update(JAX_PLATFORMS="cpu", **({} if march == "native" else {"JAXGPT_NATIVE_MARCH": march}))
-        args = [sys.executable, "-c", _FLOAT_ROWS_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / f"{march}.npz")]
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-        results[march] = np.load(tmp_path / f"{march}.npz")
+    results = run_for_marches(_FLOAT_ROWS_SCRIPT, tmp_path, arrays)
     for i in range(len(cases)):
         want = arrays[f"x{i}"].astype(np.float64) @ arrays[f"w{i}"].astype(np.float64)
         np.testing.assert_allclose(results["x86-64-v3"][f"y{i}"], want, rtol=1e-4, atol=1e-4)

@@ -12,6 +12,7 @@ from jaxgpt import quantize as Q
 from jaxgpt.backends import native
 from jaxgpt.engine import Engine
 from jaxgpt.ops import linear
+from tests.helpers import run_for_marches
 
 CFG = jaxgpt.GPTConfig(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=32)
 
@@ -257,10 +258,7 @@ def test_w8a8_avx2_kernel_gives_this_cpus_bits(tmp_path):
     weights given x's sign, sums without corr) gives the bits of this CPU's own build (VNNI or AMX tiles on
     AVX-512 CPUs), edge rows included: zeros, a NaN, and rows and weights all at -127 (the largest pairs
     vpmaddubsw adds). Runs on any x86 CPU with AVX2 (another process per build)."""
-    import os
     import platform
-    import subprocess
-    import sys
     from jaxgpt.backends.cpu import cpu_flags
     if not native.available() or platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_flags():
         pytest.skip("needs the native kernels on an x86 CPU with AVX2")
@@ -278,15 +276,7 @@ def test_w8a8_avx2_kernel_gives_this_cpus_bits(tmp_path):
         for name, a in zip("psc", native.pack_w8a8(k.q, k.scale)):
             arrays[f"{name}{i}"] = np.asarray(a)
         arrays[f"x{i}"], arrays[f"out{i}"] = x, np.int64(out)
-    np.savez(tmp_path / "in.npz", **arrays)
-    results = {}
-    for march in ("native", "x86-64-v3"):
-        env = {k: v for k, v in os.environ.items() if k != "JAXGPT_NATIVE_MARCH"}
-        env.update(JAX_PLATFORMS="cpu", **({} if march == "native" else {"JAXGPT_NATIVE_MARCH": march}))
-        args = [sys.executable, "-c", _W8A8_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / f"{march}.npz")]
-        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-        results[march] = np.load(tmp_path / f"{march}.npz")
+    results = run_for_marches(_W8A8_SCRIPT, tmp_path, arrays)
     assert np.isnan(results["native"]["y0"]).sum() == 0 and np.isnan(results["native"]["y1"]).any()
     np.testing.assert_allclose(results["native"]["y2"], 3.0 * 3072, rtol=1e-6)  # (-127 x -127: nothing saturates)
     for name in [n for n in results["native"].files if n.startswith("y")]:
